@@ -1,0 +1,165 @@
+"""The agent's settings: every flag has a key in the TOML file; flags win over the file.
+
+A bad flag or file gives one clear line and exit code 2 (spotdrain.cli.UsageError).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spotdrain.agent.reclamation import Margins
+from spotdrain.cli import ArgumentParser, UsageError, host_port
+
+PROG = "spotdrain-agent"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    coordinator: str
+    node_id: str
+    notice_file: Path
+    state_dir: Path
+    docker_host: str
+    insecure: bool = False
+    tls_cert: str = ""
+    tls_key: str = ""
+    ca: str = ""
+    node_group: str = "default"
+    spot: bool = True
+    # Workloads read this (bind-mounted read-only; path in SPOTDRAIN_DEADLINE_FILE).
+    # In a directory of its own: workloads bind-mount the directory, since a file mount would
+    # keep showing the old inode after an atomic replace.
+    deadline_file: Path = Path("/run/spotdrain/workload/deadline.json")
+    margins: Margins = field(default_factory=Margins)
+    docker_call_timeout_s: float = 2.0  # each kill/list call; then signal the PID ourselves
+    nvml_timeout_s: float = 2.0  # an NVML call that takes longer is an error, not "empty"
+    notice_poll_s: float = 5.0  # fallback poll when inotify cannot watch the notice file
+    inventory_every_s: float = 5.0  # container PIDs kept fresh for the hung-engine fallback
+    log_level: str = "INFO"
+
+
+# flag name -> (config key, type, help). Margins live under [margins] in the file.
+SETTINGS: dict[str, tuple[type, str]] = {
+    "coordinator": (str, "coordinator HOST:PORT"),
+    "node_id": (str, "this node's id (must match its certificate)"),
+    "notice_file": (Path, "the provider's notice file to watch"),
+    "state_dir": (Path, "where bundles and the outbox live"),
+    "docker_host": (str, "Docker Engine API, unix:///PATH"),
+    "tls_cert": (str, "this node's certificate (CN node:<node-id>)"),
+    "tls_key": (str, "its key"),
+    "ca": (str, "the CA that signed the coordinator's certificate"),
+    "node_group": (str, "node group (capacity pool) of this node"),
+    "deadline_file": (Path, "deadline file that workloads read"),
+    "docker_call_timeout_s": (float, "per-call Docker API timeout"),
+    "nvml_timeout_s": (float, "per-call NVML timeout"),
+    "notice_poll_s": (float, "fallback poll interval for the notice file"),
+    "inventory_every_s": (float, "how often container PIDs are refreshed"),
+    "log_level": (str, "DEBUG, INFO, WARNING"),
+}
+MARGINS = {f.name: float for f in dataclasses.fields(Margins)}
+REQUIRED = ("coordinator", "node_id", "notice_file", "state_dir", "docker_host")
+
+
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog=PROG, description="spotdrain agent: answers reclaim notices")
+    p.add_argument("--config", type=Path, help="TOML file; flags override it")
+    for name, (_, help_text) in SETTINGS.items():
+        p.add_argument("--" + name.replace("_", "-"), help=help_text, default=None)
+    p.add_argument("--insecure", action="store_true", default=None, help="plaintext gRPC")
+    p.add_argument("--spot", choices=["true", "false"], default=None, help="spot or on-demand")
+    for name in MARGINS:
+        p.add_argument("--" + name.replace("_", "-"), default=None, help=f"margins.{name}")
+    return p
+
+
+def load(argv: list[str] | None = None) -> AgentConfig:
+    args = parser().parse_args(argv)
+    doc: dict[str, Any] = {}
+    if args.config is not None:
+        try:
+            doc = tomllib.loads(args.config.read_text())
+        except OSError as e:
+            raise UsageError(f"cannot read config {args.config}: {e.strerror}") from e
+        except tomllib.TOMLDecodeError as e:
+            raise UsageError(f"config {args.config}: {e}") from e
+    return from_sources(vars(args), doc, str(args.config or ""))
+
+
+def from_sources(flags: dict[str, Any], doc: dict[str, Any], origin: str = "") -> AgentConfig:
+    where = f"config {origin}: " if origin else "config: "
+    margins_doc = doc.pop("margins", {})
+    if not isinstance(margins_doc, dict):
+        raise UsageError(f"{where}[margins] must be a table")
+    known = set(SETTINGS) | {"insecure", "spot"}
+    unknown = sorted(set(doc) - known) + [
+        f"margins.{k}" for k in sorted(set(margins_doc) - set(MARGINS))
+    ]
+    if unknown:
+        raise UsageError(f"{where}unknown setting {unknown[0]}")
+
+    values: dict[str, Any] = {}
+    for name, (kind, _) in SETTINGS.items():
+        raw = flags.get(name)
+        source = f"--{name.replace('_', '-')}"
+        if raw is None and name in doc:
+            raw, source = doc[name], f"{where}{name}"
+        if raw is not None:
+            values[name] = _convert(raw, kind, source)
+    for name in ("insecure", "spot"):
+        raw = flags.get(name)
+        if raw is None and name in doc:
+            raw = doc[name]
+            if not isinstance(raw, bool):
+                raise UsageError(f"{where}{name} must be true or false")
+        if raw is not None:
+            values[name] = raw if isinstance(raw, bool) else raw == "true"
+    margins: dict[str, float] = {}
+    for name in MARGINS:
+        raw = flags.get(name)
+        source = f"--{name.replace('_', '-')}"
+        if raw is None and name in margins_doc:
+            raw, source = margins_doc[name], f"{where}margins.{name}"
+        if raw is not None:
+            margins[name] = _convert(raw, float, source)
+
+    missing = [n for n in REQUIRED if n not in values]
+    if missing:
+        raise UsageError(
+            f"missing --{missing[0].replace('_', '-')} (or {missing[0]} in the config)"
+        )
+    host_port(values["coordinator"], "--coordinator")
+    if not str(values["docker_host"]).startswith("unix://"):
+        raise UsageError(f"--docker-host must be unix:///PATH, got {values['docker_host']!r}")
+    tls = [values.get(k, "") for k in ("tls_cert", "tls_key", "ca")]
+    if values.get("insecure") and any(tls):
+        raise UsageError("--insecure and TLS flags exclude each other")
+    if not values.get("insecure") and not all(tls):
+        raise UsageError("give --tls-cert, --tls-key and --ca, or --insecure")
+    for name in ("docker_call_timeout_s", "nvml_timeout_s", "notice_poll_s", "inventory_every_s"):
+        if name in values and values[name] <= 0:
+            raise UsageError(f"{name} must be positive")
+    try:
+        values["margins"] = Margins(**margins)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    return AgentConfig(**values)
+
+
+def _convert(raw: Any, kind: type, source: str) -> Any:
+    if kind is float:
+        if isinstance(raw, bool):
+            raise UsageError(f"{source} must be a number, got {raw!r}")
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise UsageError(f"{source} must be a number, got {raw!r}") from None
+    if not isinstance(raw, str | Path):
+        raise UsageError(f"{source} must be a string, got {raw!r}")
+    value = kind(raw)
+    if value == "" or value == Path(""):
+        raise UsageError(f"{source} must not be empty")
+    return value

@@ -1,0 +1,205 @@
+"""Docker Engine adapter: signal, wait and list this node's containers, returning events.
+
+Only containers labelled `spotdrain.node=<this node>` are ever touched (DESIGN.md "Four drain
+paths"). Every call has its own timeout. If the engine hangs on a kill, the agent signals the
+container's PID itself, from an inventory it keeps fresh in the background, because the
+provider's deadline does not wait for a stuck daemon (DESIGN.md step 4).
+
+Blocking docker-py calls run on a dedicated thread pool sized for many containers at once, so
+the signals of one round go out concurrently, not a few at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal as signals
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import docker
+import docker.errors
+
+from spotdrain.agent.reclamation import ContainerExited, ContainerSignalled
+
+log = logging.getLogger("spotdrain.agent.docker")
+
+# Pinned so no call is made at construction (auto-detection would hang with the engine).
+API_VERSION = "1.41"
+NODE_LABEL = "spotdrain.node"
+KIND_LABEL = "spotdrain.kind"
+
+
+class DockerUnavailable(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class ContainerInfo:
+    id: str
+    name: str
+    kind: str
+    pid: int
+
+
+class DockerEngine:
+    def __init__(
+        self,
+        host: str,
+        node_id: str,
+        call_timeout_s: float,
+        clock: Callable[[], float] = time.time,
+        pool_size: int = 64,
+    ) -> None:
+        self.node_id = node_id
+        self.call_timeout_s = call_timeout_s
+        self.clock = clock
+        self._pool = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="docker")
+        self._api = docker.APIClient(
+            base_url=host, version=API_VERSION, timeout=call_timeout_s, max_pool_size=pool_size
+        )
+        # Waits block until the container exits: their own client with no short timeout.
+        self._waits = docker.APIClient(
+            base_url=host, version=API_VERSION, timeout=None, max_pool_size=pool_size
+        )
+        self.inventory: dict[str, ContainerInfo] = {}
+
+    def close(self) -> None:
+        self._api.close()
+        self._waits.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+        try:
+            # The HTTP client times out too; this is the backstop if a thread is wedged.
+            return await asyncio.wait_for(future, self.call_timeout_s + 0.5)
+        except TimeoutError as e:
+            raise DockerUnavailable(f"engine did not answer within {self.call_timeout_s} s") from e
+        except docker.errors.NotFound:
+            raise
+        except Exception as e:  # requests, urllib3 and socket errors all mean the same here
+            raise DockerUnavailable(f"{type(e).__name__}: {e}") from e
+
+    # --- listing -----------------------------------------------------------------------------
+
+    async def running(self) -> list[ContainerInfo]:
+        """Running containers with this node's label, from the engine (raises if it fails)."""
+        rows = await self._call(
+            self._api.containers, filters={"label": f"{NODE_LABEL}={self.node_id}"}
+        )
+        found = []
+        for row in rows:
+            labels = row.get("Labels") or {}
+            if labels.get(NODE_LABEL) != self.node_id:  # belt and braces over the filter
+                continue
+            cached = self.inventory.get(row["Id"])
+            found.append(
+                ContainerInfo(
+                    id=row["Id"],
+                    name=(row.get("Names") or ["/" + row["Id"][:12]])[0].lstrip("/"),
+                    kind=labels.get(KIND_LABEL, ""),
+                    pid=cached.pid if cached else 0,
+                )
+            )
+        return found
+
+    async def refresh_inventory(self) -> None:
+        """Remember each running container's PID for the hung-engine fallback."""
+        fresh: dict[str, ContainerInfo] = {}
+        for info in await self.running():
+            pid = info.pid
+            if not pid:
+                try:
+                    state = (await self._call(self._api.inspect_container, info.id))["State"]
+                except docker.errors.NotFound:
+                    continue
+                pid = int(state.get("Pid") or 0)
+            fresh[info.id] = ContainerInfo(info.id, info.name, info.kind, pid)
+        self.inventory = fresh
+
+    # --- signalling --------------------------------------------------------------------------
+
+    async def signal_all(
+        self, signal: str, skip: frozenset[str] = frozenset()
+    ) -> AsyncIterator[ContainerSignalled]:
+        """Signal every running container of this node concurrently; yield each result."""
+        try:
+            targets = await self.running()
+        except DockerUnavailable as e:
+            log.warning("node %s: listing containers failed (%s); using inventory", self.node_id, e)
+            targets = list(self.inventory.values())
+        targets = [t for t in targets if t.id not in skip]
+        tasks = [asyncio.create_task(self._signal_one(t, signal)) for t in targets]
+        for done in asyncio.as_completed(tasks):
+            yield await done
+
+    async def _signal_one(self, target: ContainerInfo, signal: str) -> ContainerSignalled:
+        try:
+            await self._call(self._api.kill, target.id, signal=signal)
+            return ContainerSignalled(self.clock(), target.id, target.name, signal, "api")
+        except docker.errors.NotFound:
+            # Gone between listing and killing: nothing left to signal.
+            return ContainerSignalled(self.clock(), target.id, target.name, signal, "api")
+        except docker.errors.APIError as e:
+            if e.response is not None and e.response.status_code == 409:  # not running any more
+                return ContainerSignalled(self.clock(), target.id, target.name, signal, "api")
+            api_error = str(e)
+        except DockerUnavailable as e:
+            api_error = str(e)
+        pid = target.pid or getattr(self.inventory.get(target.id), "pid", 0)
+        if not pid:
+            return ContainerSignalled(
+                self.clock(),
+                target.id,
+                target.name,
+                signal,
+                "pid",
+                error=f"engine failed ({api_error}) and the PID is unknown",
+            )
+        try:
+            os.kill(pid, getattr(signals, signal))
+        except ProcessLookupError:
+            pass  # already gone: the signal's purpose is met
+        except OSError as e:
+            return ContainerSignalled(
+                self.clock(),
+                target.id,
+                target.name,
+                signal,
+                "pid",
+                error=f"engine failed ({api_error}); kill({pid}): {e.strerror}",
+            )
+        log.warning(
+            "node %s: engine failed (%s); signalled %s by PID %d",
+            self.node_id,
+            api_error,
+            target.name,
+            pid,
+        )
+        return ContainerSignalled(self.clock(), target.id, target.name, signal, "pid")
+
+    # --- exits -------------------------------------------------------------------------------
+
+    async def wait_exit(self, container_id: str, name: str) -> ContainerExited:
+        """Block until the container stops; its exit code as the engine reports it."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                result = await loop.run_in_executor(
+                    self._pool, lambda: self._waits.wait(container_id)
+                )
+                return ContainerExited(
+                    self.clock(), container_id, name, int(result.get("StatusCode", -1))
+                )
+            except docker.errors.NotFound:
+                # Removed (auto-remove) before we could read its code.
+                return ContainerExited(self.clock(), container_id, name, -1)
+            except Exception as e:  # the engine went away; keep waiting once it is back
+                log.warning("node %s: waiting for %s failed: %s", self.node_id, name, e)
+                await asyncio.sleep(0.5)

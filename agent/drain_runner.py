@@ -1,0 +1,270 @@
+"""The shell around the reclamation machines: feeds them events and the time, persists them,
+and carries out their commands through the adapters.
+
+One loop, one queue: adapters run as tasks and report back as events on the queue, so the
+machines are only ever touched from here, one event at a time. Every handled event is followed
+by a save of the bundle before any command runs (write before act, DESIGN.md step 2). One timer:
+the loop sleeps until the earliest `next_wakeup()` of all live reclamations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from spotdrain.agent import reclamation as r
+from spotdrain.agent.config import AgentConfig
+from spotdrain.agent.docker_engine import DockerEngine, DockerUnavailable
+from spotdrain.agent.gpu import GpuError, Nvml
+from spotdrain.agent.link import CoordinatorLink, TaintError
+from spotdrain.agent.notice import Notice, NoticeInvalid
+from spotdrain.agent.outbox import Outbox
+from spotdrain.agent.state import BundleStore, LocalTaints, write_deadline_file
+
+log = logging.getLogger("spotdrain.agent.drain")
+
+
+class DrainRunner:
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        outbox: Outbox,
+        link: CoordinatorLink,
+        docker: DockerEngine,
+        nvml: Nvml,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self.outbox = outbox
+        self.link = link
+        self.docker = docker
+        self.nvml = nvml
+        self.clock = clock
+        self.bundles = BundleStore(cfg.state_dir)
+        self.local_taints = LocalTaints(cfg.state_dir)
+        self.live: dict[str, r.Reclamation] = {}
+        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        # Signal rounds run one after another, in the order the machines asked for them, so a
+        # SIGKILL round never overtakes the SIGTERM round before it.
+        self._signal_lock = asyncio.Lock()
+
+    # --- inputs ------------------------------------------------------------------------------
+
+    def notice(self, parsed: Notice | NoticeInvalid) -> None:
+        self._queue.put_nowait(("notice", parsed))
+
+    def feed(self, reclaim_id: str, event: r.Event) -> None:
+        self._queue.put_nowait((reclaim_id, event))
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self._rebuild()
+        while True:
+            wakeups = [w for rec in self.live.values() if (w := rec.next_wakeup()) is not None]
+            timeout = min(wakeups) - self.clock() if wakeups else None
+            if self._queue.empty() and timeout is not None and timeout <= 0:
+                # A deadline is due. Tick, then yield so adapters' reports can be queued.
+                now = self.clock()
+                for rec in list(self.live.values()):
+                    self._step(rec, r.Tick(now))
+                await asyncio.sleep(0)
+                continue
+            try:
+                key, item = await asyncio.wait_for(self._queue.get(), timeout)
+            except TimeoutError:
+                continue  # the deadline is due now: ticked on the next turn
+            if key == "crash":
+                raise RuntimeError(f"node {self.cfg.node_id}: drain task failed") from item
+            if key == "notice":
+                self._on_notice(item)
+            elif key in self.live:
+                self._step(self.live[key], item)
+
+    def _rebuild(self) -> None:
+        """Agent restart: reload every unfinished bundle and carry on with its deadlines."""
+        now = self.clock()
+        for rec in self.bundles.load_all():
+            if rec.finished:
+                continue
+            log.info(
+                "node %s reclamation %s: resuming (D in %.1f s)",
+                rec.node_id,
+                rec.reclaim_id,
+                rec.terminate_at - now,
+            )
+            self.live[rec.reclaim_id] = rec
+            commands = rec.resume(now)
+            self.bundles.save(rec)
+            self._execute(rec, commands)
+
+    def _on_notice(self, parsed: Notice | NoticeInvalid) -> None:
+        now = self.clock()
+        if isinstance(parsed, NoticeInvalid):
+            log.warning("node %s: invalid notice: %s", self.cfg.node_id, parsed.reason)
+            self._emit(
+                "notice_invalid",
+                "",
+                None,
+                now,
+                {"reason": parsed.reason, "content_hash": parsed.content_hash},
+            )
+            return
+        reclaim_id = r.reclaim_id_for(self.cfg.node_id, parsed.key)
+        if parsed.action == "cancel":
+            rec = self.live.get(reclaim_id)
+            if rec is None:
+                self._emit(
+                    "notice_cancelled",
+                    reclaim_id if self.bundles.exists(reclaim_id) else "",
+                    None,
+                    now,
+                    {
+                        "notice_id": parsed.notice_id,
+                        "lifted": False,
+                        "known": self.bundles.exists(reclaim_id),
+                    },
+                )
+                return
+            self._step(rec, r.Cancelled(now))
+            return
+        if reclaim_id in self.live or self.bundles.exists(reclaim_id):
+            # Same id (or same content): one reclamation. Its deadlines stand (invariant 2).
+            log.info(
+                "node %s: duplicate notice %s for %s ignored",
+                self.cfg.node_id,
+                parsed.notice_id,
+                reclaim_id,
+            )
+            return
+        rec, commands = r.Reclamation.begin(parsed, self.cfg.node_id, now, self.cfg.margins)
+        log.info(
+            "node %s reclamation %s: notice %s, D in %.1f s",
+            rec.node_id,
+            rec.reclaim_id,
+            parsed.notice_id,
+            rec.terminate_at - now,
+        )
+        self.live[rec.reclaim_id] = rec
+        self.bundles.save(rec)  # the bundle is on disk before anything is done
+        self._execute(rec, commands)
+
+    def _step(self, rec: r.Reclamation, event: r.Event) -> None:
+        commands = rec.handle(event)
+        self.bundles.save(rec)
+        self._execute(rec, commands)
+        if rec.finished:
+            self.live.pop(rec.reclaim_id, None)
+
+    # --- commands ----------------------------------------------------------------------------
+
+    def _execute(self, rec: r.Reclamation, commands: list[r.Command]) -> None:
+        rid = rec.reclaim_id
+        for cmd in commands:
+            match cmd:
+                case r.Emit(kind, details):
+                    now = self.clock()
+                    self._emit(kind, rid, now - rec.t0, now, details)
+                case r.RequestTaint(_, answer_by):
+                    self._spawn(self._request_taint(rec, answer_by))
+                case r.ApplyLocalTaint():
+                    self.local_taints.apply(rid)
+                case r.RetryRemoteTaint():
+                    self._spawn(self._retry_taint(rec))
+                case r.LiftTaints():
+                    self.local_taints.lift(rid)
+                    self.cfg.deadline_file.unlink(missing_ok=True)
+                    self._spawn(self.link.taint_until_answered(rid, rec.reason, remove=True))
+                case r.WriteDeadlineFile(_, terminate_at, grace_deadline, reason):
+                    write_deadline_file(
+                        self.cfg.deadline_file, rid, terminate_at, grace_deadline, reason
+                    )
+                case r.SignalContainers(signal, skip):
+                    self._spawn(self._signal_round(rid, signal, skip))
+                case r.WatchExits(containers):
+                    for cid in containers:
+                        self._spawn(self._watch_exit(rid, cid, rec.names.get(cid, cid[:12])))
+                case r.Observe():
+                    self._spawn(self._observe(rid))
+                case _:
+                    raise TypeError(cmd)
+
+    def _emit(
+        self, kind: str, reclaim_id: str, t_offset_s: float | None, now: float, details: dict
+    ) -> None:
+        self.outbox.put(kind, self.cfg.node_id, reclaim_id, now, t_offset_s, details)
+        self.link.wake()
+        log.info(
+            "node %s reclamation %s: %s %s",
+            self.cfg.node_id,
+            reclaim_id or "-",
+            kind,
+            details or "",
+        )
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # An adapter bug must not silently stop a drain: fail the supervisor.
+            self._queue.put_nowait(("crash", task.exception()))
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # --- adapters, reporting back as events --------------------------------------------------
+
+    async def _request_taint(self, rec: r.Reclamation, answer_by: float) -> None:
+        try:
+            await self.link.taint(rec.reclaim_id, rec.reason, timeout=answer_by - self.clock())
+        except TaintError as e:
+            self.feed(rec.reclaim_id, r.TaintUnanswered(self.clock(), str(e)))
+            return
+        self.feed(rec.reclaim_id, r.TaintAnswered(self.clock()))
+
+    async def _retry_taint(self, rec: r.Reclamation) -> None:
+        await self.link.taint_until_answered(rec.reclaim_id, rec.reason)
+        self.feed(rec.reclaim_id, r.TaintAnswered(self.clock()))
+
+    async def _signal_round(self, rid: str, signal: str, skip: frozenset[str]) -> None:
+        async with self._signal_lock:
+            async for result in self.docker.signal_all(signal, skip):
+                self.feed(rid, result)
+            self.feed(rid, r.SignalRoundDone(self.clock(), signal))
+
+    async def _watch_exit(self, rid: str, container_id: str, name: str) -> None:
+        self.feed(rid, await self.docker.wait_exit(container_id, name))
+
+    async def _observe(self, rid: str) -> None:
+        """Verification by observation: Docker and NVML must both answer, and both be empty."""
+        errors = []
+        running: tuple[str, ...] = ()
+        pids: tuple[int, ...] = ()
+        docker_result, gpu_result = await asyncio.gather(
+            self.docker.running(), self.nvml.processes(), return_exceptions=True
+        )
+        if isinstance(docker_result, DockerUnavailable):
+            errors.append(f"docker: {docker_result}")
+        elif isinstance(docker_result, BaseException):
+            raise docker_result
+        else:
+            running = tuple(c.id for c in docker_result)
+        if isinstance(gpu_result, GpuError):
+            errors.append(f"nvml: {gpu_result}")
+        elif isinstance(gpu_result, BaseException):
+            raise gpu_result
+        else:
+            pids = tuple(p.pid for p in gpu_result)
+        log.debug("node %s reclamation %s: observed containers %s, GPU pids %s, errors %s",
+                  self.cfg.node_id, rid, running, pids, errors)
+        self.feed(rid, r.Observed(self.clock(), running, pids, "; ".join(errors)))

@@ -1,0 +1,185 @@
+"""The agent's link to the coordinator: the long-lived Connect stream and the Taint call.
+
+The stream registers the node, then drains the outbox: each batch stays in the outbox until the
+coordinator acknowledges its uids. A broken stream is reconnected with backoff and unacknowledged
+events are sent again (the coordinator stores each uid once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from spotdrain.agent.config import AgentConfig
+from spotdrain.agent.outbox import Outbox, OutgoingEvent
+from spotdrain.security import channel_credentials
+from spotdrain.v1 import spotdrain_pb2 as pb
+from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
+
+log = logging.getLogger("spotdrain.agent.link")
+
+HEARTBEAT_S = 5.0
+BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
+CHANNEL_OPTIONS = [
+    # Notice a coordinator that vanished (host gone, SIGSTOP) instead of trusting a dead TCP
+    # connection forever.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+
+
+class TaintError(Exception):
+    pass
+
+
+def make_channel(cfg: AgentConfig) -> grpc.aio.Channel:
+    if cfg.insecure:
+        return grpc.aio.insecure_channel(cfg.coordinator, options=CHANNEL_OPTIONS)
+    creds = channel_credentials(cfg.tls_cert, cfg.tls_key, cfg.ca)
+    return grpc.aio.secure_channel(cfg.coordinator, creds, options=CHANNEL_OPTIONS)
+
+
+def to_pb(ev: OutgoingEvent) -> pb.Event:
+    msg = pb.Event(
+        uid=ev.uid,
+        kind=ev.kind,
+        node_id=ev.node_id,
+        reclaim_id=ev.reclaim_id,
+        wall_time=ev.wall_time,
+        details_json=json.dumps(ev.details, sort_keys=True),
+    )
+    if ev.t_offset_s is not None:
+        msg.t_offset_s = ev.t_offset_s
+    return msg
+
+
+class CoordinatorLink:
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        outbox: Outbox,
+        registration: Callable[[], Awaitable[pb.Register]],
+    ) -> None:
+        self.cfg = cfg
+        self.outbox = outbox
+        self.registration = registration
+        self.channel = make_channel(cfg)
+        self.stub = pb_grpc.AgentLinkStub(self.channel)
+        self._outbox_changed = asyncio.Event()
+        self.connected = asyncio.Event()
+        self.remote_taints: list[pb.Taint] = []
+
+    def wake(self) -> None:
+        """New events are in the outbox."""
+        self._outbox_changed.set()
+
+    async def close(self) -> None:
+        await self.channel.close(grace=None)
+
+    # --- Taint -------------------------------------------------------------------------------
+
+    async def taint(
+        self, reclaim_id: str, reason: str, timeout: float, remove: bool = False
+    ) -> pb.TaintReply:
+        request = pb.TaintRequest(
+            node_id=self.cfg.node_id, reclaim_id=reclaim_id, reason=reason, remove=remove
+        )
+        try:
+            return await self.stub.Taint(request, timeout=max(timeout, 0.001))
+        except grpc.aio.AioRpcError as e:
+            raise TaintError(
+                f"taint {self.cfg.node_id}: coordinator gave {e.code().name}: {e.details()}"
+            ) from e
+
+    async def taint_until_answered(
+        self, reclaim_id: str, reason: str, remove: bool = False
+    ) -> None:
+        """Background retry after the local fallback; returns once the coordinator stored it."""
+        attempt = 0
+        while True:
+            try:
+                await self.taint(reclaim_id, reason, timeout=2.0, remove=remove)
+                return
+            except TaintError as e:
+                log.info(
+                    "node %s reclamation %s: remote taint retry: %s",
+                    self.cfg.node_id,
+                    reclaim_id,
+                    e,
+                )
+                await asyncio.sleep(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])
+                attempt += 1
+
+    # --- the stream --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        attempt = 0
+        while True:
+            try:
+                await self._session()
+                attempt = 0
+            except grpc.aio.AioRpcError as e:
+                if e.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                    # Our certificate does not match our node id: retrying cannot help.
+                    raise
+                log.info("node %s: coordinator stream: %s", self.cfg.node_id, e.code().name)
+            finally:
+                self.connected.clear()
+            await asyncio.sleep(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])
+            attempt += 1
+
+    async def _session(self) -> None:
+        call = self.stub.Connect()
+        await call.write(pb.AgentMessage(register=await self.registration()))
+        reply = await call.read()
+        if reply is grpc.aio.EOF or reply.WhichOneof("body") != "registered":
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                "coordinator closed the stream before registering us",
+            )
+        self.remote_taints = list(reply.registered.taints)
+        self.connected.set()
+        log.info("node %s: registered with coordinator %s", self.cfg.node_id, self.cfg.coordinator)
+        in_flight: set[str] = set()
+        acks = asyncio.create_task(self._read_acks(call, in_flight))
+        try:
+            while not acks.done():
+                batch = [e for e in self.outbox.pending() if e.uid not in in_flight]
+                if batch:
+                    in_flight.update(e.uid for e in batch)
+                    await call.write(
+                        pb.AgentMessage(events=pb.EventBatch(events=[to_pb(e) for e in batch]))
+                    )
+                    continue
+                self._outbox_changed.clear()
+                waiter = asyncio.create_task(self._outbox_changed.wait())
+                done, _ = await asyncio.wait(
+                    {waiter, acks}, timeout=HEARTBEAT_S, return_when=asyncio.FIRST_COMPLETED
+                )
+                waiter.cancel()
+                if not done:
+                    await call.write(
+                        pb.AgentMessage(heartbeat=pb.Heartbeat(node_id=self.cfg.node_id))
+                    )
+            await acks  # re-raises the stream's error
+        finally:
+            acks.cancel()
+            call.cancel()
+
+    async def _read_acks(self, call: grpc.aio.StreamStreamCall, in_flight: set[str]) -> None:
+        while True:
+            msg = await call.read()
+            if msg is grpc.aio.EOF:
+                return
+            if msg.WhichOneof("body") == "ack":
+                self.outbox.acknowledge(msg.ack.uids)
+                in_flight.difference_update(msg.ack.uids)

@@ -1,0 +1,138 @@
+"""spotdrain-agent: one supervisor over the notice watcher, the drain loop, the coordinator
+link and the container inventory.
+
+A failure of any task stops the agent with a non-zero exit so systemd's Restart=on-failure
+brings it back, and the restarted agent resumes from its bundles. SIGTERM to the agent stops
+the agent only: workloads keep running (a restart must never drain a node).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+from spotdrain.agent import config as agent_config
+from spotdrain.agent.config import AgentConfig
+from spotdrain.agent.docker_engine import DockerEngine, DockerUnavailable
+from spotdrain.agent.drain_runner import DrainRunner
+from spotdrain.agent.gpu import GpuError, Nvml
+from spotdrain.agent.link import CoordinatorLink
+from spotdrain.agent.notice_watcher import watch
+from spotdrain.agent.outbox import Outbox
+from spotdrain.cli import UsageError, fail_usage
+from spotdrain.security import warn_insecure
+from spotdrain.v1 import spotdrain_pb2 as pb
+
+PROG = "spotdrain-agent"
+VERSION = "0.1.0"
+log = logging.getLogger("spotdrain.agent")
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        self.outbox = Outbox(cfg.state_dir / "outbox.sqlite")
+        self.nvml = Nvml(cfg.nvml_timeout_s)
+        self.docker = DockerEngine(cfg.docker_host, cfg.node_id, cfg.docker_call_timeout_s)
+        self.link = CoordinatorLink(cfg, self.outbox, self.registration)
+        self.drains = DrainRunner(cfg, self.outbox, self.link, self.docker, self.nvml)
+
+    async def registration(self) -> pb.Register:
+        try:
+            gpus = [
+                pb.Gpu(index=g.index, uuid=g.uuid, name=g.name, memory_bytes=g.memory_bytes)
+                for g in await self.nvml.inventory()
+            ]
+        except GpuError as e:
+            log.warning("node %s: GPU inventory unavailable: %s", self.cfg.node_id, e)
+            gpus = []
+        return pb.Register(
+            node_id=self.cfg.node_id,
+            gpus=gpus,
+            spot=self.cfg.spot,
+            node_group=self.cfg.node_group,
+            agent_version=VERSION,
+        )
+
+    async def watch_notices(self) -> None:
+        async for parsed in watch(self.cfg.notice_file, self.cfg.notice_poll_s):
+            self.drains.notice(parsed)
+
+    async def keep_inventory(self) -> None:
+        while True:
+            try:
+                await self.docker.refresh_inventory()
+            except DockerUnavailable as e:
+                log.warning("node %s: container inventory: %s", self.cfg.node_id, e)
+            await asyncio.sleep(self.cfg.inventory_every_s)
+
+    async def run(self) -> None:
+        """The supervisor: named tasks, the first failure stops them all and is re-raised."""
+        tasks: dict[str, Coroutine[Any, Any, None]] = {
+            "drains": self.drains.run(),
+            "notices": self.watch_notices(),
+            "link": self.link.run(),
+            "inventory": self.keep_inventory(),
+        }
+        running = {asyncio.create_task(c, name=n): n for n, c in tasks.items()}
+        log.info("node %s: agent up, watching %s", self.cfg.node_id, self.cfg.notice_file)
+        try:
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None:
+                    log.error("node %s: %s failed", self.cfg.node_id, running[task])
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            await self.shutdown()
+
+    async def shutdown(self) -> None:
+        await self.drains.close()
+        await self.link.close()
+        self.docker.close()
+        self.nvml.close()
+        self.outbox.close()
+
+
+async def amain(cfg: AgentConfig) -> int:
+    agent = Agent(cfg)
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, main_task.cancel)
+    try:
+        await agent.run()
+    except asyncio.CancelledError:
+        log.info("node %s: agent stopped; workloads left running", cfg.node_id)
+        return 0
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = agent_config.load(argv)
+    except UsageError as e:
+        return fail_usage(PROG, str(e))
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    if cfg.insecure:
+        warn_insecure(PROG)
+    try:
+        return asyncio.run(amain(cfg))
+    except ValueError as e:  # unreadable TLS files and the like
+        return fail_usage(PROG, str(e))
+
+
+def entry() -> None:
+    sys.exit(main())

@@ -1,0 +1,500 @@
+"""The agent's reclamation state machine: events and the time in, commands out.
+
+Pure: no asyncio, docker, grpc, pynvml or files. The shell (agent/drain_runner.py) persists the
+machine's state after every call and before it carries out the commands, so the bundle on disk
+is always at least as new as anything the node did (DESIGN.md invariants 2 and 8).
+
+Order is fixed (invariant 1): no signal command is returned before a taint is in force.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from spotdrain.agent.notice import Notice
+
+SIGTERM = "SIGTERM"
+SIGKILL = "SIGKILL"
+
+
+@dataclass(frozen=True)
+class Margins:
+    """Where G and O sit before D. Configurable so tests run whole timelines in seconds."""
+
+    default_notice_s: float = 120.0  # D = T0 + this when the notice names no time
+    grace_s: float = 10.0  # G = D - grace_s
+    overrun_s: float = 2.0  # O = D - overrun_s
+    taint_answer_s: float = 0.8  # the remote Taint call's deadline
+    observe_every_s: float = 0.5  # re-observe while work remains
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.overrun_s <= self.grace_s:
+            raise ValueError(f"need 0 <= overrun margin <= grace margin, got {self}")
+        if self.taint_answer_s <= 0 or self.observe_every_s <= 0 or self.default_notice_s <= 0:
+            raise ValueError(f"margins must be positive, got {self}")
+
+
+# --- events: what the shell learned -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaintAnswered:
+    """The coordinator stored the taint (the 800 ms call, or a later background retry)."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class TaintUnanswered:
+    """The Taint call did not answer by its deadline, or failed."""
+
+    now: float
+    error: str
+
+
+@dataclass(frozen=True)
+class ContainerSignalled:
+    now: float
+    container: str
+    name: str
+    signal: str
+    via: str  # "api" or "pid" (the engine hung; DESIGN.md step 4)
+    error: str = ""  # non-empty: neither route delivered it
+
+
+@dataclass(frozen=True)
+class SignalRoundDone:
+    """Every container the round found has been tried (results came as ContainerSignalled)."""
+
+    now: float
+    signal: str
+
+
+@dataclass(frozen=True)
+class ContainerExited:
+    now: float
+    container: str
+    name: str
+    exit_code: int
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One verification observation. `error` set: the observation failed, which is not empty."""
+
+    now: float
+    running: tuple[str, ...] = ()  # ids of running containers labelled with this node
+    gpu_processes: tuple[int, ...] = ()  # pids NVML lists on any GPU
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Tick:
+    now: float
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    now: float
+
+
+Event = (
+    TaintAnswered
+    | TaintUnanswered
+    | ContainerSignalled
+    | SignalRoundDone
+    | ContainerExited
+    | Observed
+    | Tick
+    | Cancelled
+)
+
+# --- commands: what the shell must do ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestTaint:
+    reclaim_id: str
+    answer_by: float  # absolute; no answer by then is TaintUnanswered
+
+
+@dataclass(frozen=True)
+class ApplyLocalTaint:
+    reclaim_id: str
+
+
+@dataclass(frozen=True)
+class RetryRemoteTaint:
+    """Keep calling Taint in the background until it answers (then TaintAnswered)."""
+
+    reclaim_id: str
+
+
+@dataclass(frozen=True)
+class LiftTaints:
+    reclaim_id: str
+
+
+@dataclass(frozen=True)
+class WriteDeadlineFile:
+    reclaim_id: str
+    terminate_at: float
+    grace_deadline: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class SignalContainers:
+    """Signal every running container with this node's label, concurrently, except `skip`."""
+
+    signal: str
+    skip: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class WatchExits:
+    containers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Observe:
+    pass
+
+
+@dataclass(frozen=True)
+class Emit:
+    kind: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+Command = (
+    RequestTaint
+    | ApplyLocalTaint
+    | RetryRemoteTaint
+    | LiftTaints
+    | WriteDeadlineFile
+    | SignalContainers
+    | WatchExits
+    | Observe
+    | Emit
+)
+
+
+class InvalidEvent(Exception):
+    pass
+
+
+def reclaim_id_for(node_id: str, notice_key: str) -> str:
+    """Deterministic, so a restarted agent and a duplicate notice name the same reclamation."""
+    return "rcl-" + hashlib.sha256(f"{node_id}\0{notice_key}".encode()).hexdigest()[:16]
+
+
+@dataclass
+class Reclamation:
+    """One reclamation: its absolute deadlines (computed once, never moved) and its progress."""
+
+    reclaim_id: str
+    node_id: str
+    notice_key: str
+    notice_id: str
+    source: str
+    reason: str  # "notice" or "pause"
+    t0: float
+    terminate_at: float  # D
+    grace_deadline: float  # G
+    overrun_at: float  # O
+    observe_every_s: float
+    taint_answer_by: float
+    # progress
+    phase: str = "tainting"  # tainting -> draining -> done
+    taint_mode: str = ""  # "", "local", "remote"
+    remote_taint: bool = False
+    sigterm_round: bool = False  # the SIGTERM round has been issued (never issued twice)
+    sigterm_round_done: bool = False
+    sigkill_round: bool = False
+    signalled: dict[str, str] = field(default_factory=dict)  # container id -> last signal
+    names: dict[str, str] = field(default_factory=dict)
+    exited: dict[str, int] = field(default_factory=dict)
+    observing: bool = False
+    observe_again: bool = False
+    next_observe_at: float | None = None
+    last_failure: str = ""
+    verified_at: float | None = None
+    outcome: str = ""  # "", "drained", "overrun", "cancelled"
+
+    # --- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def begin(
+        cls, notice: Notice, node_id: str, now: float, margins: Margins, reason: str = "notice"
+    ) -> tuple[Reclamation, list[Command]]:
+        terminate_at = (
+            notice.terminate_at
+            if notice.terminate_at is not None
+            else now + margins.default_notice_s
+        )
+        rec = cls(
+            reclaim_id=reclaim_id_for(node_id, notice.key),
+            node_id=node_id,
+            notice_key=notice.key,
+            notice_id=notice.notice_id,
+            source=notice.source,
+            reason=reason,
+            t0=now,
+            terminate_at=terminate_at,
+            grace_deadline=terminate_at - margins.grace_s,
+            overrun_at=terminate_at - margins.overrun_s,
+            observe_every_s=margins.observe_every_s,
+            taint_answer_by=now + margins.taint_answer_s,
+        )
+        commands: list[Command] = [
+            Emit(
+                "notice_received",
+                {
+                    "notice_id": notice.notice_id,
+                    "action": notice.action,
+                    "source": notice.source,
+                    "reason": reason,
+                    "t0": rec.t0,
+                    "terminate_at": rec.terminate_at,
+                    "grace_deadline": rec.grace_deadline,
+                    "overrun_at": rec.overrun_at,
+                    "late": now >= rec.terminate_at,
+                },
+            ),
+            RequestTaint(rec.reclaim_id, rec.taint_answer_by),
+        ]
+        return rec, commands
+
+    def resume(self, now: float) -> list[Command]:
+        """After an agent restart: carry on from the stored progress, same deadlines."""
+        if self.phase == "done":
+            return []
+        commands: list[Command] = []
+        if self.phase == "tainting":
+            # The taint call's answer was lost with the old process; ask again with a fresh
+            # 800 ms allowance. A local taint (if it was applied) is still on disk.
+            self.taint_answer_by = now + (self.taint_answer_by - self.t0)
+            return [RequestTaint(self.reclaim_id, self.taint_answer_by)]
+        if self.taint_mode == "local":
+            commands.append(ApplyLocalTaint(self.reclaim_id))
+            if not self.remote_taint:
+                commands.append(RetryRemoteTaint(self.reclaim_id))
+        commands.append(self._deadline_file())
+        self.observing = False
+        if not self.sigterm_round:
+            commands.append(SignalContainers(SIGTERM))
+        else:
+            live = tuple(c for c in self.signalled if c not in self.exited)
+            if live:
+                commands.append(WatchExits(live))
+        return commands + self._observe(now) + self.handle(Tick(now))
+
+    # --- the one mutator -------------------------------------------------------------------
+
+    def handle(self, event: Event) -> list[Command]:
+        match event:
+            case TaintAnswered(now):
+                return self._taint_answered(now)
+            case TaintUnanswered(now, error):
+                return self._taint_unanswered(now, error)
+            case ContainerSignalled():
+                return self._signalled(event)
+            case SignalRoundDone(now, signal):
+                return self._round_done(now, signal)
+            case ContainerExited(now, container, name, code):
+                return self._exited(now, container, name, code)
+            case Observed():
+                return self._observed(event)
+            case Tick(now):
+                return self._tick(now)
+            case Cancelled(now):
+                return self._cancelled(now)
+        raise TypeError(event)
+
+    def next_wakeup(self) -> float | None:
+        """The earliest absolute time at which a Tick may change something."""
+        if self.finished:
+            return None
+        times = []
+        if self.next_observe_at is not None and not self.observing:
+            times.append(self.next_observe_at)
+        if self.phase == "tainting":
+            times.append(self.taint_answer_by)
+        if self.phase == "draining" and not self.sigkill_round:
+            times.append(self.grace_deadline)
+        if not self.outcome:
+            times.append(self.overrun_at)
+        return min(times) if times else None
+
+    @property
+    def finished(self) -> bool:
+        return self.phase == "done" and (
+            self.verified_at is not None or self.outcome == "cancelled"
+        )
+
+    # --- transitions -----------------------------------------------------------------------
+
+    def _taint_answered(self, now: float) -> list[Command]:
+        if self.remote_taint or self.outcome == "cancelled":
+            return []
+        self.remote_taint = True
+        if self.phase == "tainting":
+            self.taint_mode = "remote"
+            return [Emit("tainted", {"mode": "remote"})] + self._evict(now)
+        # A background retry landed after the local fallback: the coordinator knows now.
+        return [Emit("tainted", {"mode": "remote", "after_local": True})]
+
+    def _taint_unanswered(self, now: float, error: str) -> list[Command]:
+        if self.phase != "tainting":
+            return []
+        self.taint_mode = "local"
+        return [
+            ApplyLocalTaint(self.reclaim_id),
+            Emit("tainted", {"mode": "local", "remote_error": error}),
+            RetryRemoteTaint(self.reclaim_id),
+        ] + self._evict(now)
+
+    def _evict(self, now: float) -> list[Command]:
+        # Invariant 1: only reached once a taint (remote or local) is in force.
+        self.phase = "draining"
+        self.sigterm_round = True
+        return [
+            self._deadline_file(),
+            Emit(
+                "deadline_file_written",
+                {"terminate_at": self.terminate_at, "grace_deadline": self.grace_deadline},
+            ),
+            SignalContainers(SIGTERM),
+        ] + self._tick(now)
+
+    def _deadline_file(self) -> WriteDeadlineFile:
+        return WriteDeadlineFile(
+            self.reclaim_id, self.terminate_at, self.grace_deadline, self.reason
+        )
+
+    def _signalled(self, ev: ContainerSignalled) -> list[Command]:
+        kind = "sigterm_sent" if ev.signal == SIGTERM else "sigkill_sent"
+        details: dict[str, Any] = {"container": ev.container, "name": ev.name, "via": ev.via}
+        if ev.error:
+            details["error"] = ev.error
+            return [Emit("signal_failed", {**details, "signal": ev.signal})]
+        self.names[ev.container] = ev.name
+        new = ev.container not in self.signalled
+        self.signalled[ev.container] = ev.signal
+        commands: list[Command] = [Emit(kind, details)]
+        if new and ev.container not in self.exited:
+            commands.append(WatchExits((ev.container,)))
+        return commands
+
+    def _round_done(self, now: float, signal: str) -> list[Command]:
+        if signal == SIGTERM:
+            self.sigterm_round_done = True
+        return self._observe(now)
+
+    def _exited(self, now: float, container: str, name: str, code: int) -> list[Command]:
+        if container in self.exited:
+            return []
+        self.exited[container] = code
+        commands: list[Command] = [
+            Emit("container_exited", {"container": container, "name": name, "exit_code": code})
+        ]
+        if all(c in self.exited for c in self.signalled):
+            # The last exit: verify now rather than at the next periodic observation.
+            commands += self._observe(now)
+        return commands
+
+    def _observe(self, now: float) -> list[Command]:
+        if self.verified_at is not None or self.outcome == "cancelled":
+            return []
+        if self.observing:
+            self.observe_again = True  # look again as soon as this observation returns
+            return []
+        self.observing = True
+        self.observe_again = False
+        self.next_observe_at = None
+        return [Observe()]
+
+    def _observed(self, ev: Observed) -> list[Command]:
+        self.observing = False
+        if self.verified_at is not None or self.outcome == "cancelled":
+            return []
+        commands: list[Command] = []
+        if ev.error:
+            # Invariant 5: an observation that failed is not "empty".
+            if ev.error != self.last_failure:
+                commands.append(Emit("verification_failed", {"error": ev.error}))
+            self.last_failure = ev.error
+        elif ev.running or ev.gpu_processes:
+            stray = frozenset(ev.running) - frozenset(self.signalled)
+            if stray and self.phase == "draining":
+                # A container we never signalled (started by hand past the taint): same treatment.
+                signal = SIGKILL if self.sigkill_round else SIGTERM
+                commands.append(SignalContainers(signal, skip=frozenset(self.signalled)))
+            self.last_failure = ""
+        else:
+            self.verified_at = ev.now
+            commands.append(Emit("verified_empty", {}))
+            if not self.outcome:
+                self.outcome = "drained"
+                self.phase = "done"
+                commands.append(Emit("drained", {"spare_s": round(self.terminate_at - ev.now, 3)}))
+            return commands
+        self.next_observe_at = ev.now + (0.0 if self.observe_again else self.observe_every_s)
+        return commands + self._tick(ev.now)
+
+    def _tick(self, now: float) -> list[Command]:
+        commands: list[Command] = []
+        if self.phase == "tainting" and now >= self.taint_answer_by:
+            return self._taint_unanswered(now, "no answer within the taint deadline")
+        if self.phase == "draining" and not self.sigkill_round and now >= self.grace_deadline:
+            self.sigkill_round = True
+            commands.append(SignalContainers(SIGKILL))
+        if not self.outcome and self.verified_at is None and now >= self.overrun_at:
+            # Invariant 6: work is still there at O (nothing verified it gone). Once.
+            self.outcome = "overrun"
+            self.phase = "done"
+            commands.append(
+                Emit(
+                    "overrun",
+                    {
+                        "still_running": sorted(
+                            self.names.get(c, c) for c in self.signalled if c not in self.exited
+                        ),
+                        "last_failure": self.last_failure,
+                    },
+                )
+            )
+        if self.next_observe_at is not None and now >= self.next_observe_at:
+            commands += self._observe(now)
+        return commands
+
+    def _cancelled(self, now: float) -> list[Command]:
+        if self.outcome:
+            return [Emit("notice_cancelled", {"lifted": False, "outcome": self.outcome})]
+        # "Nothing was stopped yet": still tainting, or the SIGTERM round found no container.
+        nothing_stopped = self.phase == "tainting" or (
+            self.sigterm_round_done and not self.signalled
+        )
+        if not nothing_stopped:
+            # Something was already stopped: the drain goes on under the same deadlines.
+            return [Emit("notice_cancelled", {"lifted": False})]
+        self.outcome = "cancelled"
+        self.phase = "done"
+        return [Emit("notice_cancelled", {"lifted": True}), LiftTaints(self.reclaim_id)]
+
+    # --- persistence -----------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Reclamation:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(doc) - names
+        if unknown:
+            raise ValueError(f"reclamation bundle has unknown fields {sorted(unknown)}")
+        return cls(**doc)

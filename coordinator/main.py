@@ -1,0 +1,109 @@
+"""spotdrain-coordinator: the gRPC server, its store and one supervisor."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port
+from spotdrain.coordinator.service import AdminServicer, AgentLinkServicer, Coordinator
+from spotdrain.coordinator.store import Store, StoreError
+from spotdrain.security import server_credentials, warn_insecure
+from spotdrain.v1 import spotdrain_pb2 as pb
+from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
+
+PROG = "spotdrain-coordinator"
+log = logging.getLogger("spotdrain.coordinator")
+
+
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog=PROG, description="spotdrain coordinator (gRPC)")
+    p.add_argument("--listen", required=True, help="HOST:PORT (port 0 picks a free one)")
+    p.add_argument("--db", required=True, help="SQLite file")
+    p.add_argument("--insecure", action="store_true", help="plaintext, no client identities")
+    p.add_argument("--tls-cert")
+    p.add_argument("--tls-key")
+    p.add_argument("--client-ca", help="CA that signs node and operator certificates")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
+    host, port = host_port(args.listen, "--listen")
+    tls = (args.tls_cert, args.tls_key, args.client_ca)
+    if args.insecure and any(tls):
+        raise UsageError("--insecure and TLS flags exclude each other")
+    if not args.insecure and not all(tls):
+        raise UsageError("give --tls-cert, --tls-key and --client-ca, or --insecure")
+    creds = None if args.insecure else server_credentials(*tls)  # type: ignore[arg-type]
+    try:
+        store = Store(args.db)
+    except StoreError as e:
+        raise UsageError(str(e)) from e
+
+    if args.insecure:
+        warn_insecure(PROG)
+    coord = Coordinator(store, insecure=args.insecure)
+    server = grpc.aio.server()
+    pb_grpc.add_AgentLinkServicer_to_server(AgentLinkServicer(coord), server)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(coord), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    services = [pb.DESCRIPTOR.services_by_name[name].full_name for name in ("AgentLink", "Admin")]
+    reflection.enable_server_reflection(
+        [*services, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    address = f"{host}:{port}"
+    bound = (
+        server.add_insecure_port(address)
+        if creds is None
+        else server.add_secure_port(address, creds)
+    )
+    if bound == 0:
+        raise UsageError(f"cannot listen on {address}")
+    await server.start()
+    for name in ["", *services]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    # Tests and the demo read the bound port from this line.
+    print(f"{PROG}: listening on {host}:{bound}", flush=True)
+    log.info(
+        "listening on %s:%d, store %s, %s",
+        host,
+        bound,
+        args.db,
+        "PLAINTEXT" if creds is None else "mutual TLS",
+    )
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping")
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=2.0)
+    store.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return asyncio.run(serve(args))
+    except (UsageError, ValueError) as e:
+        return fail_usage(PROG, str(e))
+
+
+def entry() -> None:
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""The coordinator's SQLite store: nodes, taints, lifecycle events and reclamation records.
+
+One file, WAL, schema versioned. Events are idempotent by the agent's uid (DESIGN.md invariant
+10): storing the same uid twice stores it once and says so. Ids only grow, so consumers resume
+with `events_after(id)`.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from spotdrain.coordinator import timeline
+
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE nodes (
+    node_id TEXT PRIMARY KEY,
+    spot INTEGER NOT NULL,
+    node_group TEXT NOT NULL,
+    gpus_json TEXT NOT NULL,
+    registered_at REAL NOT NULL,
+    last_seen REAL NOT NULL
+);
+CREATE TABLE taints (
+    node_id TEXT NOT NULL,
+    reclaim_id TEXT NOT NULL,
+    key TEXT NOT NULL,
+    effect TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    since REAL NOT NULL,
+    PRIMARY KEY (node_id, reclaim_id)
+);
+CREATE TABLE events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    uid TEXT NOT NULL UNIQUE,
+    kind TEXT NOT NULL,
+    node_id TEXT NOT NULL,
+    reclaim_id TEXT NOT NULL,
+    wall_time REAL NOT NULL,
+    t_offset_s REAL,
+    details_json TEXT NOT NULL,
+    received_at REAL NOT NULL
+);
+CREATE INDEX events_by_reclaim ON events (reclaim_id, id);
+CREATE TABLE reclamations (
+    reclaim_id TEXT PRIMARY KEY,
+    node_id TEXT NOT NULL,
+    record_json TEXT NOT NULL,
+    started_at REAL NOT NULL
+);
+"""
+
+
+class StoreError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class EventRow:
+    id: int
+    uid: str
+    kind: str
+    node_id: str
+    reclaim_id: str
+    wall_time: float
+    t_offset_s: float | None
+    details_json: str
+    received_at: float
+
+
+@dataclass(frozen=True)
+class TaintRow:
+    node_id: str
+    reclaim_id: str
+    key: str
+    effect: str
+    reason: str
+    since: float
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    node_id: str
+    spot: bool
+    node_group: str
+    gpus: list[dict[str, Any]]
+    registered_at: float
+    last_seen: float
+
+
+class Store:
+    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time) -> None:
+        self.path = str(path)
+        self.clock = clock
+        try:
+            self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            # NORMAL in WAL mode survives a process crash (our SIGKILL tests); only a power
+            # loss can drop the last transactions.
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.execute("PRAGMA busy_timeout=5000")
+            self._migrate()
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"database {self.path}: {e}") from e
+
+    def _migrate(self) -> None:
+        has_meta = self.db.execute(
+            "SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'"
+        ).fetchone()
+        if not has_meta:
+            # executescript runs the whole schema and its version stamp as one transaction.
+            self.db.executescript(
+                f"BEGIN; {SCHEMA} INSERT INTO meta VALUES ('schema_version', "
+                f"'{SCHEMA_VERSION}'); COMMIT;"
+            )
+            return
+        row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        version = int(row[0]) if row else 0
+        if version != SCHEMA_VERSION:
+            raise StoreError(
+                f"database {self.path} has schema version {version}, this coordinator "
+                f"knows {SCHEMA_VERSION}"
+            )
+
+    def _tx(self) -> _Tx:
+        return _Tx(self.db)
+
+    def close(self) -> None:
+        self.db.close()
+
+    # --- nodes -------------------------------------------------------------------------------
+
+    def upsert_node(
+        self, node_id: str, spot: bool, node_group: str, gpus: list[dict[str, Any]]
+    ) -> None:
+        now = self.clock()
+        self.db.execute(
+            "INSERT INTO nodes VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(node_id) DO UPDATE SET "
+            "spot=excluded.spot, node_group=excluded.node_group, gpus_json=excluded.gpus_json, "
+            "last_seen=excluded.last_seen",
+            (node_id, int(spot), node_group, json.dumps(gpus), now, now),
+        )
+
+    def touch_node(self, node_id: str) -> None:
+        self.db.execute("UPDATE nodes SET last_seen=? WHERE node_id=?", (self.clock(), node_id))
+
+    def nodes(self) -> list[NodeRow]:
+        rows = self.db.execute("SELECT * FROM nodes ORDER BY node_id").fetchall()
+        return [NodeRow(r[0], bool(r[1]), r[2], json.loads(r[3]), r[4], r[5]) for r in rows]
+
+    # --- taints ------------------------------------------------------------------------------
+
+    def add_taint(self, node_id: str, reclaim_id: str, reason: str) -> None:
+        """Idempotent: the same reclamation's taint is stored once, with its first time."""
+        self.db.execute(
+            "INSERT OR IGNORE INTO taints VALUES "
+            "(?, ?, 'spotdrain.io/reclaim', 'NoSchedule', ?, ?)",
+            (node_id, reclaim_id, reason, self.clock()),
+        )
+
+    def remove_taint(self, node_id: str, reclaim_id: str) -> None:
+        self.db.execute(
+            "DELETE FROM taints WHERE node_id=? AND reclaim_id=?", (node_id, reclaim_id)
+        )
+
+    def taints(self, node_id: str) -> list[TaintRow]:
+        rows = self.db.execute(
+            "SELECT * FROM taints WHERE node_id=? ORDER BY since", (node_id,)
+        ).fetchall()
+        return [TaintRow(*r) for r in rows]
+
+    # --- events ------------------------------------------------------------------------------
+
+    def add_event(
+        self,
+        uid: str,
+        kind: str,
+        node_id: str,
+        reclaim_id: str,
+        wall_time: float,
+        t_offset_s: float | None,
+        details: dict[str, Any],
+    ) -> int | None:
+        """Store one event and fold it into its reclamation. None: this uid was stored before."""
+        with self._tx():
+            cur = self.db.execute(
+                "INSERT OR IGNORE INTO events (uid, kind, node_id, reclaim_id, wall_time, "
+                "t_offset_s, details_json, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    uid,
+                    kind,
+                    node_id,
+                    reclaim_id,
+                    wall_time,
+                    t_offset_s,
+                    json.dumps(details, sort_keys=True),
+                    self.clock(),
+                ),
+            )
+            if cur.rowcount == 0:
+                return None
+            if reclaim_id:
+                self._fold(node_id, reclaim_id, kind, wall_time, details)
+            return cur.lastrowid
+
+    def _fold(
+        self, node_id: str, reclaim_id: str, kind: str, wall_time: float, details: dict[str, Any]
+    ) -> None:
+        row = self.db.execute(
+            "SELECT record_json FROM reclamations WHERE reclaim_id=?", (reclaim_id,)
+        ).fetchone()
+        record = json.loads(row[0]) if row else timeline.new_record(reclaim_id, node_id)
+        timeline.fold(record, kind, wall_time, details)
+        self.db.execute(
+            "INSERT INTO reclamations VALUES (?, ?, ?, ?) ON CONFLICT(reclaim_id) DO UPDATE "
+            "SET record_json=excluded.record_json",
+            (reclaim_id, node_id, json.dumps(record), record["t0"] or wall_time),
+        )
+
+    def events_after(self, from_id: int, limit: int = 1000) -> list[EventRow]:
+        rows = self.db.execute(
+            "SELECT * FROM events WHERE id > ? ORDER BY id LIMIT ?", (from_id, limit)
+        ).fetchall()
+        return [EventRow(*r) for r in rows]
+
+    def events_of(self, reclaim_id: str) -> list[EventRow]:
+        rows = self.db.execute(
+            "SELECT * FROM events WHERE reclaim_id=? ORDER BY wall_time, id", (reclaim_id,)
+        ).fetchall()
+        return [EventRow(*r) for r in rows]
+
+    # --- reclamations ------------------------------------------------------------------------
+
+    def reclamation(self, reclaim_id: str) -> dict[str, Any] | None:
+        if reclaim_id:
+            row = self.db.execute(
+                "SELECT record_json FROM reclamations WHERE reclaim_id=?", (reclaim_id,)
+            ).fetchone()
+        else:
+            row = self.db.execute(
+                "SELECT record_json FROM reclamations ORDER BY started_at DESC, rowid DESC LIMIT 1"
+            ).fetchone()
+        return json.loads(row[0]) if row else None
+
+
+class _Tx:
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.db.execute("ROLLBACK" if exc_type else "COMMIT")

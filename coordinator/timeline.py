@@ -1,0 +1,52 @@
+"""One record per reclamation, folded from its events. Pure: a dict and an event in, a dict out.
+
+The agent owns the deadlines (computed once at T0, DESIGN.md invariant 2); the coordinator copies
+them from `notice_received` and never computes its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+OUTCOME_KINDS = {"drained": "drained", "overrun": "overrun"}
+
+
+def new_record(reclaim_id: str, node_id: str) -> dict[str, Any]:
+    return {
+        "reclaim_id": reclaim_id,
+        "node_id": node_id,
+        "notice_id": "",
+        "reason": "",
+        "source": "",
+        "t0": 0.0,
+        "terminate_at": 0.0,
+        "grace_deadline": 0.0,
+        "overrun_at": 0.0,
+        "outcome": "",
+        "spare_s": None,
+        "steps": {},
+    }
+
+
+def fold(record: dict[str, Any], kind: str, wall_time: float, details: dict[str, Any]) -> None:
+    """Apply one event to its reclamation's record, in place."""
+    steps: dict[str, float] = record["steps"]
+    if kind == "notice_received":
+        for key in ("notice_id", "reason", "source"):
+            record[key] = str(details.get(key, record[key]))
+        for key in ("t0", "terminate_at", "grace_deadline", "overrun_at"):
+            if isinstance(details.get(key), int | float):
+                record[key] = float(details[key])
+    # First occurrence of each step; a local then remote taint keeps both.
+    step = kind
+    if kind == "tainted":
+        step = f"tainted_{details.get('mode', '')}"
+    steps.setdefault(step, wall_time)
+    if kind in ("container_exited", "sigterm_sent", "sigkill_sent"):
+        steps[f"last_{kind}"] = max(wall_time, steps.get(f"last_{kind}", wall_time))
+    if kind in OUTCOME_KINDS and not record["outcome"]:
+        record["outcome"] = OUTCOME_KINDS[kind]
+        if kind == "drained" and isinstance(details.get("spare_s"), int | float):
+            record["spare_s"] = float(details["spare_s"])
+    if kind == "notice_cancelled" and details.get("lifted") and not record["outcome"]:
+        record["outcome"] = "cancelled"

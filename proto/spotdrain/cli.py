@@ -1,0 +1,32 @@
+"""What every entry point shares: one-line usage errors with exit code 2, address parsing."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    """A bad flag or config: one clear line, exit code 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # argparse prints the whole usage block; operators' scripts want one line.
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(USAGE_ERROR)
+
+
+def host_port(value: str, what: str = "address") -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UsageError(f"{what} must be HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def fail_usage(prog: str, message: str) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return USAGE_ERROR

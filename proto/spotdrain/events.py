@@ -1,0 +1,50 @@
+"""Lifecycle event kinds (DESIGN.md "Lifecycle events") and their JSON form for spotctl."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from spotdrain.v1 import spotdrain_pb2 as pb
+
+KINDS = frozenset(
+    {
+        "notice_received",
+        "notice_invalid",
+        "tainted",
+        "worker_draining",
+        "deadline_file_written",
+        "sigterm_sent",
+        "signal_failed",
+        "container_exited",
+        "sigkill_sent",
+        "stream_interrupted",
+        "verification_failed",
+        "verified_empty",
+        "drained",
+        "overrun",
+        "replacement_requested",
+        "workload_disabled",
+        "workload_enabled",
+        "notice_cancelled",
+        # recorded by the coordinator itself
+        "identity_refused",
+        "node_registered",
+    }
+)
+
+
+def stored_event_to_dict(stored: pb.StoredEvent) -> dict[str, Any]:
+    ev = stored.event
+    out: dict[str, Any] = {
+        "id": stored.id,
+        "kind": ev.kind,
+        "node": ev.node_id,
+        "reclaim_id": ev.reclaim_id or None,
+        "wall_time": ev.wall_time,
+        "t_offset_s": ev.t_offset_s if ev.HasField("t_offset_s") else None,
+        "uid": ev.uid,
+    }
+    if ev.details_json:
+        out.update(json.loads(ev.details_json))
+    return out

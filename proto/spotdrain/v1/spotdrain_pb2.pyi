@@ -1,0 +1,222 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Gpu(_message.Message):
+    __slots__ = ("index", "uuid", "name", "memory_bytes")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    uuid: str
+    name: str
+    memory_bytes: int
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+
+class Register(_message.Message):
+    __slots__ = ("node_id", "gpus", "spot", "node_group", "agent_version")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    SPOT_FIELD_NUMBER: _ClassVar[int]
+    NODE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
+    spot: bool
+    node_group: str
+    agent_version: str
+    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., agent_version: _Optional[str] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("uid", "kind", "node_id", "reclaim_id", "wall_time", "t_offset_s", "details_json")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    WALL_TIME_FIELD_NUMBER: _ClassVar[int]
+    T_OFFSET_S_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_JSON_FIELD_NUMBER: _ClassVar[int]
+    uid: str
+    kind: str
+    node_id: str
+    reclaim_id: str
+    wall_time: float
+    t_offset_s: float
+    details_json: str
+    def __init__(self, uid: _Optional[str] = ..., kind: _Optional[str] = ..., node_id: _Optional[str] = ..., reclaim_id: _Optional[str] = ..., wall_time: _Optional[float] = ..., t_offset_s: _Optional[float] = ..., details_json: _Optional[str] = ...) -> None: ...
+
+class EventBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+
+class AgentMessage(_message.Message):
+    __slots__ = ("register", "heartbeat", "events")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    register: Register
+    heartbeat: Heartbeat
+    events: EventBatch
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., events: _Optional[_Union[EventBatch, _Mapping]] = ...) -> None: ...
+
+class Registered(_message.Message):
+    __slots__ = ("node_id", "taints")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TAINTS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    taints: _containers.RepeatedCompositeFieldContainer[Taint]
+    def __init__(self, node_id: _Optional[str] = ..., taints: _Optional[_Iterable[_Union[Taint, _Mapping]]] = ...) -> None: ...
+
+class EventAck(_message.Message):
+    __slots__ = ("uids",)
+    UIDS_FIELD_NUMBER: _ClassVar[int]
+    uids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, uids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CoordinatorMessage(_message.Message):
+    __slots__ = ("registered", "ack")
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    registered: Registered
+    ack: EventAck
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., ack: _Optional[_Union[EventAck, _Mapping]] = ...) -> None: ...
+
+class Taint(_message.Message):
+    __slots__ = ("key", "effect", "reclaim_id", "reason", "since")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    EFFECT_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    effect: str
+    reclaim_id: str
+    reason: str
+    since: float
+    def __init__(self, key: _Optional[str] = ..., effect: _Optional[str] = ..., reclaim_id: _Optional[str] = ..., reason: _Optional[str] = ..., since: _Optional[float] = ...) -> None: ...
+
+class TaintRequest(_message.Message):
+    __slots__ = ("node_id", "reclaim_id", "reason", "remove")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    reclaim_id: str
+    reason: str
+    remove: bool
+    def __init__(self, node_id: _Optional[str] = ..., reclaim_id: _Optional[str] = ..., reason: _Optional[str] = ..., remove: _Optional[bool] = ...) -> None: ...
+
+class TaintReply(_message.Message):
+    __slots__ = ("taints",)
+    TAINTS_FIELD_NUMBER: _ClassVar[int]
+    taints: _containers.RepeatedCompositeFieldContainer[Taint]
+    def __init__(self, taints: _Optional[_Iterable[_Union[Taint, _Mapping]]] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("from_id", "follow")
+    FROM_ID_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    from_id: int
+    follow: bool
+    def __init__(self, from_id: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+
+class StoredEvent(_message.Message):
+    __slots__ = ("id", "event", "received_at")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_AT_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    event: Event
+    received_at: float
+    def __init__(self, id: _Optional[int] = ..., event: _Optional[_Union[Event, _Mapping]] = ..., received_at: _Optional[float] = ...) -> None: ...
+
+class GetTimelineRequest(_message.Message):
+    __slots__ = ("reclaim_id",)
+    RECLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    reclaim_id: str
+    def __init__(self, reclaim_id: _Optional[str] = ...) -> None: ...
+
+class Reclamation(_message.Message):
+    __slots__ = ("reclaim_id", "node_id", "notice_id", "reason", "source", "t0", "terminate_at", "grace_deadline", "overrun_at", "outcome", "spare_s", "steps")
+    class StepsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    RECLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    T0_FIELD_NUMBER: _ClassVar[int]
+    TERMINATE_AT_FIELD_NUMBER: _ClassVar[int]
+    GRACE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    OVERRUN_AT_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    SPARE_S_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    reclaim_id: str
+    node_id: str
+    notice_id: str
+    reason: str
+    source: str
+    t0: float
+    terminate_at: float
+    grace_deadline: float
+    overrun_at: float
+    outcome: str
+    spare_s: float
+    steps: _containers.ScalarMap[str, float]
+    def __init__(self, reclaim_id: _Optional[str] = ..., node_id: _Optional[str] = ..., notice_id: _Optional[str] = ..., reason: _Optional[str] = ..., source: _Optional[str] = ..., t0: _Optional[float] = ..., terminate_at: _Optional[float] = ..., grace_deadline: _Optional[float] = ..., overrun_at: _Optional[float] = ..., outcome: _Optional[str] = ..., spare_s: _Optional[float] = ..., steps: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class Timeline(_message.Message):
+    __slots__ = ("reclamation", "events")
+    RECLAMATION_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    reclamation: Reclamation
+    events: _containers.RepeatedCompositeFieldContainer[StoredEvent]
+    def __init__(self, reclamation: _Optional[_Union[Reclamation, _Mapping]] = ..., events: _Optional[_Iterable[_Union[StoredEvent, _Mapping]]] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Node(_message.Message):
+    __slots__ = ("node_id", "gpus", "spot", "node_group", "connected", "last_seen", "taints")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    SPOT_FIELD_NUMBER: _ClassVar[int]
+    NODE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    TAINTS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
+    spot: bool
+    node_group: str
+    connected: bool
+    last_seen: float
+    taints: _containers.RepeatedCompositeFieldContainer[Taint]
+    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., connected: _Optional[bool] = ..., last_seen: _Optional[float] = ..., taints: _Optional[_Iterable[_Union[Taint, _Mapping]]] = ...) -> None: ...
+
+class ListNodesReply(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[Node]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...

@@ -51,6 +51,7 @@ class DrainRunner:
         # Signal rounds run one after another, in the order the machines asked for them, so a
         # SIGKILL round never overtakes the SIGTERM round before it.
         self._signal_lock = asyncio.Lock()
+        self._taint_calls: dict[str, asyncio.Task[None]] = {}
 
     # --- inputs ------------------------------------------------------------------------------
 
@@ -65,25 +66,32 @@ class DrainRunner:
     async def run(self) -> None:
         self._rebuild()
         while True:
-            wakeups = [w for rec in self.live.values() if (w := rec.next_wakeup()) is not None]
-            timeout = min(wakeups) - self.clock() if wakeups else None
-            if self._queue.empty() and timeout is not None and timeout <= 0:
-                # A deadline is due. Tick, then yield so adapters' reports can be queued.
+            timeout = self._until_next_deadline()
+            if timeout is not None and timeout <= 0:
+                # Deadlines first, even while reports keep arriving (SIGKILL at G, O).
                 now = self.clock()
                 for rec in list(self.live.values()):
                     self._step(rec, r.Tick(now))
-                await asyncio.sleep(0)
-                continue
+                timeout = self._until_next_deadline()
             try:
-                key, item = await asyncio.wait_for(self._queue.get(), timeout)
-            except TimeoutError:
-                continue  # the deadline is due now: ticked on the next turn
+                key, item = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                try:
+                    # A small floor: a get with no time to run would never receive.
+                    wait = None if timeout is None else max(timeout, 0.001)
+                    key, item = await asyncio.wait_for(self._queue.get(), wait)
+                except TimeoutError:
+                    continue
             if key == "crash":
                 raise RuntimeError(f"node {self.cfg.node_id}: drain task failed") from item
             if key == "notice":
                 self._on_notice(item)
             elif key in self.live:
                 self._step(self.live[key], item)
+
+    def _until_next_deadline(self) -> float | None:
+        wakeups = [w for rec in self.live.values() if (w := rec.next_wakeup()) is not None]
+        return min(wakeups) - self.clock() if wakeups else None
 
     def _rebuild(self) -> None:
         """Agent restart: reload every unfinished bundle and carry on with its deadlines."""
@@ -166,11 +174,11 @@ class DrainRunner:
         rid = rec.reclaim_id
         for cmd in commands:
             match cmd:
-                case r.Emit(kind, details):
-                    now = self.clock()
+                case r.Emit(kind, details, at):
+                    now = self.clock() if at is None else at
                     self._emit(kind, rid, now - rec.t0, now, details)
                 case r.RequestTaint(_, answer_by):
-                    self._spawn(self._request_taint(rec, answer_by))
+                    self._taint_calls[rid] = self._spawn(self._request_taint(rec, answer_by))
                 case r.ApplyLocalTaint():
                     self.local_taints.apply(rid)
                 case r.RetryRemoteTaint():
@@ -178,7 +186,7 @@ class DrainRunner:
                 case r.LiftTaints():
                     self.local_taints.lift(rid)
                     self.cfg.deadline_file.unlink(missing_ok=True)
-                    self._spawn(self.link.taint_until_answered(rid, rec.reason, remove=True))
+                    self._spawn(self._lift_remote_taint(rec))
                 case r.WriteDeadlineFile(_, terminate_at, grace_deadline, reason):
                     write_deadline_file(
                         self.cfg.deadline_file, rid, terminate_at, grace_deadline, reason
@@ -206,10 +214,11 @@ class DrainRunner:
             details or "",
         )
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
@@ -231,6 +240,14 @@ class DrainRunner:
             self.feed(rec.reclaim_id, r.TaintUnanswered(self.clock(), str(e)))
             return
         self.feed(rec.reclaim_id, r.TaintAnswered(self.clock()))
+
+    async def _lift_remote_taint(self, rec: r.Reclamation) -> None:
+        # A Taint call still in flight (a frozen coordinator) could land after the lift and
+        # leave the node tainted: let it finish first, then lift.
+        pending = self._taint_calls.pop(rec.reclaim_id, None)
+        if pending is not None:
+            await asyncio.gather(pending, return_exceptions=True)
+        await self.link.taint_until_answered(rec.reclaim_id, rec.reason, remove=True)
 
     async def _retry_taint(self, rec: r.Reclamation) -> None:
         await self.link.taint_until_answered(rec.reclaim_id, rec.reason)
@@ -265,6 +282,12 @@ class DrainRunner:
             raise gpu_result
         else:
             pids = tuple(p.pid for p in gpu_result)
-        log.debug("node %s reclamation %s: observed containers %s, GPU pids %s, errors %s",
-                  self.cfg.node_id, rid, running, pids, errors)
+        log.debug(
+            "node %s reclamation %s: observed containers %s, GPU pids %s, errors %s",
+            self.cfg.node_id,
+            rid,
+            running,
+            pids,
+            errors,
+        )
         self.feed(rid, r.Observed(self.clock(), running, pids, "; ".join(errors)))

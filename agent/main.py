@@ -41,6 +41,7 @@ class Agent:
         self.docker = DockerEngine(cfg.docker_host, cfg.node_id, cfg.docker_call_timeout_s)
         self.link = CoordinatorLink(cfg, self.outbox, self.registration)
         self.drains = DrainRunner(cfg, self.outbox, self.link, self.docker, self.nvml)
+        self.watching = asyncio.Event()
 
     async def registration(self) -> pb.Register:
         try:
@@ -60,7 +61,7 @@ class Agent:
         )
 
     async def watch_notices(self) -> None:
-        async for parsed in watch(self.cfg.notice_file, self.cfg.notice_poll_s):
+        async for parsed in watch(self.cfg.notice_file, self.cfg.notice_poll_s, self.watching):
             self.drains.notice(parsed)
 
     async def keep_inventory(self) -> None:
@@ -80,8 +81,13 @@ class Agent:
             "inventory": self.keep_inventory(),
         }
         running = {asyncio.create_task(c, name=n): n for n, c in tasks.items()}
-        log.info("node %s: agent up, watching %s", self.cfg.node_id, self.cfg.notice_file)
         try:
+            ready = asyncio.create_task(self.watching.wait())
+            await asyncio.wait({ready, *running}, return_when=asyncio.FIRST_COMPLETED)
+            if ready.done():
+                log.info("node %s: agent up, watching %s", self.cfg.node_id, self.cfg.notice_file)
+            else:
+                ready.cancel()
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
                 if task.exception() is not None:

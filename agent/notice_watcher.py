@@ -32,8 +32,13 @@ def read_notice(path: Path) -> Notice | NoticeInvalid | None:
     return parse_notice(raw)
 
 
-async def watch(path: Path, poll_s: float) -> AsyncIterator[Notice | NoticeInvalid]:
-    """Yield each new parse of the notice file (the same bytes twice are yielded once)."""
+async def watch(
+    path: Path, poll_s: float, ready: asyncio.Event | None = None
+) -> AsyncIterator[Notice | NoticeInvalid]:
+    """Yield each new parse of the notice file (the same bytes twice are yielded once).
+
+    `ready` is set once the watch is in place: a notice written after that is never missed.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     last: Notice | NoticeInvalid | None = None
 
@@ -45,16 +50,21 @@ async def watch(path: Path, poll_s: float) -> AsyncIterator[Notice | NoticeInval
         last = result
         return result
 
-    first = fresh()  # a notice written while the agent was down
-    if first is not None:
-        yield first
+    inotify = None
     try:
         from asyncinotify import Inotify, Mask  # noqa: PLC0415
 
         inotify = Inotify()
+        # The watch goes in before the first read, so nothing falls between the two.
         inotify.add_watch(path.parent, Mask.CLOSE_WRITE | Mask.MOVED_TO | Mask.CREATE)
     except (OSError, ImportError) as e:
         log.warning("inotify unavailable for %s (%s); polling every %.1f s", path, e, poll_s)
+    if ready is not None:
+        ready.set()
+    first = fresh()  # a notice written while the agent was down
+    if first is not None:
+        yield first
+    if inotify is None:
         while True:
             await asyncio.sleep(poll_s)
             result = fresh()

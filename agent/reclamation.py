@@ -168,6 +168,7 @@ class Observe:
 class Emit:
     kind: str
     details: dict[str, Any] = field(default_factory=dict)
+    at: float | None = None  # when the fact happened: the time of the event that caused it
 
 
 Command = (
@@ -183,8 +184,11 @@ Command = (
 )
 
 
-class InvalidEvent(Exception):
-    pass
+def _stamp(commands: list[Command], now: float) -> list[Command]:
+    return [
+        dataclasses.replace(c, at=now) if isinstance(c, Emit) and c.at is None else c
+        for c in commands
+    ]
 
 
 def reclaim_id_for(node_id: str, notice_key: str) -> str:
@@ -267,11 +271,13 @@ class Reclamation:
             ),
             RequestTaint(rec.reclaim_id, rec.taint_answer_by),
         ]
-        return rec, commands
+        return rec, _stamp(commands, now)
 
     def resume(self, now: float) -> list[Command]:
         """After an agent restart: carry on from the stored progress, same deadlines."""
         if self.phase == "done":
+            if self.taint_mode == "local" and not self.remote_taint and not self.finished:
+                return [RetryRemoteTaint(self.reclaim_id)]
             return []
         commands: list[Command] = []
         if self.phase == "tainting":
@@ -291,11 +297,14 @@ class Reclamation:
             live = tuple(c for c in self.signalled if c not in self.exited)
             if live:
                 commands.append(WatchExits(live))
-        return commands + self._observe(now) + self.handle(Tick(now))
+        return _stamp(commands + self._observe(now) + self._tick(now), now)
 
     # --- the one mutator -------------------------------------------------------------------
 
     def handle(self, event: Event) -> list[Command]:
+        return _stamp(self._dispatch(event), event.now)
+
+    def _dispatch(self, event: Event) -> list[Command]:
         match event:
             case TaintAnswered(now):
                 return self._taint_answered(now)
@@ -332,6 +341,9 @@ class Reclamation:
 
     @property
     def finished(self) -> bool:
+        """Nothing more to do. A local taint keeps it open until the coordinator has the taint."""
+        if self.taint_mode == "local" and not self.remote_taint and self.outcome != "cancelled":
+            return False
         return self.phase == "done" and (
             self.verified_at is not None or self.outcome == "cancelled"
         )

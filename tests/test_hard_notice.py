@@ -3,11 +3,13 @@ Docker engine with real containers, the real pynvml over the fake libnvidia-ml.s
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
-
 from dockerenv import remove_test_containers, run_workload
 from fakenvml import FakeGpus, build
 from harness import AgentOptions, start_agent, start_coordinator, wait_until
@@ -105,5 +107,154 @@ def test_whole_timeline_on_one_node(
         assert "overrun" not in kinds
         deadline_doc = agent.deadline_file.read_text()
         assert drained["reclaim_id"] in deadline_doc
+    finally:
+        agent.proc.stop()
+
+
+def by_kind(events: list[dict], kind: str) -> list[dict]:
+    return [e for e in events if e["kind"] == kind]
+
+
+def test_coordinator_frozen_local_taint_then_remote(
+    tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers
+):
+    """The coordinator hangs (SIGSTOP: calls neither answer nor fail) just as the notice lands.
+    The agent waits 800 ms for the taint, then taints locally and signals right after; when the
+    coordinator comes back the remote taint lands and every event made meanwhile arrives, once."""
+    quick = run_workload(docker_engine.client, name=containers + "quick", node_id="node-a",
+                         kind="exits_on_term")
+    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
+                        AgentOptions(grace_s=3.0, overrun_s=1.0))
+    admin = coordinator.admin()
+    try:
+        wait_until(lambda: any(n.connected for n in admin.nodes()), 10, "node-a to register")
+        coordinator.proc.signal(signal.SIGSTOP)
+        agent.write_notice({"id": "frozen-1", "action": "terminate",
+                            "terminate_at": time.time() + 10})
+        wait_until(lambda: quick.reload() or quick.status == "exited", 10, "the SIGTERM")
+        coordinator.proc.signal(signal.SIGCONT)
+        drained = admin.wait_for("drained", node="node-a", timeout=20)
+        admin.wait_for("tainted", node="node-a", mode="remote", timeout=20)
+        events = admin.events(node="node-a", reclaim_id=drained["reclaim_id"])
+        kinds = [e["kind"] for e in events]
+        taints = by_kind(events, "tainted")
+        assert [t["mode"] for t in taints] == ["local", "remote"]
+        assert taints[1]["after_local"] is True
+        # The local taint came at the 800 ms deadline, not before; SIGTERM after it.
+        assert taints[0]["t_offset_s"] >= 0.8
+        sigterm = by_kind(events, "sigterm_sent")[0]
+        assert sigterm["wall_time"] >= taints[0]["wall_time"]
+        assert kinds.index("tainted") < kinds.index("sigterm_sent")
+        # Every event exactly once, despite the stream stalling and resending.
+        uids = [e["uid"] for e in admin.events()]
+        assert len(uids) == len(set(uids))
+        for kind in ("notice_received", "sigterm_sent", "container_exited", "drained"):
+            assert kinds.count(kind) == 1, kind
+        assert [t.reclaim_id for n in admin.nodes() for t in n.taints] == [drained["reclaim_id"]]
+    finally:
+        coordinator.proc.signal(signal.SIGCONT)
+        agent.proc.stop()
+
+
+def test_gpu_process_outlives_every_container(
+    tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers
+):
+    """A CUDA process outside any container keeps a GPU busy after the jobs exit. The node is
+    not empty, so there is no `drained`; at O the agent records `overrun`, once. When the
+    process finally dies the node is seen empty, but it is still not `drained`."""
+    run_workload(docker_engine.client, name=containers + "quick", node_id="node-a",
+                 kind="exits_on_term")
+    holder = subprocess.Popen(["sleep", "120"])
+    gpus.add_process(holder.pid, gpu=1)
+    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
+                        AgentOptions(grace_s=2.0, overrun_s=1.0))
+    admin = coordinator.admin()
+    try:
+        agent.write_notice({"id": "gpu-hold", "action": "terminate",
+                            "terminate_at": time.time() + 4})
+        overrun = admin.wait_for("overrun", node="node-a", timeout=20)
+        holder.kill()
+        holder.wait()
+        admin.wait_for("verified_empty", node="node-a", timeout=10)
+        time.sleep(1.0)  # give a wrong second overrun or a late drained the chance to appear
+        kinds = admin.kinds(node="node-a")
+        assert kinds.count("overrun") == 1
+        assert "drained" not in kinds
+        notice = by_kind(admin.events(node="node-a"), "notice_received")[0]
+        assert overrun["wall_time"] >= notice["overrun_at"]
+        assert kinds.index("container_exited") < kinds.index("overrun")
+        assert admin.timeline(overrun["reclaim_id"]).reclamation.outcome == "overrun"
+    finally:
+        holder.kill()
+        agent.proc.stop()
+
+
+@pytest.mark.parametrize("fault", ["gpu_lost", "init_failed"])
+def test_nvml_failing_is_never_drained(
+    tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers, fault
+):
+    """NVML cannot answer (the GPU fell off the bus, or the driver will not load). Docker says
+    the containers are gone, but an observation that failed is not "empty": no `drained`, the
+    failure is recorded, and the node overruns."""
+    run_workload(docker_engine.client, name=containers + "quick", node_id="node-a",
+                 kind="exits_on_term")
+    if fault == "init_failed":
+        gpus.fault("init_failed")
+    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
+                        AgentOptions(grace_s=2.0, overrun_s=1.0))
+    admin = coordinator.admin()
+    try:
+        gpus.fault(fault)
+        agent.write_notice({"id": f"nvml-{fault}", "action": "terminate",
+                            "terminate_at": time.time() + 4})
+        admin.wait_for("overrun", node="node-a", timeout=20)
+        events = admin.events(node="node-a")
+        kinds = [e["kind"] for e in events]
+        assert "drained" not in kinds and "verified_empty" not in kinds
+        failures = by_kind(events, "verification_failed")
+        assert failures and all("nvml" in f["error"] for f in failures)
+        assert by_kind(events, "container_exited")[0]["exit_code"] == 0
+    finally:
+        agent.proc.stop()
+
+
+def test_agent_killed_mid_reclamation_resumes_with_same_deadlines(
+    tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers
+):
+    """The agent is SIGKILLed while its node drains, and systemd restarts it. It reloads the
+    bundle: the same T0, D, G and O, no second SIGTERM to anything, the stubborn job still
+    killed at the original G, and the reclamation completes."""
+    client = docker_engine.client
+    ckpt = run_workload(client, name=containers + "ckpt", node_id="node-a", kind="checkpoints",
+                        env={"CHECKPOINT_S": "2"})
+    stubborn = run_workload(client, name=containers + "stubborn", node_id="node-a",
+                            kind="ignores_term")
+    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
+                        AgentOptions(grace_s=4.0, overrun_s=1.0))
+    admin = coordinator.admin()
+    try:
+        agent.write_notice({"id": "restart-1", "action": "terminate",
+                            "terminate_at": time.time() + 7})
+        wait_until(lambda: len(by_kind(admin.events(node="node-a"), "sigterm_sent")) == 2, 10,
+                   "both SIGTERMs")
+        bundle_path = next((agent.state_dir / "reclamations").glob("rcl-*.json"))
+        before = json.loads(bundle_path.read_text())
+        agent.proc.kill()
+        agent.restart()
+        drained = admin.wait_for("drained", node="node-a", timeout=20)
+        after = json.loads(bundle_path.read_text())
+        for key in ("t0", "terminate_at", "grace_deadline", "overrun_at"):
+            assert after[key] == before[key], key
+        events = admin.events(node="node-a", reclaim_id=drained["reclaim_id"])
+        kinds = [e["kind"] for e in events]
+        assert kinds.count("notice_received") == 1
+        assert kinds.count("sigterm_sent") == 2  # one round, before the kill
+        assert [e["name"] for e in by_kind(events, "sigkill_sent")] == [containers + "stubborn"]
+        kill = by_kind(events, "sigkill_sent")[0]
+        assert kill["wall_time"] >= before["grace_deadline"]
+        # The stubborn job heard SIGTERM once: the restart sent no second round.
+        assert stubborn.logs().decode().count("SIGTERM ignored") == 1
+        ckpt.reload()
+        assert ckpt.attrs["State"]["ExitCode"] == 0
     finally:
         agent.proc.stop()

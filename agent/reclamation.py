@@ -211,9 +211,10 @@ class Reclamation:
     grace_deadline: float  # G
     overrun_at: float  # O
     observe_every_s: float
+    taint_answer_s: float
     taint_answer_by: float
     # progress
-    phase: str = "tainting"  # tainting -> draining -> done
+    phase: str = "tainting"  # tainting -> draining -> done (verified empty, or cancelled)
     taint_mode: str = ""  # "", "local", "remote"
     remote_taint: bool = False
     sigterm_round: bool = False  # the SIGTERM round has been issued (never issued twice)
@@ -252,6 +253,7 @@ class Reclamation:
             grace_deadline=terminate_at - margins.grace_s,
             overrun_at=terminate_at - margins.overrun_s,
             observe_every_s=margins.observe_every_s,
+            taint_answer_s=margins.taint_answer_s,
             taint_answer_by=now + margins.taint_answer_s,
         )
         commands: list[Command] = [
@@ -283,8 +285,10 @@ class Reclamation:
         if self.phase == "tainting":
             # The taint call's answer was lost with the old process; ask again with a fresh
             # 800 ms allowance. A local taint (if it was applied) is still on disk.
-            self.taint_answer_by = now + (self.taint_answer_by - self.t0)
-            return [RequestTaint(self.reclaim_id, self.taint_answer_by)]
+            self.taint_answer_by = now + self.taint_answer_s
+            return _stamp(
+                [RequestTaint(self.reclaim_id, self.taint_answer_by), *self._tick(now)], now
+            )
         if self.taint_mode == "local":
             commands.append(ApplyLocalTaint(self.reclaim_id))
             if not self.remote_taint:
@@ -344,9 +348,7 @@ class Reclamation:
         """Nothing more to do. A local taint keeps it open until the coordinator has the taint."""
         if self.taint_mode == "local" and not self.remote_taint and self.outcome != "cancelled":
             return False
-        return self.phase == "done" and (
-            self.verified_at is not None or self.outcome == "cancelled"
-        )
+        return self.phase == "done"
 
     # --- transitions -----------------------------------------------------------------------
 
@@ -449,10 +451,10 @@ class Reclamation:
             self.last_failure = ""
         else:
             self.verified_at = ev.now
+            self.phase = "done"
             commands.append(Emit("verified_empty", {}))
             if not self.outcome:
                 self.outcome = "drained"
-                self.phase = "done"
                 commands.append(Emit("drained", {"spare_s": round(self.terminate_at - ev.now, 3)}))
             return commands
         self.next_observe_at = ev.now + (0.0 if self.observe_again else self.observe_every_s)
@@ -467,8 +469,7 @@ class Reclamation:
             commands.append(SignalContainers(SIGKILL))
         if not self.outcome and self.verified_at is None and now >= self.overrun_at:
             # Invariant 6: work is still there at O (nothing verified it gone). Once.
-            self.outcome = "overrun"
-            self.phase = "done"
+            self.outcome = "overrun"  # the drain itself goes on: SIGKILL, verification
             commands.append(
                 Emit(
                     "overrun",

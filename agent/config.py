@@ -142,6 +142,9 @@ def from_sources(flags: dict[str, Any], doc: dict[str, Any], origin: str = "") -
     for name in ("docker_call_timeout_s", "nvml_timeout_s", "notice_poll_s", "inventory_every_s"):
         if name in values and values[name] <= 0:
             raise UsageError(f"{name} must be positive")
+    level = str(values.get("log_level", "INFO")).upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise UsageError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {level!r}")
     try:
         values["margins"] = Margins(**margins)
     except ValueError as e:

@@ -1,0 +1,183 @@
+"""Operators' scripts call these commands: a bad flag or config is one clear line and exit 2;
+every agent flag has a place in the TOML file; spotctl prints what the coordinator stored."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from harness import BIN
+
+from spotdrain.agent import config
+from spotdrain.cli import UsageError
+
+BASE = ["--coordinator", "127.0.0.1:7000", "--node-id", "n1", "--notice-file", "/tmp/n.json",
+        "--state-dir", "/tmp/s", "--docker-host", "unix:///var/run/docker.sock", "--insecure"]
+
+
+def run(prog: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / prog), *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (BASE[2:], "missing --coordinator"),
+        (BASE[:-1], "give --tls-cert, --tls-key and --ca, or --insecure"),
+        ([*BASE, "--grace-s", "ten"], "--grace-s must be a number"),
+        ([*BASE, "--grace-s", "1", "--overrun-s", "2"], "overrun margin <= grace margin"),
+        (["--coordinator", "nohost", *BASE[2:]], "--coordinator must be HOST:PORT"),
+        ([*BASE[:8], "--docker-host", "tcp://x:2375", "--insecure"], "unix:///PATH"),
+        ([*BASE, "--config", "/nonexistent.toml"], "cannot read config /nonexistent.toml"),
+    ],
+)
+def test_agent_bad_flags_give_one_line_and_exit_2(args, message):
+    result = run("spotdrain-agent", *args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("spotdrain-agent: error: ")
+    assert message in lines[0]
+
+
+def test_every_agent_flag_has_a_place_in_the_config_file(tmp_path):
+    toml = tmp_path / "agent.toml"
+    toml.write_text(
+        """
+coordinator = "10.0.0.1:7443"
+node_id = "gpu-17"
+notice_file = "/run/spotdrain/notice.json"
+state_dir = "/var/lib/spotdrain"
+docker_host = "unix:///run/docker.sock"
+tls_cert = "/etc/spotdrain/node.pem"
+tls_key = "/etc/spotdrain/node.key"
+ca = "/etc/spotdrain/ca.pem"
+node_group = "eu-west-a"
+spot = false
+deadline_file = "/run/spotdrain/workload/deadline.json"
+docker_call_timeout_s = 1.5
+nvml_timeout_s = 3
+notice_poll_s = 2
+inventory_every_s = 10
+log_level = "WARNING"
+
+[margins]
+default_notice_s = 120
+grace_s = 10
+overrun_s = 2
+taint_answer_s = 0.8
+observe_every_s = 0.5
+"""
+    )
+    cfg = config.load(["--config", str(toml)])
+    assert cfg.node_id == "gpu-17" and cfg.spot is False and cfg.nvml_timeout_s == 3.0
+    assert cfg.margins.grace_s == 10 and cfg.tls_cert == "/etc/spotdrain/node.pem"
+    flags = {a.dest for a in config.parser()._actions} - {"help", "config"}
+    in_file = set(config.SETTINGS) | {"insecure", "spot"} | set(config.MARGINS)
+    assert flags == in_file
+    # Flags win over the file.
+    assert config.load(["--config", str(toml), "--node-id", "gpu-18"]).node_id == "gpu-18"
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("node_idd = 'x'", "unknown setting node_idd"),
+        ("[margins]\ngrace = 3", "unknown setting margins.grace"),
+        ("spot = 'yes'", "spot must be true or false"),
+        ("nvml_timeout_s = -1", "nvml_timeout_s must be positive"),
+        ("this is not toml", "config"),
+    ],
+)
+def test_bad_config_file_is_one_clear_error(tmp_path, body, message):
+    toml = tmp_path / "agent.toml"
+    toml.write_text(body)
+    with pytest.raises(UsageError, match=message):
+        config.load([*BASE, "--config", str(toml)])
+
+
+def test_spotctl_without_coordinator_is_a_usage_error():
+    result = run("spotctl", "events", "--json")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "spotctl: error: --coordinator HOST:PORT is required"
+
+
+def test_spotctl_events_and_timeline(tmp_path, pki, coordinator):
+    """An operator reads the event log as JSON lines from an id, and a reclamation as a table."""
+    from spotdrain.v1 import spotdrain_pb2 as pb
+    from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.AgentLinkStub(coordinator.channel(pki.issue("node:node-a")))
+    t0 = time.time()
+    evs = [
+        ("notice_received", 0.0, {"notice_id": "i-1", "source": "aws-imds", "reason": "notice",
+                                  "t0": t0, "terminate_at": t0 + 30, "grace_deadline": t0 + 20,
+                                  "overrun_at": t0 + 28}),
+        ("tainted", 0.004, {"mode": "remote"}),
+        ("sigterm_sent", 0.012, {"name": "job", "container": "c" * 64, "via": "api"}),
+        ("container_exited", 1.5, {"name": "job", "exit_code": 0}),
+        ("verified_empty", 1.6, {}),
+        ("drained", 1.6, {"spare_s": 28.4}),
+    ]
+
+    def messages():
+        yield pb.AgentMessage(register=pb.Register(node_id="node-a"))
+        batch = [pb.Event(uid=f"u{i}", kind=k, node_id="node-a", reclaim_id="rcl-1",
+                          wall_time=t0 + dt, t_offset_s=dt, details_json=json.dumps(d))
+                 for i, (k, dt, d) in enumerate(evs)]
+        yield pb.AgentMessage(events=pb.EventBatch(events=batch))
+
+    list(stub.Connect(messages(), timeout=5))
+    result = run("spotctl", *coordinator.cli_args(), "events", "--json")
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [e["kind"] for e in lines] == [k for k, _, _ in evs]
+    assert lines[3]["exit_code"] == 0 and lines[3]["node"] == "node-a"
+    after = run("spotctl", *coordinator.cli_args(), "events", "--json", "--from",
+                str(lines[3]["id"]))
+    assert [json.loads(x)["kind"] for x in after.stdout.splitlines()] == ["verified_empty",
+                                                                          "drained"]
+    table = run("spotctl", *coordinator.cli_args(), "timeline")
+    assert table.returncode == 0, table.stderr
+    out = table.stdout
+    assert "reclamation rcl-1" in out and "D T+30.000s" in out
+    assert "T+0.004s  tainted" in out and "mode=remote" in out
+    assert "28.400 s to spare" in out
+    js = json.loads(run("spotctl", *coordinator.cli_args(), "timeline", "rcl-1", "--json").stdout)
+    assert js["outcome"] == "drained" and len(js["events"]) == len(evs)
+    missing = run("spotctl", *coordinator.cli_args(), "timeline", "rcl-nope")
+    assert missing.returncode == 1 and "no reclamation 'rcl-nope'" in missing.stderr
+
+
+def test_spotctl_follow_prints_new_events(pki, coordinator):
+    follow = subprocess.Popen(
+        [str(BIN / "spotctl"), *coordinator.cli_args(), "events", "--json", "--follow"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        from spotdrain.v1 import spotdrain_pb2 as pb
+        from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
+
+        stub = pb_grpc.AgentLinkStub(coordinator.channel(pki.issue("node:node-a")))
+
+        def messages():
+            yield pb.AgentMessage(register=pb.Register(node_id="node-a"))
+            yield pb.AgentMessage(events=pb.EventBatch(events=[pb.Event(
+                uid="late-1", kind="notice_invalid", node_id="node-a", wall_time=time.time(),
+                details_json='{"reason": "not JSON"}')]))
+
+        list(stub.Connect(messages(), timeout=5))
+        line = json.loads(follow.stdout.readline())
+        assert line["kind"] == "notice_invalid" and line["reason"] == "not JSON"
+    finally:
+        follow.kill()
+
+
+def test_proto_stubs_match_the_protos():
+    """The committed stubs are what proto/generate.sh makes from the .proto files."""
+    script = Path(__file__).parent.parent / "proto" / "generate.sh"
+    result = subprocess.run([str(script), "--check"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

@@ -10,13 +10,13 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 ACTIONS = ("terminate", "stop", "hibernate", "cancel")
 MAX_ID_LEN = 256
 # A deadline outside these years is a relay bug, not a plan.
-EARLIEST = datetime(2000, 1, 1).timestamp()
-LATEST = datetime(2200, 1, 1).timestamp()
+EARLIEST = datetime(2000, 1, 1, tzinfo=UTC).timestamp()
+LATEST = datetime(2200, 1, 1, tzinfo=UTC).timestamp()
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,8 @@ def parse_notice(raw: bytes) -> Notice | NoticeInvalid | None:
         return invalid(f"not JSON: {e.msg} at line {e.lineno} column {e.colno}")
     except RecursionError:
         return invalid("not JSON: nested too deeply")
+    except ValueError as e:  # e.g. an integer beyond Python's digit limit
+        return invalid(f"not JSON we accept: {e}")
     if not isinstance(doc, dict):
         return invalid(f"not a JSON object but {type(doc).__name__}")
 
@@ -92,12 +94,13 @@ def parse_notice(raw: bytes) -> Notice | NoticeInvalid | None:
 
     if notice_id is None:
         # No id: the same content is the same reclamation (DESIGN.md "Hard notice timeline").
-        key = digest
+        # Hash the parsed document, so a relay that reformats the JSON is still the same.
+        key = content_hash(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
     else:
         key = "id:" + notice_id
     return Notice(
         key=key,
-        notice_id=notice_id or digest,
+        notice_id=notice_id or key,
         action=action,
         terminate_at=terminate_at,
         source=source,
@@ -108,7 +111,10 @@ def _parse_time(value: object) -> tuple[float | None, str | None]:
     if isinstance(value, bool):
         return None, f"must be a time, got {_show(value)}"
     if isinstance(value, int | float):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:
+            return None, f"is out of range: {_show(value)}"
     elif isinstance(value, str):
         try:
             parsed = datetime.fromisoformat(value.strip())
@@ -125,5 +131,7 @@ def _parse_time(value: object) -> tuple[float | None, str | None]:
 
 
 def _show(value: object) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**40:
+        return f"an integer of {len(str(abs(value)))} digits"
     text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -211,8 +211,8 @@ class Reclamation:
     grace_deadline: float  # G
     overrun_at: float  # O
     observe_every_s: float
-    taint_answer_s: float
     taint_answer_by: float
+    taint_answer_s: float = 0.8
     # progress
     phase: str = "tainting"  # tainting -> draining -> done (verified empty, or cancelled)
     taint_mode: str = ""  # "", "local", "remote"
@@ -220,6 +220,7 @@ class Reclamation:
     sigterm_round: bool = False  # the SIGTERM round has been issued (never issued twice)
     sigterm_round_done: bool = False
     sigkill_round: bool = False
+    rounds_in_flight: int = 0  # signal rounds asked for and not yet reported done
     signalled: dict[str, str] = field(default_factory=dict)  # container id -> last signal
     names: dict[str, str] = field(default_factory=dict)
     exited: dict[str, int] = field(default_factory=dict)
@@ -295,8 +296,14 @@ class Reclamation:
                 commands.append(RetryRemoteTaint(self.reclaim_id))
         commands.append(self._deadline_file())
         self.observing = False
+        # Rounds in flight died with the old process. Anything they did not reach is still
+        # running and gets its signal as a stray at the first observation, never a second time.
+        self.rounds_in_flight = 0
+        if self.sigterm_round:
+            self.sigterm_round_done = True
         if not self.sigterm_round:
-            commands.append(SignalContainers(SIGTERM))
+            self.sigterm_round = True
+            commands.append(self._signal(SIGTERM))
         else:
             live = tuple(c for c in self.signalled if c not in self.exited)
             if live:
@@ -382,7 +389,7 @@ class Reclamation:
                 "deadline_file_written",
                 {"terminate_at": self.terminate_at, "grace_deadline": self.grace_deadline},
             ),
-            SignalContainers(SIGTERM),
+            self._signal(SIGTERM),
         ] + self._tick(now)
 
     def _deadline_file(self) -> WriteDeadlineFile:
@@ -404,7 +411,12 @@ class Reclamation:
             commands.append(WatchExits((ev.container,)))
         return commands
 
+    def _signal(self, signal: str, skip: frozenset[str] = frozenset()) -> SignalContainers:
+        self.rounds_in_flight += 1
+        return SignalContainers(signal, skip)
+
     def _round_done(self, now: float, signal: str) -> list[Command]:
+        self.rounds_in_flight = max(0, self.rounds_in_flight - 1)
         if signal == SIGTERM:
             self.sigterm_round_done = True
         return self._observe(now)
@@ -434,21 +446,19 @@ class Reclamation:
 
     def _observed(self, ev: Observed) -> list[Command]:
         self.observing = False
-        if self.verified_at is not None or self.outcome == "cancelled":
-            return []
-        commands: list[Command] = []
+        if self.phase != "draining":
+            return []  # tainting: nothing was signalled yet; done: verified or cancelled
+        # Deadlines first: an observation that comes back after O cannot make O pass unnoticed
+        # (invariant 6: overrun is decided by what was verified by O, not by message order).
+        commands = self._deadlines(ev.now)
         if ev.error:
             # Invariant 5: an observation that failed is not "empty".
             if ev.error != self.last_failure:
                 commands.append(Emit("verification_failed", {"error": ev.error}))
             self.last_failure = ev.error
         elif ev.running or ev.gpu_processes:
-            stray = frozenset(ev.running) - frozenset(self.signalled)
-            if stray and self.phase == "draining":
-                # A container we never signalled (started by hand past the taint): same treatment.
-                signal = SIGKILL if self.sigkill_round else SIGTERM
-                commands.append(SignalContainers(signal, skip=frozenset(self.signalled)))
             self.last_failure = ""
+            commands += self._strays(ev.running)
         else:
             self.verified_at = ev.now
             self.phase = "done"
@@ -460,13 +470,34 @@ class Reclamation:
         self.next_observe_at = ev.now + (0.0 if self.observe_again else self.observe_every_s)
         return commands + self._tick(ev.now)
 
+    def _strays(self, running: tuple[str, ...]) -> list[Command]:
+        """Running containers that lack the signal they are due: never signalled (started by
+        hand, missed by a round that died with the agent), or not yet killed after G."""
+        if self.rounds_in_flight or not self.sigterm_round_done:
+            return []  # a round still under way may reach them: no second SIGTERM
+        if self.sigkill_round:
+            signal = SIGKILL
+            done = frozenset(c for c, sig in self.signalled.items() if sig == SIGKILL)
+        else:
+            signal = SIGTERM
+            done = frozenset(self.signalled)
+        if not frozenset(running) - done:
+            return []
+        return [self._signal(signal, skip=done)]
+
     def _tick(self, now: float) -> list[Command]:
-        commands: list[Command] = []
+        commands = self._deadlines(now)
+        if self.next_observe_at is not None and now >= self.next_observe_at:
+            commands += self._observe(now)
+        return commands
+
+    def _deadlines(self, now: float) -> list[Command]:
         if self.phase == "tainting" and now >= self.taint_answer_by:
             return self._taint_unanswered(now, "no answer within the taint deadline")
+        commands: list[Command] = []
         if self.phase == "draining" and not self.sigkill_round and now >= self.grace_deadline:
             self.sigkill_round = True
-            commands.append(SignalContainers(SIGKILL))
+            commands.append(self._signal(SIGKILL))
         if not self.outcome and self.verified_at is None and now >= self.overrun_at:
             # Invariant 6: work is still there at O (nothing verified it gone). Once.
             self.outcome = "overrun"  # the drain itself goes on: SIGKILL, verification
@@ -481,12 +512,10 @@ class Reclamation:
                     },
                 )
             )
-        if self.next_observe_at is not None and now >= self.next_observe_at:
-            commands += self._observe(now)
         return commands
 
     def _cancelled(self, now: float) -> list[Command]:
-        if self.outcome:
+        if self.phase == "done":
             return [Emit("notice_cancelled", {"lifted": False, "outcome": self.outcome})]
         # "Nothing was stopped yet": still tainting, or the SIGTERM round found no container.
         nothing_stopped = self.phase == "tainting" or (
@@ -494,7 +523,10 @@ class Reclamation:
         )
         if not nothing_stopped:
             # Something was already stopped: the drain goes on under the same deadlines.
-            return [Emit("notice_cancelled", {"lifted": False})]
+            details: dict[str, Any] = {"lifted": False}
+            if self.outcome:
+                details["outcome"] = self.outcome
+            return [Emit("notice_cancelled", details)]
         self.outcome = "cancelled"
         self.phase = "done"
         return [Emit("notice_cancelled", {"lifted": True}), LiftTaints(self.reclaim_id)]

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import BIN
 
+from harness import BIN
 from spotdrain.agent import config
 from spotdrain.cli import UsageError
 

@@ -7,46 +7,13 @@ import json
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
-from dockerenv import remove_test_containers, run_workload
-from fakenvml import FakeGpus, build
-from harness import AgentOptions, start_agent, start_coordinator, wait_until
-from pki import Pki
+
+from dockerenv import run_workload
+from harness import AgentOptions, start_agent, wait_until
 
 pytestmark = pytest.mark.docker
-
-
-@pytest.fixture(scope="session")
-def nvml_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build(tmp_path_factory.mktemp("nvml"))
-
-
-@pytest.fixture
-def gpus(tmp_path: Path) -> FakeGpus:
-    g = FakeGpus(tmp_path / "gpus.state")
-    g.set(gpus=2)
-    return g
-
-
-@pytest.fixture
-def pki(tmp_path: Path) -> Pki:
-    return Pki(tmp_path / "pki")
-
-
-@pytest.fixture
-def coordinator(tmp_path: Path, pki: Pki):
-    coord = start_coordinator(tmp_path / "coordinator", tls=pki)
-    yield coord
-    coord.proc.stop()
-
-
-@pytest.fixture
-def containers(docker_engine, docker_images, request):
-    prefix = f"sdt-{request.node.name[:30]}-{int(time.time() * 1000) % 100000}-"
-    yield prefix
-    remove_test_containers(docker_engine.client, prefix)
 
 
 def test_whole_timeline_on_one_node(

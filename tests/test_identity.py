@@ -8,8 +8,8 @@ import time
 
 import grpc
 import pytest
-from harness import BIN, start_coordinator
 
+from harness import BIN, start_coordinator
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 

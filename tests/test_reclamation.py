@@ -1,0 +1,1019 @@
+"""The agent's reclamation state machine, told as stories on a fake clock.
+
+Short margins keep the numbers readable: the notice arrives at T0 = 1000 with D = T0 + 30, so the
+grace deadline G = D - 10 and the overrun check O = D - 2; the coordinator has 0.8 s to answer
+the taint (shared/DESIGN.md "Hard notice timeline"). Nothing here sleeps or does I/O: time is the
+`now` of each event.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from spotdrain.agent.notice import Notice
+from spotdrain.agent.reclamation import (
+    SIGKILL,
+    SIGTERM,
+    ApplyLocalTaint,
+    Cancelled,
+    Command,
+    ContainerExited,
+    ContainerSignalled,
+    Emit,
+    Event,
+    LiftTaints,
+    Margins,
+    Observe,
+    Observed,
+    Reclamation,
+    RequestTaint,
+    RetryRemoteTaint,
+    SignalContainers,
+    SignalRoundDone,
+    TaintAnswered,
+    TaintUnanswered,
+    Tick,
+    WatchExits,
+    WriteDeadlineFile,
+    reclaim_id_for,
+)
+
+T0 = 1000.0
+D = T0 + 30
+G = D - 10
+O = D - 2  # noqa: E741 - the name DESIGN.md gives the overrun check
+MARGINS = Margins(
+    default_notice_s=30, grace_s=10, overrun_s=2, taint_answer_s=0.8, observe_every_s=0.5
+)
+NODE = "gpu-node-7"
+
+
+def notice(terminate_at: float | None = D, notice_id: str = "i-0abc") -> Notice:
+    return Notice(
+        key="id:" + notice_id,
+        notice_id=notice_id,
+        action="terminate",
+        terminate_at=terminate_at,
+        source="aws-imds",
+    )
+
+
+# --- matching whole command lists ------------------------------------------------------------
+
+
+class match:  # noqa: N801 - reads as a value in the expected lists
+    """Equal to a command of type `cls` whose given fields are equal (the others may vary)."""
+
+    def __init__(self, cls: type, **partial: Any) -> None:
+        self.cls, self.partial = cls, partial
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is self.cls and all(
+            getattr(other, k) == v for k, v in self.partial.items()
+        )
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.partial.items())
+        return f"match({self.cls.__name__}, {fields})"
+
+
+class emit(match):  # noqa: N801
+    """Equal to Emit(kind, details) whose details include the given ones."""
+
+    def __init__(self, kind: str, **details: Any) -> None:
+        super().__init__(Emit, kind=kind)
+        self.details = details
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            super().__eq__(other)
+            and isinstance(other, Emit)
+            and all(k in other.details and other.details[k] == v for k, v in self.details.items())
+        )
+
+    def __repr__(self) -> str:
+        fields = "".join(f", {k}={v!r}" for k, v in self.details.items())
+        return f"emit({self.partial['kind']!r}{fields})"
+
+
+def kinds(commands: list[Command]) -> list[str]:
+    """A log as words: Emit kinds, and `SignalContainers(SIGTERM)` for the signal rounds."""
+    out = []
+    for c in commands:
+        if isinstance(c, Emit):
+            out.append(c.kind)
+        elif isinstance(c, SignalContainers):
+            out.append(f"SignalContainers({c.signal})")
+        else:
+            out.append(type(c).__name__)
+    return out
+
+
+EVICT = [
+    match(WriteDeadlineFile, terminate_at=D, grace_deadline=G, reason="notice"),
+    emit("deadline_file_written", terminate_at=D, grace_deadline=G),
+    SignalContainers(SIGTERM),
+]
+LOCAL_FALLBACK = [
+    match(ApplyLocalTaint),
+    emit("tainted", mode="local"),
+    match(RetryRemoteTaint),
+]
+
+
+# --- the story recorder, with invariants checked at teardown -------------------------------
+
+
+def check_story(log: list[tuple[float, Command]], rec: Reclamation, deadlines: tuple) -> None:
+    """The invariants every story keeps, whatever happened (shared/DESIGN.md "Invariants")."""
+    commands = [c for _, c in log]
+    names = kinds(commands)
+    # Invariant 1: no signal before a taint is in force (and a local taint before its event).
+    if any(isinstance(c, SignalContainers) for c in commands):
+        first_signal = next(i for i, c in enumerate(commands) if isinstance(c, SignalContainers))
+        assert "tainted" in names[:first_signal], names
+    for i, c in enumerate(commands):
+        if c == emit("tainted", mode="local"):
+            assert any(isinstance(p, ApplyLocalTaint) for p in commands[:i]), names
+    # Invariant 5 and 6: one outcome, once.
+    assert names.count("drained") <= 1 and names.count("overrun") <= 1, names
+    assert not ("drained" in names and "overrun" in names), names
+    assert names.count("verified_empty") <= 1, names
+    # Nothing is verified or drained before the node is tainted.
+    for kind in ("verified_empty", "drained"):
+        if kind in names:
+            assert "tainted" in names[: names.index(kind)], names
+    # Invariant 6: drained only before O.
+    for now, c in log:
+        if c == emit("drained"):
+            assert now < rec.overrun_at, (now, rec.overrun_at)
+    # Every event carries the time of the fact that caused it (DESIGN.md "Lifecycle events").
+    for now, c in log:
+        if isinstance(c, Emit):
+            assert getattr(c, "at", now) == now, (now, c)
+    # Invariant 2: the deadlines never move.
+    assert (rec.reclaim_id, rec.terminate_at, rec.grace_deadline, rec.overrun_at) == deadlines
+    # Once cancelled with the taints lifted, no container is ever signalled.
+    if "LiftTaints" in names:
+        after = names[names.index("LiftTaints") :]
+        assert not any(n.startswith("SignalContainers") for n in after), names
+
+
+@dataclass
+class Story:
+    """One reclamation driven through the machine; every command is logged with its time."""
+
+    margins: Margins = MARGINS
+    rec: Reclamation = field(init=False)
+    log: list[tuple[float, Command]] = field(default_factory=list)
+    deadlines: tuple = ()
+
+    def begin(self, n: Notice | None = None, now: float = T0) -> list[Command]:
+        self.rec, commands = Reclamation.begin(n or notice(), NODE, now, self.margins)
+        self.deadlines = self._deadlines()
+        return self._log(now, commands)
+
+    def __call__(self, event: Event) -> list[Command]:
+        return self._log(event.now, self.rec.handle(event))
+
+    def restart(self, now: float) -> list[Command]:
+        """The agent process dies and comes back: only the persisted bundle survives."""
+        bundle = json.loads(json.dumps(self.rec.to_json()))
+        self.rec = Reclamation.from_json(bundle)
+        return self._log(now, self.rec.resume(now))
+
+    def check(self) -> None:
+        check_story(self.log, self.rec, self.deadlines)
+
+    @property
+    def kinds(self) -> list[str]:
+        return kinds([c for _, c in self.log])
+
+    def _deadlines(self) -> tuple:
+        r = self.rec
+        return (r.reclaim_id, r.terminate_at, r.grace_deadline, r.overrun_at)
+
+    def _log(self, now: float, commands: list[Command]) -> list[Command]:
+        self.log += [(now, c) for c in commands]
+        return commands
+
+
+@pytest.fixture
+def story() -> Story:
+    s = Story()
+    yield s
+    s.check()  # like dask's validate_state(): every story keeps the invariants
+
+
+def signalled(c: str, now: float, signal: str = SIGTERM) -> ContainerSignalled:
+    return ContainerSignalled(now, container=c, name=f"job-{c}", signal=signal, via="api")
+
+
+def exited(c: str, now: float, code: int = 0) -> ContainerExited:
+    return ContainerExited(now, container=c, name=f"job-{c}", exit_code=code)
+
+
+def tainted_with(story: Story, *containers: str, now: float = T0 + 0.05) -> None:
+    """The opening everyone shares: notice, remote taint, SIGTERM round over `containers`."""
+    story.begin()
+    story(TaintAnswered(now))
+    for c in containers:
+        story(signalled(c, now + 0.01))
+    assert story(SignalRoundDone(now + 0.02, SIGTERM)) == [Observe()]
+
+
+# --- the healthy path ------------------------------------------------------------------------
+
+
+def test_healthy_coordinator_two_jobs_checkpoint_and_the_node_drains_with_time_to_spare(
+    story: Story,
+) -> None:
+    """AWS gives 30 s. The coordinator taints at once, two training jobs checkpoint on SIGTERM,
+    the GPUs empty, and the node reports drained with 29.35 s to spare."""
+    assert story.begin() == [
+        emit(
+            "notice_received",
+            notice_id="i-0abc",
+            action="terminate",
+            source="aws-imds",
+            reason="notice",
+            t0=T0,
+            terminate_at=D,
+            grace_deadline=G,
+            overrun_at=O,
+            late=False,
+        ),
+        RequestTaint(story.rec.reclaim_id, answer_by=T0 + 0.8),
+    ]
+    assert story.rec.next_wakeup() == T0 + 0.8
+
+    # Invariant 1: the taint is in force strictly before the deadline file and the SIGTERM.
+    assert story(TaintAnswered(T0 + 0.05)) == [emit("tainted", mode="remote"), *EVICT]
+    assert story(signalled("c1", T0 + 0.06)) == [
+        emit("sigterm_sent", container="c1", name="job-c1", via="api"),
+        WatchExits(("c1",)),
+    ]
+    assert story(signalled("c2", T0 + 0.07)) == [emit("sigterm_sent"), WatchExits(("c2",))]
+    assert story(SignalRoundDone(T0 + 0.08, SIGTERM)) == [Observe()]
+    # Both still checkpointing, one CUDA process each: nothing to report yet.
+    assert story(Observed(T0 + 0.1, running=("c1", "c2"), gpu_processes=(4101, 4102))) == []
+    assert story.rec.next_wakeup() == pytest.approx(T0 + 0.6)
+
+    assert story(exited("c1", T0 + 0.3)) == [emit("container_exited", container="c1", exit_code=0)]
+    # The last exit: verify at once rather than at the next periodic look.
+    assert story(exited("c2", T0 + 0.5)) == [
+        emit("container_exited", container="c2", exit_code=0),
+        Observe(),
+    ]
+    assert story(Observed(T0 + 0.65)) == [
+        emit("verified_empty"),
+        emit("drained", spare_s=pytest.approx(29.35)),
+    ]
+    assert story.rec.finished and story.rec.next_wakeup() is None
+    # A late, duplicate exit report changes nothing.
+    assert story(exited("c2", T0 + 0.7)) == []
+
+
+@pytest.mark.parametrize(
+    "silence",
+    [
+        pytest.param(Tick(T0 + 0.8), id="the-800ms-timer-fires"),
+        pytest.param(TaintUnanswered(T0 + 0.8, error="DEADLINE_EXCEEDED"), id="the-call-fails"),
+    ],
+)
+def test_silent_coordinator_the_agent_taints_locally_and_signals_anyway(
+    story: Story, silence: Event
+) -> None:
+    """The coordinator is down. After 800 ms the agent applies its own taint, keeps retrying the
+    remote one in the background, and signals the jobs; when the coordinator finally answers it
+    is told, but nobody gets a second SIGTERM."""
+    story.begin()
+    assert story(silence) == [*LOCAL_FALLBACK, *EVICT]
+    assert story(signalled("c1", T0 + 0.81)) == [emit("sigterm_sent"), WatchExits(("c1",))]
+    # The background retry lands 5 s later.
+    assert story(TaintAnswered(T0 + 5)) == [emit("tainted", mode="remote", after_local=True)]
+    # The original call's failure, or a duplicate answer, arriving late is not news.
+    assert story(TaintUnanswered(T0 + 5.1, error="UNAVAILABLE")) == []
+    assert story(TaintAnswered(T0 + 5.2)) == []
+    assert story.kinds.count("SignalContainers(SIGTERM)") == 1
+    assert story.rec.taint_mode == "local" and story.rec.remote_taint
+
+
+def test_a_job_ignoring_sigterm_is_killed_at_the_grace_deadline_exactly_once(
+    story: Story,
+) -> None:
+    """A renderer traps SIGTERM and keeps going. At G it gets SIGKILL; one more tick a second
+    later does not start a second kill round. It dies with 137 and the node still drains."""
+    tainted_with(story, "c1")
+    assert story(Observed(T0 + 0.2, running=("c1",), gpu_processes=(777,))) == []
+    assert story.rec.next_wakeup() == pytest.approx(T0 + 0.7)
+    assert story(Tick(T0 + 0.75)) == [Observe()]
+    assert story(Observed(T0 + 0.8, running=("c1",), gpu_processes=(777,))) == []
+    assert story.rec.next_wakeup() == pytest.approx(T0 + 1.3)
+    # The shell sleeps to G (say re-observation was slow); the kill round comes first.
+    assert story(Tick(G)) == [SignalContainers(SIGKILL), Observe()]
+    assert story(signalled("c1", G + 0.01, SIGKILL)) == [
+        emit("sigkill_sent", container="c1", via="api")
+    ]  # no second WatchExits: c1 is already watched
+    assert story(Observed(G + 0.1, running=("c1",), gpu_processes=(777,))) == []
+    assert story(Tick(G + 1)) == [Observe()]
+    assert story(exited("c1", G + 1.05, code=137)) == [emit("container_exited", exit_code=137)]
+    assert story(Observed(G + 1.1)) == [
+        emit("verified_empty"),
+        emit("drained", spare_s=pytest.approx(8.9)),
+    ]
+    assert story.kinds.count("SignalContainers(SIGKILL)") == 1
+
+
+# --- when verification cannot succeed -------------------------------------------------------
+
+
+def test_a_gpu_process_outliving_every_container_is_an_overrun_and_never_drained(
+    story: Story,
+) -> None:
+    """The container is gone but a zombie CUDA process (pid 4242) still holds the GPU. The node
+    is not empty: at O it is an overrun, once; when the process finally disappears the emptiness
+    is recorded, but the node never counts as drained (invariant 6)."""
+    tainted_with(story, "c1")
+    assert story(exited("c1", T0 + 1)) == [emit("container_exited")]  # an Observe is in flight
+    assert story(Observed(T0 + 1.1, gpu_processes=(4242,))) == [Observe()]  # asked again
+    assert story(Observed(T0 + 1.2, gpu_processes=(4242,))) == []
+    assert story(Tick(T0 + 1.75)) == [Observe()]
+    assert story(Observed(T0 + 1.8, gpu_processes=(4242,))) == []
+    assert story(Tick(G)) == [SignalContainers(SIGKILL), Observe()]
+    assert story(SignalRoundDone(G + 0.1, SIGKILL)) == []  # an Observe is in flight
+    assert story(Observed(G + 0.2, gpu_processes=(4242,))) == [Observe()]
+    assert story(Observed(G + 0.3, gpu_processes=(4242,))) == []
+    assert story.rec.next_wakeup() == pytest.approx(G + 0.8)
+
+    assert story(Tick(O)) == [
+        emit("overrun", still_running=[], last_failure=""),
+        Observe(),
+    ]
+    assert story(Observed(O + 0.1, gpu_processes=(4242,))) == []
+    assert story(Tick(O + 0.65)) == [Observe()]
+    assert story(Tick(O + 0.7)) == []
+    assert story(Observed(O + 1, gpu_processes=(4242,))) == []
+    assert story(Tick(D - 0.45)) == [Observe()]
+    assert story(Observed(D - 0.4)) == [emit("verified_empty")]  # not drained
+    assert story.rec.finished and story.rec.next_wakeup() is None
+    assert story(Tick(D)) == []
+    assert story.kinds.count("overrun") == 1 and "drained" not in story.kinds
+
+
+def test_the_drain_goes_on_after_an_overrun(story: Story) -> None:
+    """O passes with a job still running: the overrun is recorded, but the agent keeps killing
+    and looking. A job someone starts after O is killed too, and the emptiness is recorded
+    when it comes (never as drained)."""
+    tainted_with(story, "c1")
+    assert story(Observed(T0 + 0.2, running=("c1",))) == []
+    assert story(Tick(G)) == [SignalContainers(SIGKILL), Observe()]
+    assert story(signalled("c1", G + 0.05, SIGKILL)) == [emit("sigkill_sent")]
+    assert story(SignalRoundDone(G + 0.06, SIGKILL)) == []  # a look is in flight: again after
+    assert story(Observed(G + 0.1, running=("c1",))) == [Observe()]  # dying, killed already
+    assert story(Observed(G + 0.2, running=("c1",))) == []
+    assert story(Tick(O)) == [emit("overrun", still_running=["job-c1"]), Observe()]
+    assert story(Observed(O + 0.1, running=("c1", "c7"))) == [
+        SignalContainers(SIGKILL, skip=frozenset({"c1"}))
+    ]
+    assert story(signalled("c7", O + 0.2, SIGKILL)) == [emit("sigkill_sent"), WatchExits(("c7",))]
+    assert story(exited("c1", O + 0.3, code=137)) == [emit("container_exited")]
+    assert story(exited("c7", O + 0.4, code=137)) == [emit("container_exited"), Observe()]
+    assert story(Observed(O + 0.5)) == [emit("verified_empty")]
+    assert story.rec.finished and story.rec.next_wakeup() is None
+
+
+def test_a_drain_under_the_local_taint_stays_open_until_the_coordinator_has_the_taint(
+    story: Story,
+) -> None:
+    """The coordinator is down for the whole drain. The node drains under its local taint; the
+    reclamation is not finished while the coordinator does not know the node is tainted, and a
+    restart keeps retrying. When the retry lands, it is done."""
+    story.begin()
+    story(Tick(T0 + 0.8))
+    assert story(SignalRoundDone(T0 + 0.9, SIGTERM)) == [Observe()]
+    assert story(Observed(T0 + 1)) == [emit("verified_empty"), emit("drained", spare_s=29.0)]
+    assert not story.rec.finished
+    assert story.restart(T0 + 5) == [match(RetryRemoteTaint)]
+    assert story(TaintAnswered(T0 + 6)) == [emit("tainted", mode="remote", after_local=True)]
+    assert story.rec.finished and story.rec.next_wakeup() is None
+    assert story.restart(T0 + 7) == []
+
+
+def test_nvml_and_docker_errors_are_never_empty_and_are_reported_once_each(story: Story) -> None:
+    """NVML reports the GPU lost, then Docker times out. A failed look is not an empty node
+    (invariant 5): each distinct failure is reported once, not on every retry, and at O the
+    node is an overrun carrying the last failure."""
+    tainted_with(story)  # the SIGTERM round found no container
+    lost = "nvmlDeviceGetComputeRunningProcesses: NVML_ERROR_GPU_IS_LOST"
+    docker = "docker: list containers: read timeout"
+    assert story(Observed(T0 + 0.2, error=lost)) == [emit("verification_failed", error=lost)]
+    assert story(Tick(T0 + 0.75)) == [Observe()]
+    assert story(Observed(T0 + 0.8, error=lost)) == []  # the same failure again: no new event
+    assert story(Tick(T0 + 1.35)) == [Observe()]
+    assert story(Observed(T0 + 1.4, error=docker)) == [emit("verification_failed", error=docker)]
+    assert story(Tick(T0 + 1.95)) == [Observe()]
+    assert story(Observed(T0 + 2.0, error=docker)) == []
+    assert story(Tick(G)) == [SignalContainers(SIGKILL), Observe()]
+    assert story(Observed(G + 0.1, error=docker)) == []
+    assert story(Tick(O)) == [emit("overrun", last_failure=docker), Observe()]
+    assert story(Observed(O + 0.1, error=docker)) == []
+    assert "verified_empty" not in story.kinds and "drained" not in story.kinds
+    assert story.kinds.count("verification_failed") == 2
+
+
+# --- restarts and deadlines ------------------------------------------------------------------
+
+
+def test_an_agent_restart_mid_drain_keeps_the_deadlines_and_sends_no_second_sigterm(
+    story: Story,
+) -> None:
+    """systemd restarts the agent 12 s into the drain. It reloads the bundle: same D, G and O,
+    one job already gone, the other still watched; nobody gets SIGTERM twice (invariants 2, 8)."""
+    tainted_with(story, "c1", "c2")
+    story(exited("c1", T0 + 3))
+    before = story.rec.to_json()
+
+    assert story.restart(T0 + 12) == [
+        match(WriteDeadlineFile, terminate_at=D, grace_deadline=G),
+        WatchExits(("c2",)),
+        Observe(),
+    ]
+    after = story.rec.to_json()
+    for key in ("t0", "terminate_at", "grace_deadline", "overrun_at", "reclaim_id", "signalled"):
+        assert after[key] == before[key]
+    assert story(Observed(T0 + 12.1, running=("c2",))) == []  # c2 is known: not a stray
+    assert story(Tick(G)) == [SignalContainers(SIGKILL), Observe()]
+
+
+def test_a_restart_after_the_local_fallback_reapplies_the_local_taint_and_keeps_retrying(
+    story: Story,
+) -> None:
+    """The coordinator is down and the agent crashes after its local fallback. The local taint
+    (the agent's own start refusal) and the background retry come back with it."""
+    story.begin()
+    story(Tick(T0 + 0.8))
+    story(signalled("c1", T0 + 0.9))
+    assert story.restart(T0 + 4) == [
+        match(ApplyLocalTaint),
+        match(RetryRemoteTaint),
+        match(WriteDeadlineFile, terminate_at=D),
+        WatchExits(("c1",)),
+        Observe(),
+    ]
+
+
+def test_an_agent_down_through_the_grace_deadline_kills_and_records_the_overrun_on_return(
+    story: Story,
+) -> None:
+    """The agent is down from T0+1 until past O. On return, the deadlines have passed: it kills
+    what is left and records the overrun at once; it does not grant itself new time."""
+    tainted_with(story, "c1")
+    assert story.restart(O + 0.5) == [
+        match(WriteDeadlineFile),
+        WatchExits(("c1",)),
+        Observe(),
+        SignalContainers(SIGKILL),
+        emit("overrun", still_running=["job-c1"]),
+    ]
+
+
+def test_a_restart_while_the_taint_call_was_in_flight_asks_again(story: Story) -> None:
+    """The agent dies 0.3 s after sending the Taint call: it asks again, with a fresh 800 ms."""
+    story.begin()
+    assert story.restart(T0 + 0.3) == [match(RequestTaint, answer_by=pytest.approx(T0 + 1.1))]
+    assert story.rec.next_wakeup() == pytest.approx(T0 + 1.1)
+    assert story(Tick(T0 + 1.0)) == []
+    assert story(Tick(T0 + 1.15)) == [*LOCAL_FALLBACK, *EVICT]
+
+
+def test_a_restart_right_after_the_sigterm_round_was_persisted_catches_the_jobs_as_strays(
+    story: Story,
+) -> None:
+    """The bundle says 'SIGTERM round issued' but the agent died before delivering it. The
+    round is not repeated blindly; the first observation finds the unsignalled jobs and
+    signals exactly them."""
+    story.begin()
+    story(TaintAnswered(T0 + 0.05))
+    assert story.restart(T0 + 2) == [match(WriteDeadlineFile), Observe()]
+    assert story(Observed(T0 + 2.1, running=("c1", "c2"))) == [SignalContainers(SIGTERM)]
+
+
+def test_a_restart_right_after_the_sigkill_round_was_persisted_still_kills(story: Story) -> None:
+    """The agent persisted 'SIGKILL round issued' at G and died before the Docker calls. The
+    job that ignores SIGTERM must still be killed after the restart."""
+    tainted_with(story, "c1")
+    story(Tick(G))
+    commands = story.restart(G + 1)
+    assert SignalContainers(SIGKILL) in commands or any(
+        isinstance(c, SignalContainers) and c.signal == SIGKILL
+        for c in story(Observed(G + 1.1, running=("c1",)))
+    )
+
+
+def test_two_restarts_while_tainting_each_give_800ms_not_more(story: Story) -> None:
+    """The agent crash-loops while the Taint call is in flight: restarted at T0+10 and T0+20.
+    Each restart may wait 800 ms for the coordinator, not 10.8 s (invariant 2: a restart never
+    extends a deadline)."""
+    story.begin()
+    assert story.restart(T0 + 10) == [match(RequestTaint, answer_by=pytest.approx(T0 + 10.8))]
+    assert story.restart(T0 + 20) == [match(RequestTaint, answer_by=pytest.approx(T0 + 20.8))]
+
+
+def test_next_wakeup_never_sleeps_past_a_pending_deadline(story: Story) -> None:
+    """The shell sleeps until next_wakeup(). It must wake by the taint deadline, by G while no
+    SIGKILL round was sent, and by O while there is no outcome."""
+    story.begin()
+    assert story.rec.next_wakeup() == T0 + 0.8
+    story(TaintAnswered(T0 + 0.05))
+    story(signalled("c1", T0 + 0.06))
+    story(SignalRoundDone(T0 + 0.07, SIGTERM))  # Observe in flight, nothing else scheduled
+    assert story.rec.next_wakeup() == G
+    story(Observed(T0 + 0.1, running=("c1",)))
+    assert story.rec.next_wakeup() == pytest.approx(T0 + 0.6)
+    story(Tick(G))  # SIGKILL round sent, Observe in flight
+    assert story.rec.next_wakeup() == O
+    story(Tick(O))
+    assert story.rec.next_wakeup() is None  # overrun recorded; an Observe is in flight
+
+
+def test_a_slow_observation_does_not_make_the_shell_spin(story: Story) -> None:
+    """NVML takes 3 s to answer. The last job exits meanwhile, which asks for another look.
+    The shell's timer must not fire again and again while the first look is still out; the
+    second look goes out the moment the first returns."""
+    tainted_with(story, "c1")  # Observe in flight from the round
+    assert story(exited("c1", T0 + 0.5)) == [emit("container_exited")]  # 'look again'
+    for now in (T0 + 0.6, T0 + 0.7, T0 + 0.8):
+        wake = story.rec.next_wakeup()
+        assert wake is not None and wake > now, f"woken at {now} for {wake}, to do nothing"
+        assert story(Tick(now)) == []
+    # The slow look was taken before the exit: it still sees c1. Look again at once.
+    assert story(Observed(T0 + 3, running=("c1",))) == [Observe()]
+    assert story(Observed(T0 + 3.1)) == [emit("verified_empty"), emit("drained")]
+
+
+# --- a notice that is already late ----------------------------------------------------------
+
+
+def test_a_notice_already_past_its_deadline_signals_kills_and_records_the_overrun(
+    story: Story,
+) -> None:
+    """The relay was down and the notice arrives 5 s after D. Once the node is tainted, SIGTERM
+    and SIGKILL go out at once and the overrun is recorded: never drained."""
+    late = notice(terminate_at=T0 - 5)
+    assert story.begin(late) == [
+        emit("notice_received", terminate_at=T0 - 5, late=True),
+        match(RequestTaint, answer_by=T0 + 0.8),
+    ]
+    assert story(TaintAnswered(T0 + 0.05)) == [
+        emit("tainted", mode="remote"),
+        match(WriteDeadlineFile, terminate_at=T0 - 5, grace_deadline=T0 - 15),
+        emit("deadline_file_written"),
+        SignalContainers(SIGTERM),
+        SignalContainers(SIGKILL),
+        emit("overrun"),
+    ]
+    story(signalled("c1", T0 + 0.06, SIGKILL))
+    story(SignalRoundDone(T0 + 0.07, SIGKILL))
+    assert story(Observed(T0 + 0.2)) == [emit("verified_empty")]
+
+
+def test_a_late_notice_is_still_signalled_when_the_shell_ticks_at_next_wakeup(
+    story: Story,
+) -> None:
+    """Same late notice, but the shell does what next_wakeup() says: O is already past, so it
+    ticks at once, before the coordinator answers. The overrun is recorded then; the jobs still
+    get SIGTERM and SIGKILL once the taint is in force."""
+    story.begin(notice(terminate_at=T0 - 5))
+    wake = story.rec.next_wakeup()
+    assert wake is not None and wake <= T0
+    assert story(Tick(T0)) == [emit("overrun", still_running=[])]
+    assert story(TaintAnswered(T0 + 0.05)) == [
+        emit("tainted", mode="remote"),
+        match(WriteDeadlineFile, terminate_at=T0 - 5),
+        emit("deadline_file_written"),
+        SignalContainers(SIGTERM),
+        SignalContainers(SIGKILL),
+    ]
+
+
+def test_a_tight_notice_with_a_silent_coordinator_still_falls_back_to_the_local_taint(
+    story: Story,
+) -> None:
+    """D is T0+2.5 (O = T0+0.5) and the coordinator is down. O passes while the agent is still
+    waiting on the Taint call; at T0+0.8 it must still taint locally and signal."""
+    story.begin(notice(terminate_at=T0 + 2.5))
+    assert story(Tick(T0 + 0.5)) == [emit("overrun")]  # O: nothing verified it empty
+    assert story(Tick(T0 + 0.8)) == [
+        *LOCAL_FALLBACK,
+        match(WriteDeadlineFile, terminate_at=T0 + 2.5, grace_deadline=T0 - 7.5),
+        emit("deadline_file_written"),
+        SignalContainers(SIGTERM),
+        SignalContainers(SIGKILL),  # G = D - 10 is long past
+    ]
+    assert story(signalled("c1", T0 + 0.9, SIGKILL)) == [emit("sigkill_sent"), WatchExits(("c1",))]
+    assert story(SignalRoundDone(T0 + 1, SIGKILL)) == [Observe()]
+    assert story(Observed(T0 + 1.1)) == [emit("verified_empty")]  # never drained
+
+
+@pytest.mark.parametrize("when", [O, D + 1], ids=["at-O", "after-D"])
+def test_an_empty_observation_arriving_after_o_is_not_a_drain(when: float) -> None:
+    """The last look was slow and comes back only at `when`, before the shell's timer for O has
+    fired. Nothing verified the node empty by O: that is an overrun, not a drain."""
+    story = Story()  # no teardown check: this story breaks it
+    tainted_with(story, "c1")
+    story(exited("c1", T0 + 1))
+    story(Observed(T0 + 1.1, running=("c1",)))  # the in-flight look predates the exit
+    outcome = kinds(story(Observed(when)))
+    assert "drained" not in outcome and "overrun" in story.kinds, outcome
+
+
+# --- cancellation ----------------------------------------------------------------------------
+
+
+def test_a_cancel_while_tainting_lifts_the_taints_and_nothing_is_ever_signalled(
+    story: Story,
+) -> None:
+    """The provider withdraws the notice 100 ms in, before the taint answered: the node goes
+    back to work and no job is touched, even when the old timers still fire."""
+    story.begin()
+    assert story(Cancelled(T0 + 0.1)) == [
+        emit("notice_cancelled", lifted=True),
+        LiftTaints(story.rec.reclaim_id),
+    ]
+    assert story.rec.finished and story.rec.next_wakeup() is None
+    for later in (TaintAnswered(T0 + 0.2), Tick(T0 + 0.8), Tick(G), Tick(O), Tick(D)):
+        assert story(later) == []
+    assert story(Cancelled(T0 + 40)) == [
+        emit("notice_cancelled", lifted=False, outcome="cancelled")
+    ]  # recorded either way
+
+
+def test_a_cancel_after_jobs_were_signalled_is_recorded_and_the_drain_goes_on(
+    story: Story,
+) -> None:
+    """The notice is withdrawn after a job already got SIGTERM: it is checkpointing and
+    leaving, so the taints stay and the drain finishes under the same deadlines."""
+    tainted_with(story, "c1")
+    assert story(Cancelled(T0 + 1)) == [emit("notice_cancelled", lifted=False)]
+    assert story(Observed(T0 + 1.1, running=("c1",))) == []
+    assert story(Tick(G)) == [SignalContainers(SIGKILL), Observe()]
+    assert story(exited("c1", G + 0.5, code=137)) == [emit("container_exited")]
+    assert story(Observed(G + 0.6)) == [
+        emit("verified_empty"),
+        emit("drained", spare_s=pytest.approx(9.4)),
+    ]
+
+
+def test_a_cancel_after_the_sigterm_round_found_nothing_lifts_the_taints(story: Story) -> None:
+    """The node ran no job when the notice came: nothing was stopped, so a cancel hands the node
+    straight back."""
+    tainted_with(story)
+    assert story(Cancelled(T0 + 0.2)) == [
+        emit("notice_cancelled", lifted=True),
+        LiftTaints(story.rec.reclaim_id),
+    ]
+    assert story(Observed(T0 + 0.3)) == []  # the look in flight no longer matters
+    assert story(Tick(G)) == [] and story(Tick(O)) == []
+
+
+def test_a_cancel_of_a_late_notice_before_anything_was_stopped_lifts_the_taints(
+    story: Story,
+) -> None:
+    """A notice already past its D arrives and the overrun is recorded at once; 100 ms later,
+    before the coordinator answered the taint, the provider cancels it. Nothing was stopped:
+    the taints are lifted and no job is ever signalled."""
+    story.begin(notice(terminate_at=T0 - 5))
+    assert story(Tick(T0)) == [emit("overrun")]
+    assert story(Cancelled(T0 + 0.1)) == [
+        emit("notice_cancelled", lifted=True),
+        LiftTaints(story.rec.reclaim_id),
+    ]
+    assert story(Tick(T0 + 0.8)) == []
+
+
+def test_a_cancel_after_the_drain_is_recorded_but_changes_nothing(story: Story) -> None:
+    tainted_with(story)
+    story(Observed(T0 + 0.2))
+    assert story(Cancelled(T0 + 1)) == [
+        emit("notice_cancelled", lifted=False, outcome="drained")
+    ]
+
+
+# --- strays and failures ---------------------------------------------------------------------
+
+
+def test_a_container_started_by_hand_during_the_drain_is_signalled_like_the_rest(
+    story: Story,
+) -> None:
+    """An operator `docker run`s a job with the node label past the taint. The next look sees
+    it: it gets SIGTERM (the others are skipped), and after G a later stray gets SIGKILL."""
+    tainted_with(story, "c1")
+    assert story(Observed(T0 + 1, running=("c1", "c9"))) == [
+        SignalContainers(SIGTERM, skip=frozenset({"c1"}))
+    ]
+    assert story(signalled("c9", T0 + 1.1)) == [emit("sigterm_sent"), WatchExits(("c9",))]
+    assert story(SignalRoundDone(T0 + 1.2, SIGTERM)) == [Observe()]
+    assert story(Observed(T0 + 1.3, running=("c1", "c9"))) == []  # both have had SIGTERM
+    assert story(Tick(G)) == [SignalContainers(SIGKILL), Observe()]
+    assert story(signalled("c1", G + 0.01, SIGKILL)) == [emit("sigkill_sent")]
+    assert story(signalled("c9", G + 0.02, SIGKILL)) == [emit("sigkill_sent")]
+    assert story(SignalRoundDone(G + 0.03, SIGKILL)) == []  # a look is in flight
+    assert story(Observed(G + 0.1, running=("c1", "c9", "c10"))) == [
+        SignalContainers(SIGKILL, skip=frozenset({"c1", "c9"})),
+        Observe(),
+    ]
+
+
+def test_a_signal_that_could_not_be_delivered_is_reported_and_retried_as_a_stray(
+    story: Story,
+) -> None:
+    """The engine hangs and the pid route fails too: the failure is an event, not a crash,
+    and the container, still unsignalled, is signalled again at the next look."""
+    story.begin()
+    story(TaintAnswered(T0 + 0.05))
+    failed = ContainerSignalled(T0 + 2, "c1", "job-c1", SIGTERM, via="pid", error="ESRCH")
+    assert story(failed) == [
+        emit("signal_failed", container="c1", signal=SIGTERM, via="pid", error="ESRCH")
+    ]
+    assert story(SignalRoundDone(T0 + 2.1, SIGTERM)) == [Observe()]
+    assert story(Observed(T0 + 2.2, running=("c1",))) == [SignalContainers(SIGTERM)]
+
+
+# --- configuration and identity --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "margins",
+    [
+        dict(grace_s=10, overrun_s=11),
+        dict(overrun_s=-1),
+        dict(taint_answer_s=0),
+        dict(observe_every_s=0),
+        dict(default_notice_s=-5),
+    ],
+    ids=["overrun-beyond-grace", "negative-overrun", "no-taint-time", "no-observe", "no-notice"],
+)
+def test_margins_that_would_break_the_timeline_are_refused(margins: dict[str, float]) -> None:
+    """An overrun check before the grace deadline would count an overrun before SIGKILL."""
+    with pytest.raises(ValueError, match="margin"):
+        Margins(**margins)
+
+
+def test_equal_grace_and_overrun_margins_are_allowed() -> None:
+    assert Margins(grace_s=5, overrun_s=5).overrun_s == 5
+
+
+def test_the_reclamation_id_is_deterministic_and_per_node() -> None:
+    """A restarted agent and a duplicate notice name the same reclamation; two nodes receiving
+    the same provider notice id do not."""
+    one = reclaim_id_for("gpu-node-7", "id:i-0abc")
+    assert one == reclaim_id_for("gpu-node-7", "id:i-0abc")
+    assert one != reclaim_id_for("gpu-node-8", "id:i-0abc")
+    assert one != reclaim_id_for("gpu-node-7", "id:i-0abd")
+    assert one.startswith("rcl-") and len(one) == 20
+    # No ambiguity from concatenation.
+    assert reclaim_id_for("a", "bc") != reclaim_id_for("ab", "c")
+
+
+def test_a_notice_without_a_time_gets_the_default_notice_period() -> None:
+    rec, _ = Reclamation.begin(notice(terminate_at=None), NODE, T0, MARGINS)
+    assert (rec.terminate_at, rec.grace_deadline, rec.overrun_at) == (D, G, O)
+
+
+def test_a_bundle_with_unknown_fields_is_refused() -> None:
+    """A bundle from a newer agent is not silently half-read."""
+    rec, _ = Reclamation.begin(notice(), NODE, T0, MARGINS)
+    with pytest.raises(ValueError, match="unknown fields"):
+        Reclamation.from_json({**rec.to_json(), "extended_deadline": D + 60})
+
+
+# --- property: any order of what the world can do ----------------------------------------
+
+
+DELAYS = st.sampled_from([0.0, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 2.0, 5.0])
+SHORT_DELAYS = st.sampled_from([0.0, 0.05, 0.1, 0.3, 0.8])
+POOL = ("c1", "c2", "c3")
+
+
+class ReclamationWorld(RuleBasedStateMachine):
+    """A node with a few jobs and GPU processes, a shell that carries out the machine's commands
+    and wakes when next_wakeup() says, and a world that does anything in any order: jobs exit on
+    their own or not at all, signals fail, NVML errs, the coordinator answers late or never, the
+    agent restarts, the notice is cancelled. The story's invariants must hold after every step."""
+
+    @initialize(
+        d_offset=st.sampled_from([None, 30.0, 30.0, 12.0, 5.0, 2.5, 1.0, 0.0, -5.0]),
+        coordinator=st.sampled_from(["answers", "is silent", "is left to the rules"]),
+        running=st.sets(st.sampled_from(POOL)),
+        zombies=st.sets(st.just(4242)),
+    )
+    def begin(
+        self, d_offset: float | None, coordinator: str, running: set[str], zombies: set[int]
+    ) -> None:
+        self.story = Story()
+        self.now = T0
+        self.running = set(running)
+        self.zombies = set(zombies)  # CUDA processes outliving their container
+        self.exited: set[str] = set()  # exited in the world, exit not yet reported
+        self.watched: set[str] = set()
+        self.rounds: list[tuple[str, set[str]]] = []  # signal rounds in flight
+        self.observes = 0  # Observe commands in flight
+        self.strays = iter(f"s{i}" for i in range(100))
+        self.strays_started = 0
+        n = notice(terminate_at=None if d_offset is None else T0 + d_offset)
+        self._carry_out(self.story.begin(n, T0))
+        if coordinator == "answers":
+            self._deliver(TaintAnswered(self._at(0.05)))
+        elif coordinator == "is silent":
+            self._deliver(Tick(self._at(0.8)))
+
+    # the shell
+
+    def _carry_out(self, commands: list[Command]) -> None:
+        for c in commands:
+            if isinstance(c, SignalContainers):
+                self.rounds.append((c.signal, self.running - c.skip))
+            elif isinstance(c, Observe):
+                self.observes += 1
+            elif isinstance(c, WatchExits):
+                self.watched |= set(c.containers)
+
+    def _at(self, dt: float) -> float:
+        """Time passes; a timer due by now fires first, as the shell's would."""
+        self.now += dt
+        wake = self.story.rec.next_wakeup()
+        if wake is not None and wake <= self.now:
+            self._carry_out(self.story(Tick(self.now)))
+        return self.now
+
+    def _deliver(self, event: Event) -> None:
+        self._carry_out(self.story(event))
+
+    # the coordinator
+
+    @rule(dt=SHORT_DELAYS)
+    def taint_answered(self, dt: float) -> None:
+        self._deliver(TaintAnswered(self._at(dt)))
+
+    @rule(dt=SHORT_DELAYS)
+    def taint_failed(self, dt: float) -> None:
+        self._deliver(TaintUnanswered(self._at(dt), error="UNAVAILABLE"))
+
+    # the Docker engine and the jobs
+
+    @precondition(lambda self: any(targets for _, targets in self.rounds))
+    @rule(
+        dt=DELAYS,
+        pick=st.integers(0, 10),
+        fails=st.sampled_from([False, False, False, True]),
+        obeys=st.sampled_from([True, True, False]),  # most jobs checkpoint and exit
+    )
+    def signal_delivered(self, dt: float, pick: int, fails: bool, obeys: bool) -> None:
+        now = self._at(dt)
+        signal, targets = next((s, t) for s, t in self.rounds if t)
+        c = sorted(targets)[pick % len(targets)]
+        targets.discard(c)
+        error = "engine timeout; pid route: ESRCH" if fails else ""
+        self._deliver(ContainerSignalled(now, c, f"job-{c}", signal, via="api", error=error))
+        if (signal == SIGKILL or obeys) and not fails and c in self.running:
+            self.running.discard(c)
+            self.exited.add(c)
+
+    @precondition(lambda self: self.rounds and not self.rounds[0][1])
+    @rule(dt=DELAYS)
+    def signal_round_done(self, dt: float) -> None:
+        signal, _ = self.rounds.pop(0)
+        self._deliver(SignalRoundDone(self._at(dt), signal))
+
+    @precondition(lambda self: self.running)
+    @rule(pick=st.integers(0, 10))
+    def job_exits_on_its_own(self, pick: int) -> None:
+        c = sorted(self.running)[pick % len(self.running)]
+        self.running.discard(c)
+        self.exited.add(c)
+
+    @precondition(lambda self: self.exited & self.watched)
+    @rule(dt=DELAYS, code=st.sampled_from([0, 1, 137]))
+    def exit_reported(self, dt: float, code: int) -> None:
+        c = sorted(self.exited & self.watched)[0]
+        self.exited.discard(c)
+        self._deliver(ContainerExited(self._at(dt), c, f"job-{c}", code))
+
+    @precondition(lambda self: self.strays_started < 2)
+    @rule()
+    def someone_starts_a_stray(self) -> None:
+        self.strays_started += 1
+        self.running.add(next(self.strays))
+
+    @precondition(lambda self: self.zombies)
+    @rule()
+    def zombie_gpu_process_ends(self) -> None:
+        self.zombies.pop()
+
+    @property
+    def gpu(self) -> set[int]:
+        """What NVML lists: one process per running job, plus the zombies."""
+        return {4000 + sum(map(ord, c)) for c in self.running} | self.zombies
+
+    # NVML and the Docker listing
+
+    @precondition(lambda self: self.observes > 0)
+    @rule(dt=DELAYS, error=st.sampled_from(["", "", "", "", "", "GPU_IS_LOST", "docker: 500"]))
+    def observation_returns(self, dt: float, error: str) -> None:
+        self.observes -= 1
+        now = self._at(dt)
+        if error:
+            event = Observed(now, error=error)
+        else:
+            event = Observed(now, tuple(sorted(self.running)), tuple(sorted(self.gpu)))
+        commands = self.story(event)
+        if emit("verified_empty") in commands:
+            # Invariant 5: only a look that answered, at a node really empty.
+            assert not error and not self.running and not self.gpu, (event, commands)
+        self._carry_out(commands)
+
+    # time, the provider, the agent process
+
+    @rule(dt=DELAYS)
+    def tick(self, dt: float) -> None:
+        self._deliver(Tick(self._at(dt)))
+
+    @rule(dt=DELAYS, rarely=st.integers(0, 3))
+    def cancelled(self, dt: float, rarely: int) -> None:
+        if rarely == 0:
+            self._deliver(Cancelled(self._at(dt)))
+
+    @rule(dt=DELAYS)
+    def agent_restarts(self, dt: float) -> None:
+        self.now += dt
+        self.rounds.clear()  # whatever the old process had in flight died with it
+        self.observes = 0
+        self._carry_out(self.story.restart(self.now))
+
+    # after every step
+
+    @invariant()
+    def the_story_keeps_the_invariants(self) -> None:
+        self.story.check()
+
+    @invariant()
+    def the_shell_is_woken_by_every_pending_deadline(self) -> None:
+        rec, wake = self.story.rec, self.story.rec.next_wakeup()
+        if not rec.outcome:
+            assert wake is not None and wake <= rec.overrun_at
+        if rec.phase == "draining" and not rec.sigkill_round:
+            assert wake is not None and wake <= rec.grace_deadline
+
+    def teardown(self) -> None:
+        # Shown by --hypothesis-show-statistics: every outcome must be well explored.
+        event(f"outcome: {self.story.rec.outcome or self.story.rec.phase}")
+
+    @invariant()
+    def drained_only_after_an_empty_look(self) -> None:
+        names = self.story.kinds
+        if "drained" in names:
+            assert names[names.index("drained") - 1] == "verified_empty"
+
+
+ReclamationWorld.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=50, deadline=None
+)
+test_any_order_of_events_keeps_the_invariants = ReclamationWorld.TestCase
+
+
+def test_a_look_during_the_sigterm_round_never_signals_a_job_twice(story: Story) -> None:
+    """The round is still reaching c2 when c1 exits and a look sees c2 running. c2 is not a
+    stray: a second SIGTERM would make many jobs skip their checkpoint and quit at once."""
+    story.begin()
+    story(TaintAnswered(T0 + 0.05))
+    story(signalled("c1", T0 + 0.06))
+    assert story(exited("c1", T0 + 0.07)) == [emit("container_exited"), Observe()]
+    assert story(Observed(T0 + 0.08, running=("c2",))) == []
+    story(signalled("c2", T0 + 0.09))
+    assert story(SignalRoundDone(T0 + 0.1, SIGTERM)) == [Observe()]
+    assert story(Observed(T0 + 0.2, running=("c2",))) == []
+
+
+def test_a_bundle_from_an_older_agent_still_loads() -> None:
+    """An agent upgraded mid-reclamation reads the bundle its predecessor wrote: fields added
+    since then take their defaults, the deadlines are untouched."""
+    rec, _ = Reclamation.begin(notice(), "node-a", T0, MARGINS)
+    doc = rec.to_json()
+    for newer in ("taint_answer_s", "rounds_in_flight", "observe_again"):
+        doc.pop(newer)
+    again = Reclamation.from_json(doc)
+    assert (again.terminate_at, again.grace_deadline, again.overrun_at) == (D, G, O)

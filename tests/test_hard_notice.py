@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 import subprocess
 import time
 
@@ -223,5 +224,71 @@ def test_agent_killed_mid_reclamation_resumes_with_same_deadlines(
         assert stubborn.logs().decode().count("SIGTERM ignored") == 1
         ckpt.reload()
         assert ckpt.attrs["State"]["ExitCode"] == 0
+    finally:
+        agent.proc.stop()
+
+
+def test_events_made_while_the_coordinator_is_down_arrive_once_it_is_back(
+    tmp_path, docker_engine, pki, gpus, nvml_lib, containers
+):
+    """The coordinator crashes (SIGKILL) before the notice and comes back on the same database
+    a few seconds later. The agent drained under its local taint meanwhile; every event it made
+    is in its outbox on disk and reaches the coordinator exactly once."""
+    from harness import start_coordinator
+
+    coord = start_coordinator(tmp_path / "coordinator", tls=pki)
+    port = int(coord.address.rsplit(":", 1)[1])
+    run_workload(docker_engine.client, name=containers + "job", node_id="node-a",
+                 kind="exits_on_term")
+    agent = start_agent(tmp_path, "node-a", coord, docker_engine.host, gpus, nvml_lib,
+                        AgentOptions(grace_s=3.0, overrun_s=1.0))
+    try:
+        wait_until(lambda: any(n.connected for n in coord.admin().nodes()), 10, "registration")
+        coord.proc.kill()
+        agent.write_notice({"id": "away-1", "action": "terminate",
+                            "terminate_at": time.time() + 20})
+        wait_until(lambda: "drained" in agent.proc.log(), 15, "the drain under the local taint")
+        pending = sqlite3.connect(agent.state_dir / "outbox.sqlite").execute(
+            "SELECT count(*) FROM outbox").fetchone()[0]
+        assert pending >= 6  # notice, tainted, deadline file, sigterm, exit, verified, drained
+        coord = start_coordinator(tmp_path / "coordinator", tls=pki, db=coord.db, port=port)
+        admin = coord.admin()
+        admin.wait_for("tainted", node="node-a", mode="remote", timeout=20)
+        events = admin.events(node="node-a")
+        kinds = [e["kind"] for e in events]
+        for kind in ("notice_received", "sigterm_sent", "container_exited", "verified_empty",
+                     "drained"):
+            assert kinds.count(kind) == 1, kind
+        assert [e["mode"] for e in by_kind(events, "tainted")] == ["local", "remote"]
+        wait_until(lambda: sqlite3.connect(agent.state_dir / "outbox.sqlite").execute(
+            "SELECT count(*) FROM outbox").fetchone()[0] == 0, 10, "the outbox to empty")
+        timeline = admin.timeline()
+        assert timeline.reclamation.outcome == "drained"
+    finally:
+        agent.proc.stop()
+        coord.proc.stop()
+
+
+def test_a_job_started_by_hand_during_the_drain_is_stopped_too(
+    tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers
+):
+    """While the node is tainted an operator starts a labelled job by hand. The node accepts
+    no new work: the agent's next look finds it and signals it like the rest."""
+    client = docker_engine.client
+    run_workload(client, name=containers + "stubborn", node_id="node-a", kind="ignores_term")
+    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
+                        AgentOptions(grace_s=4.0, overrun_s=1.0))
+    admin = coordinator.admin()
+    try:
+        agent.write_notice({"id": "late-start", "action": "terminate",
+                            "terminate_at": time.time() + 8})
+        admin.wait_for("sigterm_sent", node="node-a")
+        late = run_workload(client, name=containers + "late", node_id="node-a",
+                            kind="exits_on_term")
+        admin.wait_for("sigterm_sent", node="node-a", name=containers + "late")
+        drained = admin.wait_for("drained", node="node-a")
+        late.reload()
+        assert late.status == "exited" and late.attrs["State"]["ExitCode"] == 0
+        assert drained["spare_s"] > 0
     finally:
         agent.proc.stop()

@@ -4,6 +4,7 @@ every agent flag has a place in the TOML file; spotctl prints what the coordinat
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -181,3 +182,16 @@ def test_proto_stubs_match_the_protos():
     script = Path(__file__).parent.parent / "proto" / "generate.sh"
     result = subprocess.run([str(script), "--check"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_packaged_config_file_names_every_setting_and_parses(tmp_path):
+    """packaging/agent.toml is the operator's reference: uncommented, it must load, and it must
+    mention every setting the agent has."""
+    text = (Path(__file__).parent.parent / "packaging" / "agent.toml").read_text()
+    for name in [*config.SETTINGS, "insecure", "spot", *config.MARGINS]:
+        assert f"# {name} = " in text, name
+    uncommented = re.sub(r"(?m)^# ([a-z_]+ = )", r"\1", text)
+    toml = tmp_path / "agent.toml"
+    toml.write_text(uncommented)
+    cfg = config.load(["--config", str(toml)])
+    assert cfg.node_id == "gpu-host-17" and cfg.margins.grace_s == 10.0

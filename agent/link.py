@@ -153,6 +153,8 @@ class CoordinatorLink:
         acks = asyncio.create_task(self._read_acks(call, in_flight))
         try:
             while not acks.done():
+                # Clear before reading: an event put after the read sets the flag again.
+                self._outbox_changed.clear()
                 batch = [e for e in self.outbox.pending() if e.uid not in in_flight]
                 if batch:
                     in_flight.update(e.uid for e in batch)
@@ -160,7 +162,6 @@ class CoordinatorLink:
                         pb.AgentMessage(events=pb.EventBatch(events=[to_pb(e) for e in batch]))
                     )
                     continue
-                self._outbox_changed.clear()
                 waiter = asyncio.create_task(self._outbox_changed.wait())
                 done, _ = await asyncio.wait(
                     {waiter, acks}, timeout=HEARTBEAT_S, return_when=asyncio.FIRST_COMPLETED

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
 from fakenvml import GIB, FakeGpus, build
 
 # One request a line ("op arg..."), one JSON reply a line:

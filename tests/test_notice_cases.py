@@ -9,6 +9,7 @@ import time
 from datetime import UTC, datetime
 
 import pytest
+
 from dockerenv import run_workload
 from harness import AgentOptions, start_agent, wait_until
 

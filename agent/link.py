@@ -23,6 +23,7 @@ from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 log = logging.getLogger("spotdrain.agent.link")
 
 HEARTBEAT_S = 5.0
+REFUSED_RETRY_S = 30.0
 BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 CHANNEL_OPTIONS = [
     # Notice a coordinator that vanished (host gone, SIGSTOP) instead of trusting a dead TCP
@@ -127,9 +128,21 @@ class CoordinatorLink:
                 attempt = 0
             except grpc.aio.AioRpcError as e:
                 if e.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
-                    # Our certificate does not match our node id: retrying cannot help.
-                    raise
+                    # Our certificate does not match our node id. Retrying slowly, not exiting:
+                    # the node must still answer notices on its own (local taint) meanwhile.
+                    log.error(
+                        "node %s: coordinator refuses us: %s; retrying in %.0f s",
+                        self.cfg.node_id,
+                        e.details(),
+                        REFUSED_RETRY_S,
+                    )
+                    await asyncio.sleep(REFUSED_RETRY_S)
+                    continue
                 log.info("node %s: coordinator stream: %s", self.cfg.node_id, e.code().name)
+            except asyncio.InvalidStateError:
+                # grpc.aio raises this from write() when the call died under us (the
+                # coordinator went away between connecting and registering): reconnect.
+                log.info("node %s: coordinator stream closed under us", self.cfg.node_id)
             finally:
                 self.connected.clear()
             await asyncio.sleep(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])

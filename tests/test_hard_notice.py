@@ -292,3 +292,31 @@ def test_a_job_started_by_hand_during_the_drain_is_stopped_too(
         assert drained["spare_s"] > 0
     finally:
         agent.proc.stop()
+
+
+def test_an_agent_with_the_wrong_certificate_still_answers_notices(
+    tmp_path, docker_engine, coordinator, pki, gpus, nvml_lib, containers
+):
+    """node-a was given node-b's certificate by mistake. The coordinator refuses everything it
+    says (and records the attempts), but the provider's deadline does not care: the agent stays
+    up, taints locally (the refused Taint call is no answer), and drains its node."""
+    job = run_workload(docker_engine.client, name=containers + "job", node_id="node-a",
+                       kind="exits_on_term")
+    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
+                        AgentOptions(grace_s=3.0, overrun_s=1.0),
+                        identity=pki.issue("node:node-b"))
+    admin = coordinator.admin()
+    try:
+        admin.wait_for("identity_refused", claimed_node="node-a", call="Register", timeout=10)
+        agent.write_notice({"id": "wrong-cert", "action": "terminate",
+                            "terminate_at": time.time() + 10})
+        wait_until(lambda: "drained" in agent.proc.log(), 15, "the local drain")
+        assert "tainted {'mode': 'local'" in agent.proc.log()
+        job.reload()
+        assert job.status == "exited"
+        assert agent.proc.popen.poll() is None
+        assert not [e for e in admin.events() if e["node"] == "node-a"
+                    and e["kind"] != "identity_refused"]
+        assert admin.nodes() == []
+    finally:
+        agent.proc.stop()

@@ -157,22 +157,22 @@ def test_gpu_process_outlives_every_container(
         agent.proc.stop()
 
 
-@pytest.mark.parametrize("fault", ["gpu_lost", "init_failed"])
+@pytest.mark.parametrize("fault", ["gpu_lost", "init_failed", "slow_ms"])
 def test_nvml_failing_is_never_drained(
     tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers, fault
 ):
-    """NVML cannot answer (the GPU fell off the bus, or the driver will not load). Docker says
-    the containers are gone, but an observation that failed is not "empty": no `drained`, the
-    failure is recorded, and the node overruns."""
+    """NVML cannot answer (the GPU fell off the bus, the driver will not load, or every call
+    hangs past its timeout). Docker says the containers are gone, but an observation that
+    failed is not "empty": no `drained`, the failure is recorded, and the node overruns."""
     run_workload(docker_engine.client, name=containers + "quick", node_id="node-a",
                  kind="exits_on_term")
     if fault == "init_failed":
         gpus.fault("init_failed")
     agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        AgentOptions(grace_s=2.0, overrun_s=1.0))
+                        AgentOptions(grace_s=2.0, overrun_s=1.0, nvml_timeout_s=0.3))
     admin = coordinator.admin()
     try:
-        gpus.fault(fault)
+        gpus.fault(fault, 1500) if fault == "slow_ms" else gpus.fault(fault)
         agent.write_notice({"id": f"nvml-{fault}", "action": "terminate",
                             "terminate_at": time.time() + 4})
         admin.wait_for("overrun", node="node-a", timeout=20)

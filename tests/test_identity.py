@@ -128,3 +128,20 @@ def test_insecure_says_so_on_every_start(tmp_path):
         assert "WARNING: --insecure" in coord.proc.log()
     finally:
         coord.proc.stop()
+
+
+def test_health_and_reflection_are_served(coordinator):
+    """Load balancers probe gRPC health; grpcurl and friends discover the API by reflection."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    channel = coordinator.channel()
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "spotdrain.v1.AgentLink", "spotdrain.v1.Admin"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    replies = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+    names = {s.name for r in replies for s in r.list_services_response.service}
+    assert {"spotdrain.v1.AgentLink", "spotdrain.v1.Admin", "grpc.health.v1.Health"} <= names

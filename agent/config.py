@@ -40,6 +40,16 @@ class AgentConfig:
     notice_poll_s: float = 5.0  # fallback poll when inotify cannot watch the notice file
     inventory_every_s: float = 5.0  # container PIDs kept fresh for the hung-engine fallback
     log_level: str = "INFO"
+    # The owner's switch: spotctl pause/resume/status over this unix socket (mode 0660,
+    # root and this group; callers are checked with SO_PEERCRED).
+    socket: Path = Path("/run/spotdrain/agent.sock")
+    socket_group: str = "spotdrain"
+    pause_notice_s: float = 120.0  # the owner's promise: D = pause + this
+    # Slot gates: where they listen, the host routers reach them at, and the gate port of a
+    # worker (its port + this offset).
+    gate_host: str = "0.0.0.0"
+    advertise_host: str = "127.0.0.1"
+    gate_port_offset: float = 1000
 
 
 # flag name -> (config key, type, help). Margins live under [margins] in the file.
@@ -59,6 +69,12 @@ SETTINGS: dict[str, tuple[type, str]] = {
     "notice_poll_s": (float, "fallback poll interval for the notice file"),
     "inventory_every_s": (float, "how often container PIDs are refreshed"),
     "log_level": (str, "DEBUG, INFO, WARNING"),
+    "socket": (Path, "the owner's unix socket (spotctl pause/resume/status)"),
+    "socket_group": (str, "group allowed on the socket besides root"),
+    "pause_notice_s": (float, "seconds from a pause to D"),
+    "gate_host": (str, "address the slot gates listen on"),
+    "advertise_host": (str, "host routers use to reach this node's gates"),
+    "gate_port_offset": (float, "a worker's gate port = its port + this"),
 }
 MARGINS = {f.name: float for f in dataclasses.fields(Margins)}
 REQUIRED = ("coordinator", "node_id", "notice_file", "state_dir", "docker_host")
@@ -139,7 +155,13 @@ def from_sources(flags: dict[str, Any], doc: dict[str, Any], origin: str = "") -
         raise UsageError("--insecure and TLS flags exclude each other")
     if not values.get("insecure") and not all(tls):
         raise UsageError("give --tls-cert, --tls-key and --ca, or --insecure")
-    for name in ("docker_call_timeout_s", "nvml_timeout_s", "notice_poll_s", "inventory_every_s"):
+    for name in (
+        "docker_call_timeout_s",
+        "nvml_timeout_s",
+        "notice_poll_s",
+        "inventory_every_s",
+        "pause_notice_s",
+    ):
         if name in values and values[name] <= 0:
             raise UsageError(f"{name} must be positive")
     level = str(values.get("log_level", "INFO")).upper()

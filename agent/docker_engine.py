@@ -18,7 +18,7 @@ import signal as signals
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import docker
@@ -44,6 +44,7 @@ class ContainerInfo:
     name: str
     kind: str
     pid: int
+    labels: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
 
 class DockerEngine:
@@ -88,7 +89,7 @@ class DockerEngine:
 
     # --- listing -----------------------------------------------------------------------------
 
-    async def running(self) -> list[ContainerInfo]:
+    async def running(self, with_labels: bool = False) -> list[ContainerInfo]:
         """Running containers with this node's label, from the engine (raises if it fails)."""
         rows = await self._call(
             self._api.containers, filters={"label": f"{NODE_LABEL}={self.node_id}"}
@@ -105,6 +106,7 @@ class DockerEngine:
                     name=(row.get("Names") or ["/" + row["Id"][:12]])[0].lstrip("/"),
                     kind=labels.get(KIND_LABEL, ""),
                     pid=cached.pid if cached else 0,
+                    labels=dict(labels) if with_labels else {},
                 )
             )
         return found
@@ -126,15 +128,21 @@ class DockerEngine:
     # --- signalling --------------------------------------------------------------------------
 
     async def signal_all(
-        self, signal: str, skip: frozenset[str] = frozenset()
+        self,
+        signal: str,
+        skip: frozenset[str] = frozenset(),
+        skip_kinds: frozenset[str] = frozenset(),
     ) -> AsyncIterator[ContainerSignalled]:
-        """Signal every running container of this node concurrently; yield each result."""
+        """Signal every running container of this node concurrently; yield each result.
+
+        `skip_kinds`: drain kinds that are not signalled in this round (inference workers drain
+        through their slot gate, not by SIGTERM)."""
         try:
             targets = await self.running()
         except DockerUnavailable as e:
             log.warning("node %s: listing containers failed (%s); using inventory", self.node_id, e)
             targets = list(self.inventory.values())
-        targets = [t for t in targets if t.id not in skip]
+        targets = [t for t in targets if t.id not in skip and t.kind not in skip_kinds]
         tasks = [asyncio.create_task(self._signal_one(t, signal)) for t in targets]
         for done in asyncio.as_completed(tasks):
             yield await done
@@ -183,6 +191,35 @@ class DockerEngine:
             pid,
         )
         return ContainerSignalled(self.clock(), target.id, target.name, signal, "pid")
+
+    async def kill(self, container_id: str, name: str, signal: str) -> ContainerSignalled:
+        info = self.inventory.get(container_id) or ContainerInfo(container_id, name, "", 0)
+        return await self._signal_one(info, signal)
+
+    async def run_container(
+        self, image: str, name: str, labels: dict[str, str], env: dict[str, str]
+    ) -> tuple[str, str]:
+        """Create and start a workload container on the host network; (id, name)."""
+        loop = asyncio.get_running_loop()
+
+        def create_and_start() -> str:
+            host_config = self._waits.create_host_config(network_mode="host")
+            created = self._waits.create_container(
+                image, name=name, labels=labels, environment=env, host_config=host_config
+            )
+            self._waits.start(created["Id"])
+            return str(created["Id"])
+
+        try:
+            # Creating a container copies its image on some storage drivers: a longer timeout.
+            container_id = await asyncio.wait_for(
+                loop.run_in_executor(self._pool, create_and_start), 60
+            )
+        except TimeoutError as e:
+            raise DockerUnavailable(f"starting {name} took over 60 s") from e
+        except Exception as e:  # noqa: BLE001 (docker-py raises many kinds)
+            raise DockerUnavailable(f"starting {name}: {e}") from e
+        return container_id, name
 
     # --- exits -------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from spotdrain.agent.link import CoordinatorLink, TaintError
 from spotdrain.agent.notice import Notice, NoticeInvalid
 from spotdrain.agent.outbox import Outbox
 from spotdrain.agent.state import BundleStore, LocalTaints, write_deadline_file
+from spotdrain.agent.workers import WorkerManager
 
 log = logging.getLogger("spotdrain.agent.drain")
 
@@ -35,9 +36,11 @@ class DrainRunner:
         link: CoordinatorLink,
         docker: DockerEngine,
         nvml: Nvml,
+        workers: WorkerManager,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.cfg = cfg
+        self.workers = workers
         self.outbox = outbox
         self.link = link
         self.docker = docker
@@ -60,6 +63,78 @@ class DrainRunner:
 
     def feed(self, reclaim_id: str, event: r.Event) -> None:
         self._queue.put_nowait((reclaim_id, event))
+
+    # --- the owner's switch ------------------------------------------------------------------
+
+    def pause(self) -> r.Reclamation:
+        """The owner's pause: a reclamation with D = now + the pause notice. Pausing a paused
+        node returns the pause in force; its deadlines never move (invariant 2)."""
+        current = self.current_pause()
+        if current is not None:
+            return current
+        now = self.clock()
+        notice = Notice(
+            key=f"pause:{now:.6f}",
+            notice_id=f"pause-{int(now)}",
+            action="pause",
+            terminate_at=now + self.cfg.pause_notice_s,
+            source="owner",
+        )
+        rec, commands = r.Reclamation.begin(
+            notice, self.cfg.node_id, now, self.cfg.margins, reason="pause"
+        )
+        log.info(
+            "node %s reclamation %s: owner pause, D in %.0f s",
+            rec.node_id,
+            rec.reclaim_id,
+            rec.terminate_at - now,
+        )
+        self.live[rec.reclaim_id] = rec
+        self.bundles.save(rec)
+        self._execute(rec, commands)
+        self._wake()
+        return rec
+
+    def resume(self) -> list[str]:
+        """The owner's resume: every pause ends, its taints are lifted, workload goes back on."""
+        resumed = []
+        for rec in self.bundles.load_all():
+            if rec.reason != "pause" or rec.resumed:
+                continue
+            live = self.live.get(rec.reclaim_id, rec)
+            live.resumed = True
+            if live.phase != "done":
+                self._step(live, r.Resumed(self.clock()))
+            else:
+                self.bundles.save(live)
+                self._execute(live, [r.LiftTaints(live.reclaim_id)])
+                self.live.pop(live.reclaim_id, None)
+            resumed.append(live.reclaim_id)
+        if not resumed:
+            # Nothing paused here, but the coordinator may still hold the flag off (a pause
+            # made while this agent's state was lost): turn it on.
+            self._spawn(self.link.resume_until_answered(""))
+        return resumed
+
+    def current_pause(self) -> r.Reclamation | None:
+        for rec in self.bundles.load_all():
+            if rec.reason == "pause" and not rec.resumed:
+                return self.live.get(rec.reclaim_id, rec)
+        return None
+
+    def refuse_start(self) -> str | None:
+        """Why no workload may start on this node now (invariant 4), or None."""
+        why = self.local_taints.refuse_start()
+        if why:
+            return why
+        if any(not rec.finished or rec.reason == "pause" for rec in self.live.values()):
+            return "node is draining"
+        if self.current_pause() is not None:
+            return "node is paused by its owner"
+        return None
+
+    def _wake(self) -> None:
+        self._queue.put_nowait(("wake", None))
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -84,6 +159,8 @@ class DrainRunner:
                     continue
             if key == "crash":
                 raise RuntimeError(f"node {self.cfg.node_id}: drain task failed") from item
+            if key == "wake":
+                continue
             if key == "notice":
                 self._on_notice(item)
             elif key in self.live:
@@ -192,7 +269,18 @@ class DrainRunner:
                         self.cfg.deadline_file, rid, terminate_at, grace_deadline, reason
                     )
                 case r.SignalContainers(signal, skip):
-                    self._spawn(self._signal_round(rid, signal, skip))
+                    self._spawn(self._signal_round(rid, signal, skip, cmd.skip_kinds))
+                case r.DrainWorkers(_, grace_deadline):
+                    containers = self.workers.drain(None, grace_deadline, rid)
+                    names = tuple(
+                        w.name
+                        for w in self.workers.workers.values()
+                        if w.container_id in containers
+                    )
+                    if containers:
+                        self.feed(rid, r.WorkersDraining(self.clock(), tuple(containers), names))
+                case r.CutWorkers():
+                    self.workers.cut_all()
                 case r.WatchExits(containers):
                     for cid in containers:
                         self._spawn(self._watch_exit(rid, cid, rec.names.get(cid, cid[:12])))
@@ -235,7 +323,13 @@ class DrainRunner:
 
     async def _request_taint(self, rec: r.Reclamation, answer_by: float) -> None:
         try:
-            await self.link.taint(rec.reclaim_id, rec.reason, timeout=answer_by - self.clock())
+            await self.link.taint(
+                rec.reclaim_id,
+                rec.reason,
+                timeout=answer_by - self.clock(),
+                terminate_at=rec.terminate_at,
+                grace_deadline=rec.grace_deadline,
+            )
         except TaintError as e:
             self.feed(rec.reclaim_id, r.TaintUnanswered(self.clock(), str(e)))
             return
@@ -247,15 +341,25 @@ class DrainRunner:
         pending = self._taint_calls.pop(rec.reclaim_id, None)
         if pending is not None:
             await asyncio.gather(pending, return_exceptions=True)
-        await self.link.taint_until_answered(rec.reclaim_id, rec.reason, remove=True)
+        if rec.reason == "pause":
+            await self.link.resume_until_answered(rec.reclaim_id)
+        else:
+            await self.link.taint_until_answered(rec.reclaim_id, rec.reason, remove=True)
 
     async def _retry_taint(self, rec: r.Reclamation) -> None:
-        await self.link.taint_until_answered(rec.reclaim_id, rec.reason)
+        await self.link.taint_until_answered(
+            rec.reclaim_id,
+            rec.reason,
+            terminate_at=rec.terminate_at,
+            grace_deadline=rec.grace_deadline,
+        )
         self.feed(rec.reclaim_id, r.TaintAnswered(self.clock()))
 
-    async def _signal_round(self, rid: str, signal: str, skip: frozenset[str]) -> None:
+    async def _signal_round(
+        self, rid: str, signal: str, skip: frozenset[str], skip_kinds: frozenset[str]
+    ) -> None:
         async with self._signal_lock:
-            async for result in self.docker.signal_all(signal, skip):
+            async for result in self.docker.signal_all(signal, skip, skip_kinds):
                 self.feed(rid, result)
             self.feed(rid, r.SignalRoundDone(self.clock(), signal))
 

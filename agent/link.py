@@ -74,6 +74,10 @@ class CoordinatorLink:
         self.channel = make_channel(cfg)
         self.stub = pb_grpc.AgentLinkStub(self.channel)
         self._outbox_changed = asyncio.Event()
+        self._reports: list[pb.AgentMessage] = []
+        self._slots: dict[str, pb.WorkerSlots] = {}
+        self.on_command: Callable[[pb.CoordinatorMessage], None] = lambda msg: None
+        self.heartbeat_slots: Callable[[], list[tuple[str, int, int, str]]] = list
         self.connected = asyncio.Event()
         self.remote_taints: list[pb.Taint] = []
 
@@ -87,10 +91,21 @@ class CoordinatorLink:
     # --- Taint -------------------------------------------------------------------------------
 
     async def taint(
-        self, reclaim_id: str, reason: str, timeout: float, remove: bool = False
+        self,
+        reclaim_id: str,
+        reason: str,
+        timeout: float,
+        remove: bool = False,
+        terminate_at: float = 0.0,
+        grace_deadline: float = 0.0,
     ) -> pb.TaintReply:
         request = pb.TaintRequest(
-            node_id=self.cfg.node_id, reclaim_id=reclaim_id, reason=reason, remove=remove
+            node_id=self.cfg.node_id,
+            reclaim_id=reclaim_id,
+            reason=reason,
+            remove=remove,
+            terminate_at=terminate_at,
+            grace_deadline=grace_deadline,
         )
         try:
             return await self.stub.Taint(request, timeout=max(timeout, 0.001))
@@ -100,13 +115,25 @@ class CoordinatorLink:
             ) from e
 
     async def taint_until_answered(
-        self, reclaim_id: str, reason: str, remove: bool = False
+        self,
+        reclaim_id: str,
+        reason: str,
+        remove: bool = False,
+        terminate_at: float = 0.0,
+        grace_deadline: float = 0.0,
     ) -> None:
         """Background retry after the local fallback; returns once the coordinator stored it."""
         attempt = 0
         while True:
             try:
-                await self.taint(reclaim_id, reason, timeout=2.0, remove=remove)
+                await self.taint(
+                    reclaim_id,
+                    reason,
+                    timeout=2.0,
+                    remove=remove,
+                    terminate_at=terminate_at,
+                    grace_deadline=grace_deadline,
+                )
                 return
             except TaintError as e:
                 log.info(
@@ -117,6 +144,35 @@ class CoordinatorLink:
                 )
                 await asyncio.sleep(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])
                 attempt += 1
+
+    async def resume_until_answered(self, reclaim_id: str) -> None:
+        """The owner's resume reaches the coordinator, however long it is away."""
+        request = pb.SetWorkloadRequest(
+            node_id=self.cfg.node_id, enabled=True, reclaim_id=reclaim_id
+        )
+        attempt = 0
+        while True:
+            try:
+                await self.stub.SetWorkload(request, timeout=2.0)
+                return
+            except grpc.aio.AioRpcError as e:
+                log.info("node %s: resume retry: %s", self.cfg.node_id, e.code().name)
+                await asyncio.sleep(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])
+                attempt += 1
+
+    # --- worker reports and slots (not durable: the latest state is what matters, and
+    # --- registration re-sends every running worker) ----------------------------------------
+
+    def report_worker(self, worker_id: str, report: dict) -> None:
+        msg = pb.WorkerReport(worker_id=worker_id, **report)
+        self._reports.append(pb.AgentMessage(worker=msg))
+        self._outbox_changed.set()
+
+    def report_slots(self, worker_id: str, in_use: int, capacity: int, state: str) -> None:
+        self._slots[worker_id] = pb.WorkerSlots(
+            worker_id=worker_id, slots_in_use=in_use, capacity=capacity, claimed_state=state
+        )
+        self._outbox_changed.set()
 
     # --- the stream --------------------------------------------------------------------------
 
@@ -168,6 +224,11 @@ class CoordinatorLink:
             while not acks.done():
                 # Clear before reading: an event put after the read sets the flag again.
                 self._outbox_changed.clear()
+                while self._reports:
+                    await call.write(self._reports.pop(0))
+                if self._slots:
+                    slots, self._slots = list(self._slots.values()), {}
+                    await call.write(pb.AgentMessage(slots=pb.SlotReport(workers=slots)))
                 batch = [e for e in self.outbox.pending() if e.uid not in in_flight]
                 if batch:
                     in_flight.update(e.uid for e in batch)
@@ -181,8 +242,16 @@ class CoordinatorLink:
                 )
                 waiter.cancel()
                 if not done:
+                    slots = [
+                        pb.WorkerSlots(
+                            worker_id=w, slots_in_use=used, capacity=cap, claimed_state=state
+                        )
+                        for w, used, cap, state in self.heartbeat_slots()
+                    ]
                     await call.write(
-                        pb.AgentMessage(heartbeat=pb.Heartbeat(node_id=self.cfg.node_id))
+                        pb.AgentMessage(
+                            heartbeat=pb.Heartbeat(node_id=self.cfg.node_id, workers=slots)
+                        )
                     )
             await acks  # re-raises the stream's error
         finally:
@@ -194,6 +263,9 @@ class CoordinatorLink:
             msg = await call.read()
             if msg is grpc.aio.EOF:
                 return
-            if msg.WhichOneof("body") == "ack":
+            which = msg.WhichOneof("body")
+            if which == "ack":
                 self.outbox.acknowledge(msg.ack.uids)
                 in_flight.difference_update(msg.ack.uids)
+            elif which in ("start_worker", "drain_worker"):
+                self.on_command(msg)

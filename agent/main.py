@@ -12,17 +12,21 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from collections.abc import Coroutine
 from typing import Any
 
 from spotdrain.agent import config as agent_config
 from spotdrain.agent.config import AgentConfig
+from spotdrain.agent.control_socket import ControlSocket
 from spotdrain.agent.docker_engine import DockerEngine, DockerUnavailable
 from spotdrain.agent.drain_runner import DrainRunner
 from spotdrain.agent.gpu import GpuError, Nvml
 from spotdrain.agent.link import CoordinatorLink
 from spotdrain.agent.notice_watcher import watch
 from spotdrain.agent.outbox import Outbox
+from spotdrain.agent.slot_gate import Interrupted
+from spotdrain.agent.workers import WorkerManager
 from spotdrain.cli import UsageError, fail_usage
 from spotdrain.security import warn_insecure
 from spotdrain.v1 import spotdrain_pb2 as pb
@@ -40,8 +44,22 @@ class Agent:
         self.nvml = Nvml(cfg.nvml_timeout_s)
         self.docker = DockerEngine(cfg.docker_host, cfg.node_id, cfg.docker_call_timeout_s)
         self.link = CoordinatorLink(cfg, self.outbox, self.registration)
-        self.drains = DrainRunner(cfg, self.outbox, self.link, self.docker, self.nvml)
+        self.workers = WorkerManager(
+            cfg.node_id,
+            self.docker,
+            gate_host=cfg.gate_host,
+            advertise_host=cfg.advertise_host,
+            refuse_start=lambda: self.drains.refuse_start(),
+            report=self.link.report_worker,
+            on_slots=self.link.report_slots,
+            on_interrupted=self.stream_interrupted,
+        )
+        self.drains = DrainRunner(cfg, self.outbox, self.link, self.docker, self.nvml, self.workers)
+        self.link.on_command = self.command
+        self.link.heartbeat_slots = self.workers.slots
+        self.control = ControlSocket(cfg.socket, cfg.socket_group, self.control_request)
         self.watching = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     async def registration(self) -> pb.Register:
         try:
@@ -52,13 +70,109 @@ class Agent:
         except GpuError as e:
             log.warning("node %s: GPU inventory unavailable: %s", self.cfg.node_id, e)
             gpus = []
+        running = [
+            pb.WorkerReport(
+                worker_id=w.worker_id,
+                state="started",
+                capacity=w.capacity,
+                gate_address=f"{self.cfg.advertise_host}:{w.gate.address.rsplit(':', 1)[1]}",
+            )
+            for w in self.workers.workers.values()
+        ]
         return pb.Register(
             node_id=self.cfg.node_id,
             gpus=gpus,
             spot=self.cfg.spot,
             node_group=self.cfg.node_group,
             agent_version=VERSION,
+            workers=running,
         )
+
+    # --- inference workers -------------------------------------------------------------------
+
+    def command(self, msg: pb.CoordinatorMessage) -> None:
+        """A command from the coordinator. Starts go through the agent's own refusal check."""
+        which = msg.WhichOneof("body")
+        if which == "start_worker":
+            c = msg.start_worker
+            gate_port = c.port + int(self.cfg.gate_port_offset)
+            self._spawn(
+                self.workers.start(c.worker_id, c.model, c.image, c.port, c.capacity, gate_port)
+            )
+        elif which == "drain_worker":
+            c = msg.drain_worker
+            self.workers.drain(c.worker_id, c.grace_deadline or time.time(), c.reclaim_id)
+
+    def stream_interrupted(self, what: Interrupted, reclaim_id: str) -> None:
+        now = time.time()
+        rec = self.drains.live.get(reclaim_id)
+        self.outbox.put(
+            "stream_interrupted",
+            self.cfg.node_id,
+            reclaim_id,
+            now,
+            None if rec is None else now - rec.t0,
+            {
+                "worker_id": what.worker_id,
+                "request_id": what.request_id,
+                "streamed": what.streamed,
+                "reason": what.reason,
+            },
+        )
+        self.link.wake()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- the owner's switch ------------------------------------------------------------------
+
+    async def control_request(self, command: str) -> dict[str, Any]:
+        if command == "pause":
+            rec = self.drains.pause()
+            return {**self.status(), "reclaim_id": rec.reclaim_id}
+        if command == "resume":
+            resumed = self.drains.resume()
+            return {**self.status(), "resumed": resumed}
+        return self.status()
+
+    def status(self) -> dict[str, Any]:
+        now = time.time()
+        pause = self.drains.current_pause()
+        live = [r for r in self.drains.live.values() if not r.finished]
+        drain = None
+        if live:
+            rec = min(live, key=lambda r: r.grace_deadline)
+            drain = {
+                "reclaim_id": rec.reclaim_id,
+                "reason": rec.reason,
+                "phase": rec.phase,
+                "outcome": rec.outcome or None,
+                "terminate_at": rec.terminate_at,
+                "grace_deadline": rec.grace_deadline,
+                "grace_in_s": rec.grace_deadline - now,
+                "deadline_in_s": rec.terminate_at - now,
+            }
+        if pause is not None:
+            state = "paused" if pause.phase == "done" else "draining"
+        elif drain is not None:
+            state = "draining"
+        elif self.drains.local_taints.current():
+            state = "tainted"
+        else:
+            state = "available"
+        return {
+            "node": self.cfg.node_id,
+            "state": state,
+            "paused": pause is not None,
+            "drain": drain,
+            "coordinator_connected": self.link.connected.is_set(),
+            "workers": [
+                {"worker_id": w, "slots_in_use": used, "capacity": cap, "state": st}
+                for w, used, cap, st in self.workers.slots()
+            ],
+        }
 
     async def watch_notices(self) -> None:
         async for parsed in watch(self.cfg.notice_file, self.cfg.notice_poll_s, self.watching):
@@ -74,6 +188,11 @@ class Agent:
 
     async def run(self) -> None:
         """The supervisor: named tasks, the first failure stops them all and is re-raised."""
+        await self.control.start()
+        try:
+            await self.workers.adopt_running()
+        except DockerUnavailable as e:
+            log.warning("node %s: cannot adopt running workers yet: %s", self.cfg.node_id, e)
         tasks: dict[str, Coroutine[Any, Any, None]] = {
             "drains": self.drains.run(),
             "notices": self.watch_notices(),
@@ -100,7 +219,11 @@ class Agent:
             await self.shutdown()
 
     async def shutdown(self) -> None:
+        await self.control.close()
+        for task in list(self._tasks):
+            task.cancel()
         await self.drains.close()
+        await self.workers.close()
         await self.link.close()
         self.docker.close()
         self.nvml.close()

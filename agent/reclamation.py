@@ -92,6 +92,23 @@ class Observed:
 
 
 @dataclass(frozen=True)
+class WorkersDraining:
+    """The node's inference workers now refuse new requests at their slot gates; each is
+    stopped when its last slot is released, or at G."""
+
+    now: float
+    containers: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The owner resumed the node (a pause only): the machine is theirs no longer."""
+
+    now: float
+
+
+@dataclass(frozen=True)
 class Tick:
     now: float
 
@@ -108,6 +125,8 @@ Event = (
     | SignalRoundDone
     | ContainerExited
     | Observed
+    | WorkersDraining
+    | Resumed
     | Tick
     | Cancelled
 )
@@ -148,10 +167,31 @@ class WriteDeadlineFile:
 
 @dataclass(frozen=True)
 class SignalContainers:
-    """Signal every running container with this node's label, concurrently, except `skip`."""
+    """Signal every running container with this node's label, concurrently, except `skip`.
+
+    SIGTERM rounds leave inference workers alone: they drain through their slot gates."""
 
     signal: str
     skip: frozenset[str] = frozenset()
+
+    @property
+    def skip_kinds(self) -> frozenset[str]:
+        return frozenset({"inference"}) if self.signal == SIGTERM else frozenset()
+
+
+@dataclass(frozen=True)
+class DrainWorkers:
+    """Mark every inference worker draining at its gate; stop each when its slots reach zero."""
+
+    reclaim_id: str
+    grace_deadline: float
+
+
+@dataclass(frozen=True)
+class CutWorkers:
+    """The grace deadline: gates end every open stream with an `interrupted` error."""
+
+    reclaim_id: str
 
 
 @dataclass(frozen=True)
@@ -178,6 +218,8 @@ Command = (
     | LiftTaints
     | WriteDeadlineFile
     | SignalContainers
+    | DrainWorkers
+    | CutWorkers
     | WatchExits
     | Observe
     | Emit
@@ -223,13 +265,15 @@ class Reclamation:
     rounds_in_flight: int = 0  # signal rounds asked for and not yet reported done
     signalled: dict[str, str] = field(default_factory=dict)  # container id -> last signal
     names: dict[str, str] = field(default_factory=dict)
+    gated: list[str] = field(default_factory=list)  # inference workers draining at their gates
     exited: dict[str, int] = field(default_factory=dict)
     observing: bool = False
     observe_again: bool = False
     next_observe_at: float | None = None
     last_failure: str = ""
     verified_at: float | None = None
-    outcome: str = ""  # "", "drained", "overrun", "cancelled"
+    outcome: str = ""  # "", "drained", "overrun", "cancelled", "resumed"
+    resumed: bool = False  # a pause the owner has ended
 
     # --- construction ----------------------------------------------------------------------
 
@@ -301,6 +345,8 @@ class Reclamation:
         self.rounds_in_flight = 0
         if self.sigterm_round:
             self.sigterm_round_done = True
+        # Gates died with the old process; the new one re-adopts the workers: drain them again.
+        commands.append(DrainWorkers(self.reclaim_id, self.grace_deadline))
         if not self.sigterm_round:
             self.sigterm_round = True
             commands.append(self._signal(SIGTERM))
@@ -329,6 +375,10 @@ class Reclamation:
                 return self._exited(now, container, name, code)
             case Observed():
                 return self._observed(event)
+            case WorkersDraining(now, containers, names):
+                return self._workers_draining(containers, names)
+            case Resumed(now):
+                return self._resumed(now)
             case Tick(now):
                 return self._tick(now)
             case Cancelled(now):
@@ -353,7 +403,8 @@ class Reclamation:
     @property
     def finished(self) -> bool:
         """Nothing more to do. A local taint keeps it open until the coordinator has the taint."""
-        if self.taint_mode == "local" and not self.remote_taint and self.outcome != "cancelled":
+        lifted = self.outcome in ("cancelled", "resumed")
+        if self.taint_mode == "local" and not self.remote_taint and not lifted:
             return False
         return self.phase == "done"
 
@@ -389,6 +440,8 @@ class Reclamation:
                 "deadline_file_written",
                 {"terminate_at": self.terminate_at, "grace_deadline": self.grace_deadline},
             ),
+            # Unrouted, then signalled (DESIGN.md "Hard notice timeline", step 4).
+            DrainWorkers(self.reclaim_id, self.grace_deadline),
             self._signal(SIGTERM),
         ] + self._tick(now)
 
@@ -411,6 +464,32 @@ class Reclamation:
             commands.append(WatchExits((ev.container,)))
         return commands
 
+    def _workers_draining(
+        self, containers: tuple[str, ...], names: tuple[str, ...]
+    ) -> list[Command]:
+        commands: list[Command] = []
+        new = []
+        for container, name in zip(containers, names, strict=True):
+            if container in self.gated:
+                continue
+            self.gated.append(container)
+            self.names[container] = name
+            commands.append(Emit("worker_draining", {"container": container, "name": name}))
+            if container not in self.exited:
+                new.append(container)
+        if new:
+            commands.append(WatchExits(tuple(new)))
+        return commands
+
+    def _resumed(self, now: float) -> list[Command]:
+        if self.reason != "pause" or self.phase == "done":
+            return []
+        # The owner has the machine back: stop verifying and signalling. Workers already
+        # draining finish on their own gates' deadlines.
+        self.outcome = self.outcome or "resumed"
+        self.phase = "done"
+        return [Emit("pause_resumed", {"during_drain": True}), LiftTaints(self.reclaim_id)]
+
     def _signal(self, signal: str, skip: frozenset[str] = frozenset()) -> SignalContainers:
         self.rounds_in_flight += 1
         return SignalContainers(signal, skip)
@@ -428,7 +507,7 @@ class Reclamation:
         commands: list[Command] = [
             Emit("container_exited", {"container": container, "name": name, "exit_code": code})
         ]
-        if all(c in self.exited for c in self.signalled):
+        if all(c in self.exited for c in [*self.signalled, *self.gated]):
             # The last exit: verify now rather than at the next periodic observation.
             commands += self._observe(now)
         return commands
@@ -480,7 +559,7 @@ class Reclamation:
             done = frozenset(c for c, sig in self.signalled.items() if sig == SIGKILL)
         else:
             signal = SIGTERM
-            done = frozenset(self.signalled)
+            done = frozenset(self.signalled) | frozenset(self.gated)
         if not frozenset(running) - done:
             return []
         return [self._signal(signal, skip=done)]
@@ -497,6 +576,8 @@ class Reclamation:
         commands: list[Command] = []
         if self.phase == "draining" and not self.sigkill_round and now >= self.grace_deadline:
             self.sigkill_round = True
+            # Open streams end with an explicit `interrupted` error first (invariant 7).
+            commands.append(CutWorkers(self.reclaim_id))
             commands.append(self._signal(SIGKILL))
         if not self.outcome and self.verified_at is None and now >= self.overrun_at:
             # Invariant 6: work is still there at O (nothing verified it gone). Once.
@@ -506,7 +587,9 @@ class Reclamation:
                     "overrun",
                     {
                         "still_running": sorted(
-                            self.names.get(c, c) for c in self.signalled if c not in self.exited
+                            self.names.get(c, c)
+                            for c in [*self.signalled, *self.gated]
+                            if c not in self.exited
                         ),
                         "last_failure": self.last_failure,
                     },

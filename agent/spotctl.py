@@ -10,10 +10,12 @@ import asyncio
 import json
 import sys
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import grpc
 
+from spotdrain.agent import control_socket
 from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port
 from spotdrain.events import stored_event_to_dict
 from spotdrain.security import channel_credentials
@@ -30,7 +32,32 @@ def parser() -> ArgumentParser:
     p.add_argument("--tls-cert", help="operator certificate (CN operator:<name>)")
     p.add_argument("--tls-key")
     p.add_argument("--ca", help="CA of the coordinator's certificate")
+    p.add_argument(
+        "--socket",
+        type=Path,
+        default=Path("/run/spotdrain/agent.sock"),
+        help="the agent's unix socket (pause, resume, status)",
+    )
     sub = p.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    for name, text in (
+        ("pause", "take the machine back: drain it, free by the deadline"),
+        ("resume", "make the machine available again"),
+        ("status", "this node's state, workers and drain in progress"),
+    ):
+        local = sub.add_parser(name, help=text)
+        local.add_argument("--json", action="store_true")
+    wk = sub.add_parser("workers", help="inference workers")
+    wsub = wk.add_subparsers(dest="workers_command", required=True, parser_class=ArgumentParser)
+    ws = wsub.add_parser("start", help="place a worker on a node, through the placement gate")
+    ws.add_argument("node")
+    ws.add_argument("--model", required=True)
+    ws.add_argument("--image", required=True)
+    ws.add_argument("--slots", type=int, default=4)
+    ws.add_argument("--port", type=int, default=0, help="worker port (default: picked)")
+    ws.add_argument("--json", action="store_true")
+    wl = wsub.add_parser("list", help="workers and their state")
+    wl.add_argument("--node", default="")
+    wl.add_argument("--json", action="store_true")
     ev = sub.add_parser("events", help="lifecycle events, one JSON object a line")
     ev.add_argument("--json", action="store_true", help="JSON lines (the only format)")
     ev.add_argument("--from", dest="from_id", type=int, default=0, help="after this event id")
@@ -142,12 +169,105 @@ async def timeline(stub: pb_grpc.AdminStub, args: Any) -> int:
     return 0
 
 
+def _worker_doc(w: pb.WorkerInfo) -> dict[str, Any]:
+    return {
+        "worker_id": w.worker_id,
+        "node": w.node_id,
+        "model": w.model,
+        "image": w.image,
+        "port": w.port,
+        "capacity": w.capacity,
+        "state": w.state,
+        "gate_address": w.gate_address,
+        "slots_in_use": w.slots_in_use,
+        "drain_reason": w.drain_reason or None,
+        "grace_deadline": w.grace_deadline if w.HasField("grace_deadline") else None,
+    }
+
+
+async def workers(stub: pb_grpc.AdminStub, args: Any) -> int:
+    if args.workers_command == "start":
+        info = await stub.StartWorker(
+            pb.StartWorkerRequest(
+                node_id=args.node,
+                model=args.model,
+                image=args.image,
+                slots=args.slots,
+                port=args.port,
+            )
+        )
+        doc = _worker_doc(info)
+        print(
+            json.dumps(doc, sort_keys=True)
+            if args.json
+            else f"worker {doc['worker_id']} on {doc['node']}: {doc['state']}"
+        )
+        return 0
+    reply = await stub.ListWorkers(pb.ListWorkersRequest(node_id=args.node))
+    docs = [_worker_doc(w) for w in reply.workers]
+    if args.json:
+        print(json.dumps(docs, sort_keys=True))
+        return 0
+    print(f"{'worker':<24} {'node':<14} {'model':<14} {'state':<9} {'slots':>7}  gate")
+    for d in docs:
+        print(
+            f"{d['worker_id']:<24} {d['node']:<14} {d['model']:<14} {d['state']:<9} "
+            f"{d['slots_in_use']:>3}/{d['capacity']:<3}  {d['gate_address']}"
+        )
+    return 0
+
+
+async def local(args: Any) -> int:
+    try:
+        answer = await control_socket.request(args.socket, args.command)
+    except PermissionError:
+        print(
+            f"{PROG}: {args.socket}: permission denied (root or group spotdrain only)",
+            file=sys.stderr,
+        )
+        return 1
+    except (OSError, TimeoutError) as e:
+        print(f"{PROG}: cannot reach the agent at {args.socket}: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(answer, sort_keys=True))
+        return 0 if answer.get("ok") else 1
+    if not answer.get("ok"):
+        print(f"{PROG}: refused: {answer.get('error')}", file=sys.stderr)
+        return 1
+    print(render_status(answer))
+    return 0
+
+
+def render_status(doc: dict[str, Any]) -> str:
+    lines = [
+        f"node {doc.get('node')}: {doc.get('state')}"
+        f"{' (paused by its owner)' if doc.get('paused') else ''}"
+    ]
+    drain = doc.get("drain")
+    if drain:
+        lines.append(
+            f"drain {drain['reclaim_id']} ({drain['reason']}): {drain['phase']}, "
+            f"grace deadline in {drain['grace_in_s']:.1f} s, "
+            f"deadline in {drain['deadline_in_s']:.1f} s"
+        )
+    for w in doc.get("workers", []):
+        lines.append(
+            f"  worker {w['worker_id']}: {w['state']}, slots {w['slots_in_use']}/{w['capacity']}"
+        )
+    return "\n".join(lines)
+
+
 async def run(args: Any) -> int:
+    if args.command in ("pause", "resume", "status"):
+        return await local(args)
     async with channel(args) as ch:
         stub = pb_grpc.AdminStub(ch)
         try:
             if args.command == "events":
                 return await events(stub, args)
+            if args.command == "workers":
+                return await workers(stub, args)
             return await timeline(stub, args)
         except grpc.aio.AioRpcError as e:
             print(

@@ -12,7 +12,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port
-from spotdrain.coordinator.service import AdminServicer, AgentLinkServicer, Coordinator
+from spotdrain.coordinator.service import (
+    AdminServicer,
+    AgentLinkServicer,
+    Coordinator,
+    RoutesServicer,
+)
 from spotdrain.coordinator.store import Store, StoreError
 from spotdrain.security import server_credentials, warn_insecure
 from spotdrain.v1 import spotdrain_pb2 as pb
@@ -53,6 +58,7 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
     server = grpc.aio.server()
     pb_grpc.add_AgentLinkServicer_to_server(AgentLinkServicer(coord), server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(coord), server)
+    pb_grpc.add_RoutesServicer_to_server(RoutesServicer(coord), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = [pb.DESCRIPTOR.services_by_name[name].full_name for name in ("AgentLink", "Admin")]
@@ -80,12 +86,17 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
         "PLAINTEXT" if creds is None else "mutual TLS",
     )
 
+    # Startup and the recovery loop share one path: rebuild from the store, then recover.
+    coord.fleet.rebuild()
+    recovery = asyncio.create_task(coord.fleet.recovery_loop())
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("stopping")
+    recovery.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2.0)
     store.close()

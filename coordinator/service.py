@@ -17,8 +17,11 @@ from typing import Any
 
 import grpc
 
+from spotdrain.coordinator import workers as wm
+from spotdrain.coordinator.fleet import Fleet, PlacementRefused
+from spotdrain.coordinator.routes import RouteEntry
 from spotdrain.coordinator.store import EventRow, Store
-from spotdrain.security import NODE, OPERATOR, Identity, parse_common_name
+from spotdrain.security import NODE, OPERATOR, ROUTER, Identity, parse_common_name
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
@@ -38,8 +41,15 @@ class Coordinator:
         self.store = store
         self.insecure = insecure
         self.clock = clock
-        self.connected: dict[str, float] = {}
         self._new_event = asyncio.Condition()
+        self.fleet = Fleet(store, self._record_for_fleet, clock)
+
+    @property
+    def connected(self) -> dict[str, float]:
+        return self.fleet.connected
+
+    async def _record_for_fleet(self, kind: str, node_id: str, details: dict[str, Any]) -> None:
+        await self.record(kind, node_id, details)
 
     # --- identity ----------------------------------------------------------------------------
 
@@ -80,6 +90,10 @@ class Coordinator:
             raise Refused(
                 grpc.StatusCode.PERMISSION_DENIED, f"{identity} may not use the admin API"
             )
+
+    def require_router(self, identity: Identity) -> None:
+        if identity.role not in (ROUTER, OPERATOR):
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"{identity} may not read routes")
 
     # --- events ------------------------------------------------------------------------------
 
@@ -177,8 +191,18 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
         store = self.coord.store
         if request.remove:
             store.remove_taint(request.node_id, request.reclaim_id)
+            store.end_drain(request.node_id, request.reclaim_id)
         else:
             store.add_taint(request.node_id, request.reclaim_id, request.reason or "notice")
+            # Unschedulable, then unrouted: every worker on the node leaves the routing table
+            # before the agent signals anything (DESIGN.md "Hard notice timeline", step 4).
+            await self.coord.fleet.begin_drain(
+                request.node_id,
+                request.reclaim_id,
+                request.reason or "notice",
+                request.terminate_at,
+                request.grace_deadline,
+            )
         log.info(
             "node %s %s taint for %s",
             request.node_id,
@@ -187,65 +211,119 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
         )
         return pb.TaintReply(taints=taints_pb(store, request.node_id))
 
+    async def SetWorkload(  # noqa: N802
+        self, request: pb.SetWorkloadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetWorkloadReply:
+        try:
+            identity = self.coord.identity(context, request.node_id)
+            await self.coord.refuse_foreign(
+                identity, request.node_id, "SetWorkload", context.peer()
+            )
+            if not request.enabled:
+                raise Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "a pause is a Taint with reason pause, not SetWorkload(false)",
+                )
+        except Refused as r:
+            await _abort(context, r)
+            raise AssertionError("unreachable") from None
+        await self.coord.fleet.end_pause(request.node_id, request.reclaim_id)
+        node = self.coord.store.node(request.node_id)
+        return pb.SetWorkloadReply(workload_enabled=bool(node and node.workload_enabled))
+
     async def Connect(  # noqa: N802
         self, request_iterator: AsyncIterator[pb.AgentMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.CoordinatorMessage]:
-        node_id = ""
+        """Replies (registration, acks) and commands (start, drain) share one outgoing queue;
+        a reader task handles what the agent sends."""
+        out: asyncio.Queue[pb.CoordinatorMessage] = asyncio.Queue()
+        session: dict[str, str] = {"node_id": ""}
+        reader = asyncio.create_task(self._read(request_iterator, context, out, session))
+        fleet = self.coord.fleet
         try:
-            async for msg in request_iterator:
-                which = msg.WhichOneof("body")
-                if which == "register":
-                    reg = msg.register
-                    identity = self.coord.identity(context, reg.node_id)
-                    await self.coord.refuse_foreign(
-                        identity, reg.node_id, "Register", context.peer()
-                    )
-                    node_id = reg.node_id
-                    gpus = [
-                        {
-                            "index": g.index,
-                            "uuid": g.uuid,
-                            "name": g.name,
-                            "memory_bytes": g.memory_bytes,
-                        }
-                        for g in reg.gpus
-                    ]
-                    self.coord.store.upsert_node(node_id, reg.spot, reg.node_group, gpus)
-                    self.coord.connected[node_id] = self.coord.clock()
-                    log.info(
-                        "node %s registered (%d GPUs, group %s, spot=%s)",
-                        node_id,
-                        len(gpus),
-                        reg.node_group,
-                        reg.spot,
-                    )
-                    yield pb.CoordinatorMessage(
+            while True:
+                getter = asyncio.create_task(out.get())
+                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield getter.result()
+                    continue
+                getter.cancel()
+                while not out.empty():
+                    yield out.get_nowait()
+                error = reader.exception()
+                if isinstance(error, Refused):
+                    await _abort(context, error)
+                elif error is not None:
+                    raise error
+                return
+        finally:
+            reader.cancel()
+            node_id = session["node_id"]
+            if node_id and fleet.streams.get(node_id) is out:
+                del fleet.streams[node_id]
+                fleet.connected.pop(node_id, None)
+                self.coord.store.touch_node(node_id)
+
+    async def _read(
+        self,
+        request_iterator: AsyncIterator[pb.AgentMessage],
+        context: grpc.aio.ServicerContext,
+        out: asyncio.Queue[pb.CoordinatorMessage],
+        session: dict[str, str],
+    ) -> None:
+        fleet = self.coord.fleet
+        async for msg in request_iterator:
+            which = msg.WhichOneof("body")
+            node_id = session["node_id"]
+            if which == "register":
+                reg = msg.register
+                identity = self.coord.identity(context, reg.node_id)
+                await self.coord.refuse_foreign(identity, reg.node_id, "Register", context.peer())
+                node_id = session["node_id"] = reg.node_id
+                gpus = [
+                    {
+                        "index": g.index,
+                        "uuid": g.uuid,
+                        "name": g.name,
+                        "memory_bytes": g.memory_bytes,
+                    }
+                    for g in reg.gpus
+                ]
+                self.coord.store.upsert_node(node_id, reg.spot, reg.node_group, gpus)
+                fleet.streams[node_id] = out
+                fleet.connected[node_id] = self.coord.clock()
+                log.info(
+                    "node %s registered (%d GPUs, group %s, spot=%s, %d workers)",
+                    node_id,
+                    len(gpus),
+                    reg.node_group,
+                    reg.spot,
+                    len(reg.workers),
+                )
+                out.put_nowait(
+                    pb.CoordinatorMessage(
                         registered=pb.Registered(
                             node_id=node_id, taints=taints_pb(self.coord.store, node_id)
                         )
                     )
-                    continue
-                if not node_id:
-                    raise Refused(
-                        grpc.StatusCode.FAILED_PRECONDITION, "register before anything else"
-                    )
-                if which == "heartbeat":
-                    self.coord.connected[node_id] = self.coord.clock()
-                elif which == "events":
-                    identity = self.coord.identity(context, node_id)
-                    for ev in msg.events.events:
-                        await self.coord.refuse_foreign(
-                            identity, ev.node_id, "Event", context.peer()
-                        )
-                    uids = await self.coord.accept_events(node_id, list(msg.events.events))
-                    self.coord.connected[node_id] = self.coord.clock()
-                    yield pb.CoordinatorMessage(ack=pb.EventAck(uids=uids))
-        except Refused as r:
-            await _abort(context, r)
-        finally:
-            if node_id:
-                self.coord.connected.pop(node_id, None)
-                self.coord.store.touch_node(node_id)
+                )
+                await fleet.registered(node_id, list(reg.workers))
+                continue
+            if not node_id:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "register before anything else")
+            fleet.connected[node_id] = self.coord.clock()
+            if which == "heartbeat":
+                await fleet.slots(node_id, list(msg.heartbeat.workers), heartbeat=True)
+            elif which == "slots":
+                await fleet.slots(node_id, list(msg.slots.workers), heartbeat=False)
+            elif which == "worker":
+                await fleet.worker_report(node_id, msg.worker)
+            elif which == "events":
+                identity = self.coord.identity(context, node_id)
+                for ev in msg.events.events:
+                    await self.coord.refuse_foreign(identity, ev.node_id, "Event", context.peer())
+                uids = await self.coord.accept_events(node_id, list(msg.events.events))
+                out.put_nowait(pb.CoordinatorMessage(ack=pb.EventAck(uids=uids)))
 
 
 class AdminServicer(pb_grpc.AdminServicer):
@@ -316,6 +394,113 @@ class AdminServicer(pb_grpc.AdminServicer):
                     connected=n.node_id in self.coord.connected,
                     last_seen=self.coord.connected.get(n.node_id, n.last_seen),
                     taints=taints_pb(self.coord.store, n.node_id),
+                    workload_enabled=n.workload_enabled,
                 )
             )
         return pb.ListNodesReply(nodes=nodes)
+
+    async def StartWorker(  # noqa: N802
+        self, request: pb.StartWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WorkerInfo:
+        await self._operator(context)
+        if not request.node_id or not request.model or not request.image:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node, model and image needed")
+        try:
+            worker = await self.coord.fleet.place_worker(
+                request.node_id,
+                request.model,
+                request.image,
+                request.slots or 1,
+                request.port,
+                path="operator",
+            )
+        except PlacementRefused as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            raise AssertionError("unreachable") from None
+        return worker_pb(worker)
+
+    async def ListWorkers(  # noqa: N802
+        self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListWorkersReply:
+        await self._operator(context)
+        return pb.ListWorkersReply(
+            workers=[worker_pb(w) for w in self.coord.fleet.all_workers(request.node_id)]
+        )
+
+
+def worker_pb(w: wm.Worker) -> pb.WorkerInfo:
+    info = pb.WorkerInfo(
+        worker_id=w.worker_id,
+        node_id=w.node_id,
+        model=w.model,
+        image=w.image,
+        port=w.port,
+        capacity=w.capacity,
+        state=w.state,
+        gate_address=w.gate_address,
+        slots_in_use=w.slots_in_use,
+        drain_reason=w.drain_reason,
+    )
+    if w.grace_deadline is not None:
+        info.grace_deadline = w.grace_deadline
+    if w.terminate_at is not None:
+        info.terminate_at = w.terminate_at
+    return info
+
+
+def route_pb(e: RouteEntry) -> pb.Route:
+    return pb.Route(
+        worker_id=e.worker_id,
+        node_id=e.node_id,
+        model=e.model,
+        address=e.address,
+        slots_in_use=e.slots_in_use,
+        capacity=e.capacity,
+    )
+
+
+class RoutesServicer(pb_grpc.RoutesServicer):
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+
+    async def _router(self, context: grpc.aio.ServicerContext) -> None:
+        try:
+            self.coord.require_router(self.coord.identity(context))
+        except Refused as r:
+            await _abort(context, r)
+
+    async def WatchRoutes(  # noqa: N802
+        self, request: pb.WatchRoutesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.RouteUpdate]:
+        await self._router(context)
+        routes = self.coord.fleet.routes
+        # Subscribe before the snapshot: no change can fall between the two.
+        queue = routes.subscribe(request.model)
+        try:
+            version, entries = routes.snapshot(request.model)
+            yield pb.RouteUpdate(
+                version=version, snapshot=True, upsert=[route_pb(e) for e in entries]
+            )
+            while True:
+                change = await queue.get()
+                if change.version <= version:
+                    continue
+                yield pb.RouteUpdate(
+                    version=change.version,
+                    upsert=[route_pb(e) for e in change.upsert],
+                    removed=list(change.removed),
+                )
+        finally:
+            routes.unsubscribe(request.model, queue)
+
+    async def PickWorker(  # noqa: N802
+        self, request: pb.PickWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Route:
+        await self._router(context)
+        entry = self.coord.fleet.routes.pick(request.model)
+        if entry is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"no ready worker for model {request.model!r}"
+            )
+            raise AssertionError("unreachable")
+        return route_pb(entry)

@@ -17,7 +17,7 @@ from typing import Any
 
 from spotdrain.coordinator import timeline
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -58,6 +58,33 @@ CREATE TABLE reclamations (
 );
 """
 
+# Each migration takes the schema from version N to N + 1; a new database runs them all.
+MIGRATIONS: dict[int, str] = {
+    1: """
+ALTER TABLE nodes ADD COLUMN workload_enabled INTEGER NOT NULL DEFAULT 1;
+CREATE TABLE workers (
+    worker_id TEXT PRIMARY KEY,
+    node_id TEXT NOT NULL,
+    model TEXT NOT NULL,
+    state TEXT NOT NULL,
+    doc_json TEXT NOT NULL
+);
+CREATE INDEX workers_by_node ON workers (node_id, state);
+CREATE INDEX workers_by_model ON workers (model, state);
+-- A node's drain in progress (pause or notice): the deadlines the agent computed, stored once.
+CREATE TABLE node_drains (
+    node_id TEXT NOT NULL,
+    reclaim_id TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    terminate_at REAL NOT NULL,
+    grace_deadline REAL NOT NULL,
+    started_at REAL NOT NULL,
+    ended_at REAL,
+    PRIMARY KEY (node_id, reclaim_id)
+);
+""",
+}
+
 
 class StoreError(Exception):
     pass
@@ -94,6 +121,18 @@ class NodeRow:
     gpus: list[dict[str, Any]]
     registered_at: float
     last_seen: float
+    workload_enabled: bool = True
+
+
+@dataclass(frozen=True)
+class DrainRow:
+    node_id: str
+    reclaim_id: str
+    reason: str
+    terminate_at: float
+    grace_deadline: float
+    started_at: float
+    ended_at: float | None
 
 
 class Store:
@@ -116,19 +155,23 @@ class Store:
             "SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'"
         ).fetchone()
         if not has_meta:
-            # executescript runs the whole schema and its version stamp as one transaction.
+            # executescript runs the base schema and its version stamp as one transaction.
             self.db.executescript(
-                f"BEGIN; {SCHEMA} INSERT INTO meta VALUES ('schema_version', "
-                f"'{SCHEMA_VERSION}'); COMMIT;"
+                f"BEGIN; {SCHEMA} INSERT INTO meta VALUES ('schema_version', '1'); COMMIT;"
             )
-            return
         row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         version = int(row[0]) if row else 0
-        if version != SCHEMA_VERSION:
+        if version > SCHEMA_VERSION or version < 1:
             raise StoreError(
                 f"database {self.path} has schema version {version}, this coordinator "
-                f"knows {SCHEMA_VERSION}"
+                f"knows 1 to {SCHEMA_VERSION}"
             )
+        while version < SCHEMA_VERSION:
+            self.db.executescript(
+                f"BEGIN; {MIGRATIONS[version]} UPDATE meta SET value='{version + 1}' "
+                "WHERE key='schema_version'; COMMIT;"
+            )
+            version += 1
 
     def _tx(self) -> _Tx:
         return _Tx(self.db)
@@ -143,7 +186,8 @@ class Store:
     ) -> None:
         now = self.clock()
         self.db.execute(
-            "INSERT INTO nodes VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(node_id) DO UPDATE SET "
+            "INSERT INTO nodes (node_id, spot, node_group, gpus_json, registered_at, last_seen) "
+            "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(node_id) DO UPDATE SET "
             "spot=excluded.spot, node_group=excluded.node_group, gpus_json=excluded.gpus_json, "
             "last_seen=excluded.last_seen",
             (node_id, int(spot), node_group, json.dumps(gpus), now, now),
@@ -153,8 +197,89 @@ class Store:
         self.db.execute("UPDATE nodes SET last_seen=? WHERE node_id=?", (self.clock(), node_id))
 
     def nodes(self) -> list[NodeRow]:
-        rows = self.db.execute("SELECT * FROM nodes ORDER BY node_id").fetchall()
-        return [NodeRow(r[0], bool(r[1]), r[2], json.loads(r[3]), r[4], r[5]) for r in rows]
+        rows = self.db.execute(
+            "SELECT node_id, spot, node_group, gpus_json, registered_at, last_seen, "
+            "workload_enabled FROM nodes ORDER BY node_id"
+        ).fetchall()
+        return [
+            NodeRow(r[0], bool(r[1]), r[2], json.loads(r[3]), r[4], r[5], bool(r[6])) for r in rows
+        ]
+
+    def node(self, node_id: str) -> NodeRow | None:
+        return next((n for n in self.nodes() if n.node_id == node_id), None)
+
+    def set_workload(self, node_id: str, enabled: bool) -> bool:
+        """The node's workload flag (the coordinator owns it). Returns whether it changed."""
+        now = self.clock()
+        cur = self.db.execute(
+            "UPDATE nodes SET workload_enabled=? WHERE node_id=? AND workload_enabled!=?",
+            (int(enabled), node_id, int(enabled)),
+        )
+        if cur.rowcount == 0 and self.node(node_id) is None:
+            # A pause from a node that never registered (it lost the coordinator at boot): the
+            # flag still has to be stored, so the node is created disabled.
+            self.db.execute(
+                "INSERT INTO nodes (node_id, spot, node_group, gpus_json, registered_at, "
+                "last_seen, workload_enabled) VALUES (?, 1, 'default', '[]', ?, ?, ?)",
+                (node_id, now, now, int(enabled)),
+            )
+            return True
+        return cur.rowcount > 0
+
+    # --- drains ------------------------------------------------------------------------------
+
+    def start_drain(
+        self, node_id: str, reclaim_id: str, reason: str, terminate_at: float, grace_deadline: float
+    ) -> DrainRow:
+        """Record a node's drain. Idempotent: the first deadlines stored are kept for good."""
+        self.db.execute(
+            "INSERT OR IGNORE INTO node_drains VALUES (?, ?, ?, ?, ?, ?, NULL)",
+            (node_id, reclaim_id, reason, terminate_at, grace_deadline, self.clock()),
+        )
+        row = self.db.execute(
+            "SELECT * FROM node_drains WHERE node_id=? AND reclaim_id=?", (node_id, reclaim_id)
+        ).fetchone()
+        return DrainRow(*row)
+
+    def end_drain(self, node_id: str, reclaim_id: str) -> None:
+        self.db.execute(
+            "UPDATE node_drains SET ended_at=? WHERE node_id=? AND reclaim_id=? "
+            "AND ended_at IS NULL",
+            (self.clock(), node_id, reclaim_id),
+        )
+
+    def active_drains(self, node_id: str | None = None) -> list[DrainRow]:
+        sql = "SELECT * FROM node_drains WHERE ended_at IS NULL"
+        args: tuple[Any, ...] = ()
+        if node_id is not None:
+            sql += " AND node_id=?"
+            args = (node_id,)
+        return [DrainRow(*r) for r in self.db.execute(sql + " ORDER BY started_at", args)]
+
+    # --- workers -----------------------------------------------------------------------------
+
+    def save_worker(
+        self, worker_id: str, node_id: str, model: str, state: str, doc: dict[str, Any]
+    ) -> None:
+        self.db.execute(
+            "INSERT INTO workers VALUES (?, ?, ?, ?, ?) ON CONFLICT(worker_id) DO UPDATE SET "
+            "state=excluded.state, doc_json=excluded.doc_json",
+            (worker_id, node_id, model, state, json.dumps(doc, sort_keys=True)),
+        )
+
+    def worker_docs(
+        self, node_id: str | None = None, model: str | None = None, live_only: bool = False
+    ) -> list[dict[str, Any]]:
+        sql, args = "SELECT doc_json FROM workers WHERE 1=1", []
+        if node_id is not None:
+            sql += " AND node_id=?"
+            args.append(node_id)
+        if model is not None:
+            sql += " AND model=?"
+            args.append(model)
+        if live_only:
+            sql += " AND state!='stopped'"
+        return [json.loads(r[0]) for r in self.db.execute(sql + " ORDER BY rowid", args)]
 
     # --- taints ------------------------------------------------------------------------------
 

@@ -155,6 +155,10 @@ class Agent:
         tmp.write_bytes(data)
         os.replace(tmp, self.notice_file)
 
+    @property
+    def socket(self) -> Path:
+        return self.state_dir.parent / "agent.sock"
+
     def restart(self) -> None:
         self.proc = Proc(self.node_id, self.argv, self.log_path, self.env)
 
@@ -203,6 +207,9 @@ def start_agent(
         "--docker-call-timeout-s", str(opts.docker_call_timeout_s),
         "--nvml-timeout-s", str(opts.nvml_timeout_s),
         "--log-level", "DEBUG",
+        "--socket", str(base / "agent.sock"),
+        "--gate-host", "127.0.0.1",
+        "--advertise-host", "127.0.0.1",
         *opts.extra,
     ]
     if coordinator.tls is None:

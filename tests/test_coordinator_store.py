@@ -153,3 +153,38 @@ async def test_taint_without_reclaim_id_is_invalid(store, clock):
         await servicer.Taint(pb.TaintRequest(node_id="node-a"), ctx)
     assert ctx.aborted[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert store.taints("node-a") == []
+
+
+def test_a_version_1_database_is_migrated_in_place(tmp_path):
+    """A coordinator upgraded over an existing database keeps every node and event, and nodes
+    start with their workload enabled."""
+    from spotdrain.coordinator.store import SCHEMA
+
+    path = tmp_path / "v1.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript(SCHEMA + "INSERT INTO meta VALUES ('schema_version', '1');"
+                     "INSERT INTO nodes VALUES ('node-a', 1, 'g', '[]', 1.0, 2.0);")
+    db.commit()
+    db.close()
+    store = Store(path)
+    assert store.db.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
+    assert [(n.node_id, n.workload_enabled) for n in store.nodes()] == [("node-a", True)]
+    store.close()
+
+
+def test_a_drain_keeps_its_first_deadlines(store, clock):
+    """The agent retries its pause after a timeout: the coordinator keeps the first deadlines."""
+    first = store.start_drain("node-a", "rcl-1", "pause", 1120.0, 1110.0)
+    clock.now += 3
+    again = store.start_drain("node-a", "rcl-1", "pause", 1123.0, 1113.0)
+    assert (again.terminate_at, again.grace_deadline) == (first.terminate_at, 1110.0)
+    assert [d.reclaim_id for d in store.active_drains("node-a")] == ["rcl-1"]
+    store.end_drain("node-a", "rcl-1")
+    assert store.active_drains() == []
+
+
+def test_the_workload_flag_is_stored_even_for_an_unknown_node(store):
+    assert store.set_workload("node-z", False) is True
+    assert store.node("node-z").workload_enabled is False
+    assert store.set_workload("node-z", False) is False
+    assert store.set_workload("node-z", True) is True

@@ -32,6 +32,8 @@ from spotdrain.agent.reclamation import (
     Command,
     ContainerExited,
     ContainerSignalled,
+    CutWorkers,
+    DrainWorkers,
     Emit,
     Event,
     LiftTaints,
@@ -125,6 +127,7 @@ def kinds(commands: list[Command]) -> list[str]:
 EVICT = [
     match(WriteDeadlineFile, terminate_at=D, grace_deadline=G, reason="notice"),
     emit("deadline_file_written", terminate_at=D, grace_deadline=G),
+    match(DrainWorkers, grace_deadline=G),
     SignalContainers(SIGTERM),
 ]
 LOCAL_FALLBACK = [
@@ -324,7 +327,7 @@ def test_a_job_ignoring_sigterm_is_killed_at_the_grace_deadline_exactly_once(
     assert story(Observed(T0 + 0.8, running=("c1",), gpu_processes=(777,))) == []
     assert story.rec.next_wakeup() == pytest.approx(T0 + 1.3)
     # The shell sleeps to G (say re-observation was slow); the kill round comes first.
-    assert story(Tick(G)) == [SignalContainers(SIGKILL), Observe()]
+    assert story(Tick(G)) == [match(CutWorkers), SignalContainers(SIGKILL), Observe()]
     assert story(signalled("c1", G + 0.01, SIGKILL)) == [
         emit("sigkill_sent", container="c1", via="api")
     ]  # no second WatchExits: c1 is already watched
@@ -336,6 +339,7 @@ def test_a_job_ignoring_sigterm_is_killed_at_the_grace_deadline_exactly_once(
         emit("drained", spare_s=pytest.approx(8.9)),
     ]
     assert story.kinds.count("SignalContainers(SIGKILL)") == 1
+    assert story.kinds.index("CutWorkers") == story.kinds.index("SignalContainers(SIGKILL)") - 1
 
 
 # --- when verification cannot succeed -------------------------------------------------------
@@ -353,7 +357,7 @@ def test_a_gpu_process_outliving_every_container_is_an_overrun_and_never_drained
     assert story(Observed(T0 + 1.2, gpu_processes=(4242,))) == []
     assert story(Tick(T0 + 1.75)) == [Observe()]
     assert story(Observed(T0 + 1.8, gpu_processes=(4242,))) == []
-    assert story(Tick(G)) == [SignalContainers(SIGKILL), Observe()]
+    assert story(Tick(G)) == [match(CutWorkers), SignalContainers(SIGKILL), Observe()]
     assert story(SignalRoundDone(G + 0.1, SIGKILL)) == []  # an Observe is in flight
     assert story(Observed(G + 0.2, gpu_processes=(4242,))) == [Observe()]
     assert story(Observed(G + 0.3, gpu_processes=(4242,))) == []
@@ -380,7 +384,7 @@ def test_the_drain_goes_on_after_an_overrun(story: Story) -> None:
     when it comes (never as drained)."""
     tainted_with(story, "c1")
     assert story(Observed(T0 + 0.2, running=("c1",))) == []
-    assert story(Tick(G)) == [SignalContainers(SIGKILL), Observe()]
+    assert story(Tick(G)) == [match(CutWorkers), SignalContainers(SIGKILL), Observe()]
     assert story(signalled("c1", G + 0.05, SIGKILL)) == [emit("sigkill_sent")]
     assert story(SignalRoundDone(G + 0.06, SIGKILL)) == []  # a look is in flight: again after
     assert story(Observed(G + 0.1, running=("c1",))) == [Observe()]  # dying, killed already
@@ -427,7 +431,7 @@ def test_nvml_and_docker_errors_are_never_empty_and_are_reported_once_each(story
     assert story(Observed(T0 + 1.4, error=docker)) == [emit("verification_failed", error=docker)]
     assert story(Tick(T0 + 1.95)) == [Observe()]
     assert story(Observed(T0 + 2.0, error=docker)) == []
-    assert story(Tick(G)) == [SignalContainers(SIGKILL), Observe()]
+    assert story(Tick(G)) == [match(CutWorkers), SignalContainers(SIGKILL), Observe()]
     assert story(Observed(G + 0.1, error=docker)) == []
     assert story(Tick(O)) == [emit("overrun", last_failure=docker), Observe()]
     assert story(Observed(O + 0.1, error=docker)) == []
@@ -449,6 +453,7 @@ def test_an_agent_restart_mid_drain_keeps_the_deadlines_and_sends_no_second_sigt
 
     assert story.restart(T0 + 12) == [
         match(WriteDeadlineFile, terminate_at=D, grace_deadline=G),
+        match(DrainWorkers, grace_deadline=G),
         WatchExits(("c2",)),
         Observe(),
     ]
@@ -456,7 +461,7 @@ def test_an_agent_restart_mid_drain_keeps_the_deadlines_and_sends_no_second_sigt
     for key in ("t0", "terminate_at", "grace_deadline", "overrun_at", "reclaim_id", "signalled"):
         assert after[key] == before[key]
     assert story(Observed(T0 + 12.1, running=("c2",))) == []  # c2 is known: not a stray
-    assert story(Tick(G)) == [SignalContainers(SIGKILL), Observe()]
+    assert story(Tick(G)) == [match(CutWorkers), SignalContainers(SIGKILL), Observe()]
 
 
 def test_a_restart_after_the_local_fallback_reapplies_the_local_taint_and_keeps_retrying(
@@ -471,6 +476,7 @@ def test_a_restart_after_the_local_fallback_reapplies_the_local_taint_and_keeps_
         match(ApplyLocalTaint),
         match(RetryRemoteTaint),
         match(WriteDeadlineFile, terminate_at=D),
+        match(DrainWorkers),
         WatchExits(("c1",)),
         Observe(),
     ]
@@ -484,9 +490,10 @@ def test_an_agent_down_through_the_grace_deadline_kills_and_records_the_overrun_
     tainted_with(story, "c1")
     assert story.restart(O + 0.5) == [
         match(WriteDeadlineFile),
+        match(DrainWorkers),
         WatchExits(("c1",)),
         Observe(),
-        SignalContainers(SIGKILL),
+        match(CutWorkers), SignalContainers(SIGKILL),
         emit("overrun", still_running=["job-c1"]),
     ]
 
@@ -508,7 +515,7 @@ def test_a_restart_right_after_the_sigterm_round_was_persisted_catches_the_jobs_
     signals exactly them."""
     story.begin()
     story(TaintAnswered(T0 + 0.05))
-    assert story.restart(T0 + 2) == [match(WriteDeadlineFile), Observe()]
+    assert story.restart(T0 + 2) == [match(WriteDeadlineFile), match(DrainWorkers), Observe()]
     assert story(Observed(T0 + 2.1, running=("c1", "c2"))) == [SignalContainers(SIGTERM)]
 
 
@@ -582,8 +589,9 @@ def test_a_notice_already_past_its_deadline_signals_kills_and_records_the_overru
         emit("tainted", mode="remote"),
         match(WriteDeadlineFile, terminate_at=T0 - 5, grace_deadline=T0 - 15),
         emit("deadline_file_written"),
+        match(DrainWorkers),
         SignalContainers(SIGTERM),
-        SignalContainers(SIGKILL),
+        match(CutWorkers), SignalContainers(SIGKILL),
         emit("overrun"),
     ]
     story(signalled("c1", T0 + 0.06, SIGKILL))
@@ -605,8 +613,9 @@ def test_a_late_notice_is_still_signalled_when_the_shell_ticks_at_next_wakeup(
         emit("tainted", mode="remote"),
         match(WriteDeadlineFile, terminate_at=T0 - 5),
         emit("deadline_file_written"),
+        match(DrainWorkers),
         SignalContainers(SIGTERM),
-        SignalContainers(SIGKILL),
+        match(CutWorkers), SignalContainers(SIGKILL),
     ]
 
 
@@ -621,8 +630,9 @@ def test_a_tight_notice_with_a_silent_coordinator_still_falls_back_to_the_local_
         *LOCAL_FALLBACK,
         match(WriteDeadlineFile, terminate_at=T0 + 2.5, grace_deadline=T0 - 7.5),
         emit("deadline_file_written"),
+        match(DrainWorkers),
         SignalContainers(SIGTERM),
-        SignalContainers(SIGKILL),  # G = D - 10 is long past
+        match(CutWorkers), SignalContainers(SIGKILL),  # G = D - 10 is long past
     ]
     assert story(signalled("c1", T0 + 0.9, SIGKILL)) == [emit("sigkill_sent"), WatchExits(("c1",))]
     assert story(SignalRoundDone(T0 + 1, SIGKILL)) == [Observe()]
@@ -670,7 +680,7 @@ def test_a_cancel_after_jobs_were_signalled_is_recorded_and_the_drain_goes_on(
     tainted_with(story, "c1")
     assert story(Cancelled(T0 + 1)) == [emit("notice_cancelled", lifted=False)]
     assert story(Observed(T0 + 1.1, running=("c1",))) == []
-    assert story(Tick(G)) == [SignalContainers(SIGKILL), Observe()]
+    assert story(Tick(G)) == [match(CutWorkers), SignalContainers(SIGKILL), Observe()]
     assert story(exited("c1", G + 0.5, code=137)) == [emit("container_exited")]
     assert story(Observed(G + 0.6)) == [
         emit("verified_empty"),
@@ -728,7 +738,7 @@ def test_a_container_started_by_hand_during_the_drain_is_signalled_like_the_rest
     assert story(signalled("c9", T0 + 1.1)) == [emit("sigterm_sent"), WatchExits(("c9",))]
     assert story(SignalRoundDone(T0 + 1.2, SIGTERM)) == [Observe()]
     assert story(Observed(T0 + 1.3, running=("c1", "c9"))) == []  # both have had SIGTERM
-    assert story(Tick(G)) == [SignalContainers(SIGKILL), Observe()]
+    assert story(Tick(G)) == [match(CutWorkers), SignalContainers(SIGKILL), Observe()]
     assert story(signalled("c1", G + 0.01, SIGKILL)) == [emit("sigkill_sent")]
     assert story(signalled("c9", G + 0.02, SIGKILL)) == [emit("sigkill_sent")]
     assert story(SignalRoundDone(G + 0.03, SIGKILL)) == []  # a look is in flight

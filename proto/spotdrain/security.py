@@ -1,7 +1,8 @@
 """TLS credentials and identities shared by the agent, the coordinator and spotctl.
 
 A certificate's common name says who its holder is: `node:<node-id>` for agents,
-`operator:<name>` for people and their scripts (DESIGN.md "Security").
+`operator:<name>` for people and their scripts, `router:<name>` for routers, which may only
+read routes (DESIGN.md "Security").
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import grpc
 
 NODE = "node"
 OPERATOR = "operator"
-ROLES = (NODE, OPERATOR)
+ROUTER = "router"
+ROLES = (NODE, OPERATOR, ROUTER)
 
 
 @dataclass(frozen=True)

@@ -19,24 +19,62 @@ class Gpu(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node_id", "gpus", "spot", "node_group", "agent_version")
+    __slots__ = ("node_id", "gpus", "spot", "node_group", "agent_version", "workers")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     SPOT_FIELD_NUMBER: _ClassVar[int]
     NODE_GROUP_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     spot: bool
     node_group: str
     agent_version: str
-    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., agent_version: _Optional[str] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerReport]
+    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., agent_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerReport, _Mapping]]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("node_id",)
+    __slots__ = ("node_id", "workers")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
-    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerSlots]
+    def __init__(self, node_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerSlots, _Mapping]]] = ...) -> None: ...
+
+class WorkerSlots(_message.Message):
+    __slots__ = ("worker_id", "slots_in_use", "capacity", "claimed_state")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_STATE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    slots_in_use: int
+    capacity: int
+    claimed_state: str
+    def __init__(self, worker_id: _Optional[str] = ..., slots_in_use: _Optional[int] = ..., capacity: _Optional[int] = ..., claimed_state: _Optional[str] = ...) -> None: ...
+
+class SlotReport(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerSlots]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerSlots, _Mapping]]] = ...) -> None: ...
+
+class WorkerReport(_message.Message):
+    __slots__ = ("worker_id", "state", "gate_address", "capacity", "exit_code", "reason")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    GATE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    state: str
+    gate_address: str
+    capacity: int
+    exit_code: int
+    reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[str] = ..., gate_address: _Optional[str] = ..., capacity: _Optional[int] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("uid", "kind", "node_id", "reclaim_id", "wall_time", "t_offset_s", "details_json")
@@ -63,14 +101,18 @@ class EventBatch(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "events")
+    __slots__ = ("register", "heartbeat", "events", "worker", "slots")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
     events: EventBatch
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., events: _Optional[_Union[EventBatch, _Mapping]] = ...) -> None: ...
+    worker: WorkerReport
+    slots: SlotReport
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., events: _Optional[_Union[EventBatch, _Mapping]] = ..., worker: _Optional[_Union[WorkerReport, _Mapping]] = ..., slots: _Optional[_Union[SlotReport, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("node_id", "taints")
@@ -87,12 +129,44 @@ class EventAck(_message.Message):
     def __init__(self, uids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("registered", "ack")
+    __slots__ = ("registered", "ack", "start_worker", "drain_worker")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
+    START_WORKER_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_WORKER_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     ack: EventAck
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., ack: _Optional[_Union[EventAck, _Mapping]] = ...) -> None: ...
+    start_worker: StartWorker
+    drain_worker: DrainWorker
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., ack: _Optional[_Union[EventAck, _Mapping]] = ..., start_worker: _Optional[_Union[StartWorker, _Mapping]] = ..., drain_worker: _Optional[_Union[DrainWorker, _Mapping]] = ...) -> None: ...
+
+class StartWorker(_message.Message):
+    __slots__ = ("worker_id", "model", "image", "port", "capacity")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    model: str
+    image: str
+    port: int
+    capacity: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., image: _Optional[str] = ..., port: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
+
+class DrainWorker(_message.Message):
+    __slots__ = ("worker_id", "reclaim_id", "reason", "grace_deadline", "terminate_at")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GRACE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    TERMINATE_AT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    reclaim_id: str
+    reason: str
+    grace_deadline: float
+    terminate_at: float
+    def __init__(self, worker_id: _Optional[str] = ..., reclaim_id: _Optional[str] = ..., reason: _Optional[str] = ..., grace_deadline: _Optional[float] = ..., terminate_at: _Optional[float] = ...) -> None: ...
 
 class Taint(_message.Message):
     __slots__ = ("key", "effect", "reclaim_id", "reason", "since")
@@ -109,22 +183,96 @@ class Taint(_message.Message):
     def __init__(self, key: _Optional[str] = ..., effect: _Optional[str] = ..., reclaim_id: _Optional[str] = ..., reason: _Optional[str] = ..., since: _Optional[float] = ...) -> None: ...
 
 class TaintRequest(_message.Message):
-    __slots__ = ("node_id", "reclaim_id", "reason", "remove")
+    __slots__ = ("node_id", "reclaim_id", "reason", "remove", "terminate_at", "grace_deadline")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RECLAIM_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     REMOVE_FIELD_NUMBER: _ClassVar[int]
+    TERMINATE_AT_FIELD_NUMBER: _ClassVar[int]
+    GRACE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     reclaim_id: str
     reason: str
     remove: bool
-    def __init__(self, node_id: _Optional[str] = ..., reclaim_id: _Optional[str] = ..., reason: _Optional[str] = ..., remove: _Optional[bool] = ...) -> None: ...
+    terminate_at: float
+    grace_deadline: float
+    def __init__(self, node_id: _Optional[str] = ..., reclaim_id: _Optional[str] = ..., reason: _Optional[str] = ..., remove: _Optional[bool] = ..., terminate_at: _Optional[float] = ..., grace_deadline: _Optional[float] = ...) -> None: ...
+
+class SetWorkloadRequest(_message.Message):
+    __slots__ = ("node_id", "enabled", "reclaim_id")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    enabled: bool
+    reclaim_id: str
+    def __init__(self, node_id: _Optional[str] = ..., enabled: _Optional[bool] = ..., reclaim_id: _Optional[str] = ...) -> None: ...
+
+class SetWorkloadReply(_message.Message):
+    __slots__ = ("workload_enabled",)
+    WORKLOAD_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    workload_enabled: bool
+    def __init__(self, workload_enabled: _Optional[bool] = ...) -> None: ...
 
 class TaintReply(_message.Message):
     __slots__ = ("taints",)
     TAINTS_FIELD_NUMBER: _ClassVar[int]
     taints: _containers.RepeatedCompositeFieldContainer[Taint]
     def __init__(self, taints: _Optional[_Iterable[_Union[Taint, _Mapping]]] = ...) -> None: ...
+
+class StartWorkerRequest(_message.Message):
+    __slots__ = ("node_id", "model", "image", "slots", "port")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    model: str
+    image: str
+    slots: int
+    port: int
+    def __init__(self, node_id: _Optional[str] = ..., model: _Optional[str] = ..., image: _Optional[str] = ..., slots: _Optional[int] = ..., port: _Optional[int] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "node_id", "model", "image", "port", "capacity", "state", "gate_address", "slots_in_use", "drain_reason", "grace_deadline", "terminate_at")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    GATE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_REASON_FIELD_NUMBER: _ClassVar[int]
+    GRACE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    TERMINATE_AT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    node_id: str
+    model: str
+    image: str
+    port: int
+    capacity: int
+    state: str
+    gate_address: str
+    slots_in_use: int
+    drain_reason: str
+    grace_deadline: float
+    terminate_at: float
+    def __init__(self, worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., model: _Optional[str] = ..., image: _Optional[str] = ..., port: _Optional[int] = ..., capacity: _Optional[int] = ..., state: _Optional[str] = ..., gate_address: _Optional[str] = ..., slots_in_use: _Optional[int] = ..., drain_reason: _Optional[str] = ..., grace_deadline: _Optional[float] = ..., terminate_at: _Optional[float] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class ListWorkersReply(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("from_id", "follow")
@@ -198,7 +346,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "gpus", "spot", "node_group", "connected", "last_seen", "taints")
+    __slots__ = ("node_id", "gpus", "spot", "node_group", "connected", "last_seen", "taints", "workload_enabled")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     SPOT_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +354,7 @@ class Node(_message.Message):
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
     TAINTS_FIELD_NUMBER: _ClassVar[int]
+    WORKLOAD_ENABLED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     spot: bool
@@ -213,10 +362,51 @@ class Node(_message.Message):
     connected: bool
     last_seen: float
     taints: _containers.RepeatedCompositeFieldContainer[Taint]
-    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., connected: _Optional[bool] = ..., last_seen: _Optional[float] = ..., taints: _Optional[_Iterable[_Union[Taint, _Mapping]]] = ...) -> None: ...
+    workload_enabled: bool
+    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., connected: _Optional[bool] = ..., last_seen: _Optional[float] = ..., taints: _Optional[_Iterable[_Union[Taint, _Mapping]]] = ..., workload_enabled: _Optional[bool] = ...) -> None: ...
 
 class ListNodesReply(_message.Message):
     __slots__ = ("nodes",)
     NODES_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[Node]
     def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...
+
+class WatchRoutesRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class Route(_message.Message):
+    __slots__ = ("worker_id", "node_id", "model", "address", "slots_in_use", "capacity")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    node_id: str
+    model: str
+    address: str
+    slots_in_use: int
+    capacity: int
+    def __init__(self, worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., model: _Optional[str] = ..., address: _Optional[str] = ..., slots_in_use: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
+
+class RouteUpdate(_message.Message):
+    __slots__ = ("version", "snapshot", "upsert", "removed")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    UPSERT_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    snapshot: bool
+    upsert: _containers.RepeatedCompositeFieldContainer[Route]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., snapshot: _Optional[bool] = ..., upsert: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., removed: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PickWorkerRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...

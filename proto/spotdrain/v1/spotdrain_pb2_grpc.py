@@ -49,6 +49,11 @@ class AgentLinkStub:
                 request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.TaintRequest.SerializeToString,
                 response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.TaintReply.FromString,
                 _registered_method=True)
+        self.SetWorkload = channel.unary_unary(
+                '/spotdrain.v1.AgentLink/SetWorkload',
+                request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.SetWorkloadRequest.SerializeToString,
+                response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.SetWorkloadReply.FromString,
+                _registered_method=True)
 
 
 class AgentLinkServicer:
@@ -69,6 +74,15 @@ class AgentLinkServicer:
 
     def Taint(self, request, context):
         """Taint the node NoSchedule. Agents call it with an 800 ms deadline (DESIGN.md step 3).
+        reason "pause" is the owner's pause: it also turns the node's workload flag off and drains
+        its workers with the deadlines the agent computed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetWorkload(self, request, context):
+        """The owner's resume: workload back on, the pause's taint lifted, workers placed again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -86,6 +100,11 @@ def add_AgentLinkServicer_to_server(servicer, server):
                     servicer.Taint,
                     request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.TaintRequest.FromString,
                     response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.TaintReply.SerializeToString,
+            ),
+            'SetWorkload': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetWorkload,
+                    request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.SetWorkloadRequest.FromString,
+                    response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.SetWorkloadReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -157,6 +176,33 @@ class AgentLink:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def SetWorkload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spotdrain.v1.AgentLink/SetWorkload',
+            spotdrain_dot_v1_dot_spotdrain__pb2.SetWorkloadRequest.SerializeToString,
+            spotdrain_dot_v1_dot_spotdrain__pb2.SetWorkloadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class AdminStub:
     """---------------------------------------------------------------------------------------------
@@ -185,6 +231,16 @@ class AdminStub:
                 '/spotdrain.v1.Admin/ListNodes',
                 request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListNodesRequest.SerializeToString,
                 response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListNodesReply.FromString,
+                _registered_method=True)
+        self.StartWorker = channel.unary_unary(
+                '/spotdrain.v1.Admin/StartWorker',
+                request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.StartWorkerRequest.SerializeToString,
+                response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.WorkerInfo.FromString,
+                _registered_method=True)
+        self.ListWorkers = channel.unary_unary(
+                '/spotdrain.v1.Admin/ListWorkers',
+                request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListWorkersReply.FromString,
                 _registered_method=True)
 
 
@@ -215,6 +271,19 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartWorker(self, request, context):
+        """Place an inference worker on a node, through the one placement gate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListWorkers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -232,6 +301,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListNodes,
                     request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListNodesRequest.FromString,
                     response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListNodesReply.SerializeToString,
+            ),
+            'StartWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartWorker,
+                    request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.StartWorkerRequest.FromString,
+                    response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.WorkerInfo.SerializeToString,
+            ),
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListWorkersRequest.FromString,
+                    response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListWorkersReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -319,6 +398,192 @@ class Admin:
             '/spotdrain.v1.Admin/ListNodes',
             spotdrain_dot_v1_dot_spotdrain__pb2.ListNodesRequest.SerializeToString,
             spotdrain_dot_v1_dot_spotdrain__pb2.ListNodesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spotdrain.v1.Admin/StartWorker',
+            spotdrain_dot_v1_dot_spotdrain__pb2.StartWorkerRequest.SerializeToString,
+            spotdrain_dot_v1_dot_spotdrain__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spotdrain.v1.Admin/ListWorkers',
+            spotdrain_dot_v1_dot_spotdrain__pb2.ListWorkersRequest.SerializeToString,
+            spotdrain_dot_v1_dot_spotdrain__pb2.ListWorkersReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class RoutesStub:
+    """---------------------------------------------------------------------------------------------
+    Routes: what routers consume. Only `ready` workers are routable; a worker that goes draining
+    is removed from every watch before the node signals anything.
+    ---------------------------------------------------------------------------------------------
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.WatchRoutes = channel.unary_stream(
+                '/spotdrain.v1.Routes/WatchRoutes',
+                request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.WatchRoutesRequest.SerializeToString,
+                response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.RouteUpdate.FromString,
+                _registered_method=True)
+        self.PickWorker = channel.unary_unary(
+                '/spotdrain.v1.Routes/PickWorker',
+                request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.PickWorkerRequest.SerializeToString,
+                response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.Route.FromString,
+                _registered_method=True)
+
+
+class RoutesServicer:
+    """---------------------------------------------------------------------------------------------
+    Routes: what routers consume. Only `ready` workers are routable; a worker that goes draining
+    is removed from every watch before the node signals anything.
+    ---------------------------------------------------------------------------------------------
+
+    """
+
+    def WatchRoutes(self, request, context):
+        """A snapshot of the model's ready workers, then every change, each with a version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PickWorker(self, request, context):
+        """The least-loaded ready worker of a model, for simple routers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RoutesServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'WatchRoutes': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchRoutes,
+                    request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.WatchRoutesRequest.FromString,
+                    response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.RouteUpdate.SerializeToString,
+            ),
+            'PickWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.PickWorker,
+                    request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.PickWorkerRequest.FromString,
+                    response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.Route.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'spotdrain.v1.Routes', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('spotdrain.v1.Routes', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Routes:
+    """---------------------------------------------------------------------------------------------
+    Routes: what routers consume. Only `ready` workers are routable; a worker that goes draining
+    is removed from every watch before the node signals anything.
+    ---------------------------------------------------------------------------------------------
+
+    """
+
+    @staticmethod
+    def WatchRoutes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/spotdrain.v1.Routes/WatchRoutes',
+            spotdrain_dot_v1_dot_spotdrain__pb2.WatchRoutesRequest.SerializeToString,
+            spotdrain_dot_v1_dot_spotdrain__pb2.RouteUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PickWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spotdrain.v1.Routes/PickWorker',
+            spotdrain_dot_v1_dot_spotdrain__pb2.PickWorkerRequest.SerializeToString,
+            spotdrain_dot_v1_dot_spotdrain__pb2.Route.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,7 +44,12 @@ class AgentLinkStub:
     the coordinator answers with acknowledgements (and, later, commands).
     """
     Taint: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.TaintRequest, _spotdrain_pb2.TaintReply]
-    """Taint the node NoSchedule. Agents call it with an 800 ms deadline (DESIGN.md step 3)."""
+    """Taint the node NoSchedule. Agents call it with an 800 ms deadline (DESIGN.md step 3).
+    reason "pause" is the owner's pause: it also turns the node's workload flag off and drains
+    its workers with the deadlines the agent computed.
+    """
+    SetWorkload: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.SetWorkloadRequest, _spotdrain_pb2.SetWorkloadReply]
+    """The owner's resume: workload back on, the pause's taint lifted, workers placed again."""
 
 @_typing.type_check_only
 class AgentLinkAsyncStub(AgentLinkStub):
@@ -60,7 +65,12 @@ class AgentLinkAsyncStub(AgentLinkStub):
     the coordinator answers with acknowledgements (and, later, commands).
     """
     Taint: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.TaintRequest, _spotdrain_pb2.TaintReply]  # type: ignore[assignment]
-    """Taint the node NoSchedule. Agents call it with an 800 ms deadline (DESIGN.md step 3)."""
+    """Taint the node NoSchedule. Agents call it with an 800 ms deadline (DESIGN.md step 3).
+    reason "pause" is the owner's pause: it also turns the node's workload flag off and drains
+    its workers with the deadlines the agent computed.
+    """
+    SetWorkload: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.SetWorkloadRequest, _spotdrain_pb2.SetWorkloadReply]  # type: ignore[assignment]
+    """The owner's resume: workload back on, the pause's taint lifted, workers placed again."""
 
 class AgentLinkServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------------------------------------------
@@ -85,7 +95,18 @@ class AgentLinkServicer(metaclass=_abc_1.ABCMeta):
         request: _spotdrain_pb2.TaintRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_spotdrain_pb2.TaintReply, _abc.Awaitable[_spotdrain_pb2.TaintReply]]:
-        """Taint the node NoSchedule. Agents call it with an 800 ms deadline (DESIGN.md step 3)."""
+        """Taint the node NoSchedule. Agents call it with an 800 ms deadline (DESIGN.md step 3).
+        reason "pause" is the owner's pause: it also turns the node's workload flag off and drains
+        its workers with the deadlines the agent computed.
+        """
+
+    @_abc_1.abstractmethod
+    def SetWorkload(
+        self,
+        request: _spotdrain_pb2.SetWorkloadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_spotdrain_pb2.SetWorkloadReply, _abc.Awaitable[_spotdrain_pb2.SetWorkloadReply]]:
+        """The owner's resume: workload back on, the pause's taint lifted, workers placed again."""
 
 def add_AgentLinkServicer_to_server(servicer: AgentLinkServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
@@ -104,6 +125,9 @@ class AdminStub:
     GetTimeline: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.GetTimelineRequest, _spotdrain_pb2.Timeline]
     """One reclamation's record and its events; the latest one when reclaim_id is empty."""
     ListNodes: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.ListNodesRequest, _spotdrain_pb2.ListNodesReply]
+    StartWorker: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.StartWorkerRequest, _spotdrain_pb2.WorkerInfo]
+    """Place an inference worker on a node, through the one placement gate."""
+    ListWorkers: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.ListWorkersRequest, _spotdrain_pb2.ListWorkersReply]
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -118,6 +142,9 @@ class AdminAsyncStub(AdminStub):
     GetTimeline: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.GetTimelineRequest, _spotdrain_pb2.Timeline]  # type: ignore[assignment]
     """One reclamation's record and its events; the latest one when reclaim_id is empty."""
     ListNodes: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.ListNodesRequest, _spotdrain_pb2.ListNodesReply]  # type: ignore[assignment]
+    StartWorker: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.StartWorkerRequest, _spotdrain_pb2.WorkerInfo]  # type: ignore[assignment]
+    """Place an inference worker on a node, through the one placement gate."""
+    ListWorkers: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.ListWorkersRequest, _spotdrain_pb2.ListWorkersReply]  # type: ignore[assignment]
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------------------------------------------
@@ -148,4 +175,74 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_spotdrain_pb2.ListNodesReply, _abc.Awaitable[_spotdrain_pb2.ListNodesReply]]: ...
 
+    @_abc_1.abstractmethod
+    def StartWorker(
+        self,
+        request: _spotdrain_pb2.StartWorkerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_spotdrain_pb2.WorkerInfo, _abc.Awaitable[_spotdrain_pb2.WorkerInfo]]:
+        """Place an inference worker on a node, through the one placement gate."""
+
+    @_abc_1.abstractmethod
+    def ListWorkers(
+        self,
+        request: _spotdrain_pb2.ListWorkersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_spotdrain_pb2.ListWorkersReply, _abc.Awaitable[_spotdrain_pb2.ListWorkersReply]]: ...
+
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class RoutesStub:
+    """---------------------------------------------------------------------------------------------
+    Routes: what routers consume. Only `ready` workers are routable; a worker that goes draining
+    is removed from every watch before the node signals anything.
+    ---------------------------------------------------------------------------------------------
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> RoutesAsyncStub: ...
+    WatchRoutes: _grpc.UnaryStreamMultiCallable[_spotdrain_pb2.WatchRoutesRequest, _spotdrain_pb2.RouteUpdate]
+    """A snapshot of the model's ready workers, then every change, each with a version."""
+    PickWorker: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.PickWorkerRequest, _spotdrain_pb2.Route]
+    """The least-loaded ready worker of a model, for simple routers."""
+
+@_typing.type_check_only
+class RoutesAsyncStub(RoutesStub):
+    """---------------------------------------------------------------------------------------------
+    Routes: what routers consume. Only `ready` workers are routable; a worker that goes draining
+    is removed from every watch before the node signals anything.
+    ---------------------------------------------------------------------------------------------
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    WatchRoutes: _aio.UnaryStreamMultiCallable[_spotdrain_pb2.WatchRoutesRequest, _spotdrain_pb2.RouteUpdate]  # type: ignore[assignment]
+    """A snapshot of the model's ready workers, then every change, each with a version."""
+    PickWorker: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.PickWorkerRequest, _spotdrain_pb2.Route]  # type: ignore[assignment]
+    """The least-loaded ready worker of a model, for simple routers."""
+
+class RoutesServicer(metaclass=_abc_1.ABCMeta):
+    """---------------------------------------------------------------------------------------------
+    Routes: what routers consume. Only `ready` workers are routable; a worker that goes draining
+    is removed from every watch before the node signals anything.
+    ---------------------------------------------------------------------------------------------
+    """
+
+    @_abc_1.abstractmethod
+    def WatchRoutes(
+        self,
+        request: _spotdrain_pb2.WatchRoutesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_spotdrain_pb2.RouteUpdate], _abc.AsyncIterator[_spotdrain_pb2.RouteUpdate]]:
+        """A snapshot of the model's ready workers, then every change, each with a version."""
+
+    @_abc_1.abstractmethod
+    def PickWorker(
+        self,
+        request: _spotdrain_pb2.PickWorkerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_spotdrain_pb2.Route, _abc.Awaitable[_spotdrain_pb2.Route]]:
+        """The least-loaded ready worker of a model, for simple routers."""
+
+def add_RoutesServicer_to_server(servicer: RoutesServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

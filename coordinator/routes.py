@@ -1,0 +1,85 @@
+"""The routing table routers consume: per model, the `ready` workers and their slots.
+
+In memory, rebuilt from the store at start; every change bumps one version and is pushed to
+each watcher of that model at once (no polling), so a worker that goes draining is gone from
+every router's view before its node signals anything (DESIGN.md "Owner pause timeline").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class RouteEntry:
+    worker_id: str
+    node_id: str
+    model: str
+    address: str
+    slots_in_use: int
+    capacity: int
+
+
+@dataclass(frozen=True)
+class RouteChange:
+    version: int
+    upsert: tuple[RouteEntry, ...] = ()
+    removed: tuple[str, ...] = ()
+
+
+class RouteTable:
+    def __init__(self) -> None:
+        self.version = 0
+        self._routes: dict[str, dict[str, RouteEntry]] = {}
+        self._model_of: dict[str, str] = {}
+        self._watchers: dict[str, set[asyncio.Queue[RouteChange]]] = {}
+
+    def snapshot(self, model: str) -> tuple[int, list[RouteEntry]]:
+        return self.version, list(self._routes.get(model, {}).values())
+
+    def get(self, worker_id: str) -> RouteEntry | None:
+        model = self._model_of.get(worker_id)
+        return None if model is None else self._routes[model].get(worker_id)
+
+    def upsert(self, entry: RouteEntry) -> None:
+        self._routes.setdefault(entry.model, {})[entry.worker_id] = entry
+        self._model_of[entry.worker_id] = entry.model
+        self._publish(entry.model, RouteChange(self._bump(), upsert=(entry,)))
+
+    def remove(self, worker_id: str) -> None:
+        model = self._model_of.pop(worker_id, None)
+        if model is None:
+            return
+        self._routes[model].pop(worker_id, None)
+        self._publish(model, RouteChange(self._bump(), removed=(worker_id,)))
+
+    def set_slots(self, worker_id: str, slots_in_use: int) -> None:
+        entry = self.get(worker_id)
+        if entry is not None and entry.slots_in_use != slots_in_use:
+            self.upsert(replace(entry, slots_in_use=slots_in_use))
+
+    def pick(self, model: str) -> RouteEntry | None:
+        """The least-loaded ready worker (by the share of its slots in use)."""
+        entries = self._routes.get(model, {}).values()
+        return min(
+            entries,
+            key=lambda e: (e.slots_in_use / max(e.capacity, 1), e.slots_in_use, e.worker_id),
+            default=None,
+        )
+
+    def subscribe(self, model: str) -> asyncio.Queue[RouteChange]:
+        queue: asyncio.Queue[RouteChange] = asyncio.Queue()
+        self._watchers.setdefault(model, set()).add(queue)
+        return queue
+
+    def unsubscribe(self, model: str, queue: asyncio.Queue[RouteChange]) -> None:
+        self._watchers.get(model, set()).discard(queue)
+
+    def _bump(self) -> int:
+        self.version += 1
+        return self.version
+
+    def _publish(self, model: str, change: RouteChange) -> None:
+        for queue in self._watchers.get(model, ()):
+            queue.put_nowait(change)

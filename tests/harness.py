@@ -157,7 +157,7 @@ class Agent:
 
     @property
     def socket(self) -> Path:
-        return self.state_dir.parent / "agent.sock"
+        return Path(self.argv[self.argv.index("--socket") + 1])
 
     def restart(self) -> None:
         self.proc = Proc(self.node_id, self.argv, self.log_path, self.env)
@@ -172,6 +172,7 @@ class AgentOptions:
     observe_every_s: float = 0.2
     docker_call_timeout_s: float = 2.0
     nvml_timeout_s: float = 2.0
+    socket: Path | None = None  # default: <work>/<node>/agent.sock
     extra: list[str] = field(default_factory=list)
 
 
@@ -207,7 +208,7 @@ def start_agent(
         "--docker-call-timeout-s", str(opts.docker_call_timeout_s),
         "--nvml-timeout-s", str(opts.nvml_timeout_s),
         "--log-level", "DEBUG",
-        "--socket", str(base / "agent.sock"),
+        "--socket", str(opts.socket or base / "agent.sock"),
         "--gate-host", "127.0.0.1",
         "--advertise-host", "127.0.0.1",
         *opts.extra,

@@ -42,6 +42,7 @@ from spotdrain.agent.reclamation import (
     Observed,
     Reclamation,
     RequestTaint,
+    Resumed,
     RetryRemoteTaint,
     SignalContainers,
     SignalRoundDone,
@@ -49,6 +50,7 @@ from spotdrain.agent.reclamation import (
     TaintUnanswered,
     Tick,
     WatchExits,
+    WorkersDraining,
     WriteDeadlineFile,
     reclaim_id_for,
 )
@@ -184,8 +186,10 @@ class Story:
     log: list[tuple[float, Command]] = field(default_factory=list)
     deadlines: tuple = ()
 
-    def begin(self, n: Notice | None = None, now: float = T0) -> list[Command]:
-        self.rec, commands = Reclamation.begin(n or notice(), NODE, now, self.margins)
+    def begin(
+        self, n: Notice | None = None, now: float = T0, reason: str = "notice"
+    ) -> list[Command]:
+        self.rec, commands = Reclamation.begin(n or notice(), NODE, now, self.margins, reason)
         self.deadlines = self._deadlines()
         return self._log(now, commands)
 
@@ -1027,3 +1031,50 @@ def test_a_bundle_from_an_older_agent_still_loads() -> None:
         doc.pop(newer)
     again = Reclamation.from_json(doc)
     assert (again.terminate_at, again.grace_deadline, again.overrun_at) == (D, G, O)
+
+
+# --- inference workers and the owner's pause -------------------------------------------------
+
+
+def test_inference_workers_drain_at_their_gates_and_are_never_sigtermed(story: Story) -> None:
+    """Two inference workers are on the node when the notice lands. They are drained at their
+    slot gates (the routers stop sending, the gates refuse new requests), not signalled: the
+    SIGTERM round skips them, and a look that sees them running does not treat them as strays.
+    At G their open streams are cut before the SIGKILL round."""
+    tainted_with(story, "batch")
+    commands = story(WorkersDraining(T0 + 0.06, ("w1", "w2"), ("worker-1", "worker-2")))
+    assert commands == [
+        emit("worker_draining", container="w1", name="worker-1"),
+        emit("worker_draining", container="w2", name="worker-2"),
+        WatchExits(("w1", "w2")),
+    ]
+    assert story(Observed(T0 + 0.2, running=("batch", "w1", "w2"))) == []
+    assert story(exited("batch", T0 + 1)) == [emit("container_exited")]  # workers still serve
+    assert story(exited("w1", T0 + 2)) == [emit("container_exited")]
+    assert story(Tick(G)) == [match(CutWorkers), SignalContainers(SIGKILL), Observe()]
+    assert story(exited("w2", G + 0.1, code=137)) == [emit("container_exited")]
+    assert story(Observed(G + 0.2)) == [emit("verified_empty"), emit("drained")]
+
+
+def test_the_sigterm_round_of_a_notice_skips_inference_workers() -> None:
+    assert SignalContainers(SIGTERM).skip_kinds == frozenset({"inference"})
+    assert SignalContainers(SIGKILL).skip_kinds == frozenset()
+
+
+def test_a_resume_mid_drain_ends_the_pause_and_lifts_its_taints() -> None:
+    """The owner pauses, then changes their mind while the node drains: the pause ends, its
+    taints are lifted, and nothing more is signalled or verified."""
+    story = Story()
+    story.begin(notice(terminate_at=T0 + 120), reason="pause")
+    story(TaintAnswered(T0 + 0.05))
+    story(signalled("c1", T0 + 0.06))
+    story(SignalRoundDone(T0 + 0.07, SIGTERM))
+    commands = story(Resumed(T0 + 5))
+    assert commands == [emit("pause_resumed"), LiftTaints(story.rec.reclaim_id)]
+    assert story.rec.finished and story.rec.outcome == "resumed"
+    assert story(Tick(T0 + 110)) == [] and story(Observed(T0 + 111, running=("c1",))) == []
+
+
+def test_resumed_means_nothing_to_a_provider_notice(story: Story) -> None:
+    tainted_with(story, "c1")
+    assert story(Resumed(T0 + 1)) == []

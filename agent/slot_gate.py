@@ -62,8 +62,9 @@ log = logging.getLogger("spotdrain.agent.gate")
 
 REQUEST_ID_HEADER = "X-Request-Id"
 
-# RFC 9110 7.6.1, plus the headers the proxy recomputes itself (Host, Content-Length on the
-# way back) and Expect (we never answer 100-continue on the worker's behalf).
+# RFC 9110 7.6.1, plus what the gate does itself: Host (the worker's, set by the client
+# session), Expect (the gate answers 100-continue; see _forward). Content-Length is dropped on
+# the way back only, where the gate frames the body itself.
 _HOP_BY_HOP = frozenset(
     h.lower()
     for h in (
@@ -86,8 +87,10 @@ _HOP_BY_HOP = frozenset(
 # and is ending normally, so it is never reported interrupted as well (never both).
 _WAITING, _RELAYING, _FINISHING = 0, 1, 2
 
-# Seconds the last bytes of a cut request (the error event, the 503) may take to reach a client
-# that does not read; then its connection is aborted. Bounds how long cut() can take.
+# Seconds the last bytes of a cut request (the error event, the 503) may take to be handed to a
+# client's connection; then it is aborted. aiohttp queues them without waiting today (a client
+# that stopped reading finds the error event after what it has not read yet); this bound keeps
+# cut() prompt should that change.
 FINAL_WRITE_TIMEOUT_S = 1.0
 # Idle connections to the worker are dropped before a typical server's keep-alive (uvicorn: 5 s)
 # would drop them, so a request is never sent on a connection the worker is closing (that would
@@ -106,7 +109,7 @@ class Interrupted:
 
     worker_id: str
     request_id: str
-    streamed: bool  # the client had a streamed (200) response open when it was cut
+    streamed: bool  # the client had a streamed response (headers sent) open when it was cut
     reason: str  # "stopped" (the gate cut it) or "upstream_failed" (the worker died or broke)
 
 
@@ -240,19 +243,20 @@ class SlotGate:
 
     async def _cut_open(self) -> None:
         victims = [s for s in self._slots if s.phase != _FINISHING and not s.cut]
-        if not victims:
-            return
-        log.warning("gate %s: cutting %d open requests", self.worker_id, len(victims))
+        if victims:
+            log.warning("gate %s: cutting %d open requests", self.worker_id, len(victims))
         loop = asyncio.get_running_loop()
-        waits = []
         for slot in victims:
             slot.cut = True
             slot.finished = loop.create_future()
-            waits.append(slot.finished)
             # The handler decides, where it stands, what the client gets and whether it was
             # interrupted; a cancel reaches it wherever it waits (the worker or a slow client).
             if slot.task is not None:
                 slot.task.cancel()
+        # Also the ones an earlier cut() is still ending: return only when all have ended.
+        waits = [s.finished for s in self._slots if s.finished is not None]
+        if not waits:
+            return
         _, pending = await asyncio.wait(waits, timeout=FINAL_WRITE_TIMEOUT_S + 1.0)
         if pending:
             log.error("gate %s: %d cut requests did not end", self.worker_id, len(pending))
@@ -321,6 +325,13 @@ class SlotGate:
         """One request, start to end. Returns the finished response (streams: prepared and
         ended here, so the slot is held until the last byte is written)."""
         assert self._session is not None
+        if request.headers.get(hdrs.EXPECT, "").lower() == "100-continue":
+            # Expect is not forwarded (the worker's interim answer would be lost on the way), so
+            # the gate answers it, as aiohttp's router would.
+            try:
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            except ConnectionError:
+                return web.Response()  # the client went away; never sent
         upstream: aiohttp.ClientResponse | None = None
         try:
             try:

@@ -53,6 +53,8 @@ class Fleet:
         self.connected: dict[str, float] = {}
         # One queue of commands per connected agent stream.
         self.streams: dict[str, asyncio.Queue[pb.CoordinatorMessage]] = {}
+        # Paused workers still draining when the owner resumed: replaced once they stop.
+        self._replace_on_stop: dict[str, wm.Worker] = {}
 
     # --- rebuild and recovery ----------------------------------------------------------------
 
@@ -144,12 +146,20 @@ class Fleet:
             worker = _worker(doc)
             if worker.drain_reason != "pause" or worker.grace_deadline not in graces:
                 continue
-            try:
-                await self.place_worker(
-                    node_id, worker.model, worker.image, worker.capacity, path="resume"
-                )
-            except PlacementRefused as e:
-                log.info("resume of %s: %s", node_id, e)
+            live = self.workers.get(worker.worker_id)
+            if live is not None and live.state != wm.STOPPED:
+                # Still draining: it holds its GPU until it stops; place the new one then.
+                self._replace_on_stop[worker.worker_id] = worker
+                continue
+            await self._replace(worker)
+
+    async def _replace(self, worker: wm.Worker) -> None:
+        try:
+            await self.place_worker(
+                worker.node_id, worker.model, worker.image, worker.capacity, path="resume"
+            )
+        except PlacementRefused as e:
+            log.info("resume of %s: %s", worker.node_id, e)
 
     # --- the one placement gate --------------------------------------------------------------
 
@@ -299,6 +309,9 @@ class Fleet:
                     raise TypeError(effect)
         if worker.state == wm.STOPPED:
             self.workers.pop(worker.worker_id, None)
+            waiting = self._replace_on_stop.pop(worker.worker_id, None)
+            if waiting is not None:
+                await self._replace(waiting)
 
     def _publish(self, worker: wm.Worker, route: wm.Route | None = None) -> None:
         r = route or worker.route()

@@ -61,7 +61,9 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
     pb_grpc.add_RoutesServicer_to_server(RoutesServicer(coord), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    services = [pb.DESCRIPTOR.services_by_name[name].full_name for name in ("AgentLink", "Admin")]
+    services = [
+        pb.DESCRIPTOR.services_by_name[name].full_name for name in ("AgentLink", "Admin", "Routes")
+    ]
     reflection.enable_server_reflection(
         [*services, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
@@ -73,6 +75,9 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
     )
     if bound == 0:
         raise UsageError(f"cannot listen on {address}")
+    # Startup and the recovery loop share one path: rebuild from the store (before serving, so
+    # no agent or router sees an empty registry), then recover.
+    coord.fleet.rebuild()
     await server.start()
     for name in ["", *services]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -86,8 +91,6 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
         "PLAINTEXT" if creds is None else "mutual TLS",
     )
 
-    # Startup and the recovery loop share one path: rebuild from the store, then recover.
-    coord.fleet.rebuild()
     recovery = asyncio.create_task(coord.fleet.recovery_loop())
 
     stop = asyncio.Event()

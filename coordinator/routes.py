@@ -8,6 +8,7 @@ every router's view before its node signals anything (DESIGN.md "Owner pause tim
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, replace
 
 
@@ -30,7 +31,9 @@ class RouteChange:
 
 class RouteTable:
     def __init__(self) -> None:
-        self.version = 0
+        # Versions keep growing across coordinator restarts (a router compares them): start
+        # from the clock in microseconds rather than from zero.
+        self.version = time.time_ns() // 1000
         self._routes: dict[str, dict[str, RouteEntry]] = {}
         self._model_of: dict[str, str] = {}
         self._watchers: dict[str, set[asyncio.Queue[RouteChange]]] = {}

@@ -265,3 +265,27 @@ class Admin:
 
     def nodes(self) -> list[pb.Node]:
         return list(self.stub.ListNodes(pb.ListNodesRequest(), timeout=10).nodes)
+
+
+@dataclass
+class Router:
+    proc: Proc
+    url: str  # http://HOST:PORT
+
+
+def start_router(work: Path, coordinator: Coordinator) -> Router:
+    """The reference router as a process, with a `router:` identity."""
+    work.mkdir(parents=True, exist_ok=True)
+    argv = [str(BIN / "spotdrain-router"), "--listen", "127.0.0.1:0",
+            "--coordinator", coordinator.address]
+    if coordinator.tls is None:
+        argv.append("--insecure")
+    else:
+        who = coordinator.tls.issue("router:tests")
+        argv += ["--tls-cert", who.cert, "--tls-key", who.key, "--ca", who.ca]
+    proc = Proc("router", argv, work / "router.log", {"PYTHONUNBUFFERED": "1"})
+    match = wait_until(
+        lambda: re.search(r"spotdrain-router: listening on (\S+)", proc.log()) or _died(proc),
+        20, "the router to listen",
+    )
+    return Router(proc, f"http://{match.group(1)}")

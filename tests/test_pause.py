@@ -43,14 +43,16 @@ def spotctl(agent, *args: str) -> dict:
     return json.loads(run.stdout) if run.stdout else {"ok": False, "error": run.stderr}
 
 
-def start_worker(coordinator, node: str, image: str, slots: int = 4) -> pb.WorkerInfo:
+def start_worker(
+    coordinator, node: str, image: str, slots: int = 4, port: int = 0
+) -> pb.WorkerInfo:
     from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
     admin = pb_grpc.AdminStub(coordinator.channel())
     wait_until(lambda: any(n.node_id == node and n.connected
                            for n in coordinator.admin().nodes()), 20, f"{node} to register")
     info = admin.StartWorker(pb.StartWorkerRequest(node_id=node, model="fake-model", image=image,
-                                                   slots=slots), timeout=30)
+                                                   slots=slots, port=port), timeout=30)
     return info
 
 

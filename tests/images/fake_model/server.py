@@ -101,6 +101,13 @@ class Handler(BaseHTTPRequestHandler):
         started = time.monotonic()
         with self.server.inflight_lock:
             self.server.inflight += 1
+        if self.command == "POST":
+            # On arrival, with the routing-table version the router picked this worker under:
+            # tests prove no request reaches a draining worker after the router saw the change.
+            log(
+                f"arrived {self.path} request_id={self.headers.get('X-Request-Id') or '-'} "
+                f"route_version={self.headers.get('X-Route-Version') or '-'}"
+            )
         try:
             route()
         except (BrokenPipeError, ConnectionResetError):

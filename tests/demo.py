@@ -1,11 +1,17 @@
-"""The demo: a coordinator, two agents on fake GPUs, real containers, a provider's notice,
-and the timeline. Run it with tests/demo.sh (README.md); everything it starts, it cleans up.
+"""The demo: a coordinator, two agents on fake GPUs, real containers, live inference traffic
+through the reference router, an owner's pause and a provider's notice, and the timelines. Run
+it with tests/demo.sh (README.md); everything it starts, it cleans up.
 
-    node-a gets the notice. It runs three batch jobs, each "holding" a GPU:
+    node-a and node-b each run a fake-model inference worker behind its slot gate, and batch
+    jobs each "holding" a GPU on node-a:
       quick     exits at once on SIGTERM
       ckpt      checkpoints for a few seconds, then exits
       stubborn  ignores SIGTERM (killed at the grace deadline G)
-    node-b runs a job of its own, which must never be touched.
+    Clients stream short answers through the router the whole time; one long answer is on
+    node-a when its owner pauses it.
+
+    Act 1: node-a's owner pauses it mid-traffic (D = pause + --deadline).
+    Act 2: the provider sends node-b a hard notice (terminate at notice + --deadline).
 """
 
 from __future__ import annotations
@@ -16,15 +22,28 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from dockerenv import ensure_engine, ensure_images, remove_test_containers, run_workload  # noqa: E402
 from fakenvml import FakeGpus, build  # noqa: E402
-from harness import BIN, AgentOptions, start_agent, start_coordinator, wait_until  # noqa: E402
+from harness import (  # noqa: E402
+    BIN,
+    AgentOptions,
+    start_agent,
+    start_coordinator,
+    start_router,
+    wait_until,
+)
+from images.fake_model import ensure_model_image  # noqa: E402
 from pki import Pki  # noqa: E402
+from spotdrain.v1 import spotdrain_pb2 as pb  # noqa: E402
+from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc  # noqa: E402
 
 PREFIX = "spotdrain-demo-"
 
@@ -33,16 +52,63 @@ def say(text: str) -> None:
     print(f"demo: {text}", flush=True)
 
 
+class Traffic:
+    """Clients streaming short answers through the router until stopped; counts outcomes."""
+
+    def __init__(self, router_url: str, clients: int = 4) -> None:
+        self.url = router_url + "/v1/chat/completions"
+        self.completed = self.interrupted = self.refused = self.failed = 0
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(clients)]
+        for t in self.threads:
+            t.start()
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            outcome = stream(self.url, tokens=8, pace=10)[0]
+            with self.lock:
+                setattr(self, outcome, getattr(self, outcome) + 1)
+            if outcome == "refused":
+                time.sleep(0.5)  # no worker anywhere: back off as a real client would
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+
+
+def stream(url: str, tokens: int, pace: float) -> tuple[str, str]:
+    """One streamed completion: (completed | interrupted | refused | failed, worker id)."""
+    body = json.dumps({"model": "fake-model", "stream": True, "max_tokens": tokens,
+                       "messages": [{"role": "user", "content": "hello"}]}).encode()
+    req = urllib.request.Request(url, data=body, method="POST", headers={
+        "Content-Type": "application/json", "X-Fake-Tokens-Per-S": str(pace)})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            worker = resp.headers.get("X-Worker-Id", "")
+            lines = [raw.decode().strip() for raw in resp]
+    except urllib.error.HTTPError as e:
+        return ("refused" if e.code == 503 else "failed"), ""
+    except OSError:
+        return "failed", ""
+    if "data: [DONE]" in lines:
+        return "completed", worker
+    if any(line.startswith("event: error") for line in lines):
+        return "interrupted", worker
+    return "failed", worker
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description="spotdrain demo: one hard notice, end to end")
+    ap = argparse.ArgumentParser(description="spotdrain demo: a pause and a notice, end to end")
     ap.add_argument("--deadline", type=float, default=30.0,
-                    help="seconds from the notice to the provider's deadline D (default 30)")
+                    help="seconds from the pause or notice to its deadline D (default 30)")
     ap.add_argument("--checkpoint-s", type=float, default=4.0,
                     help="how long the checkpointing job takes after SIGTERM")
     ap.add_argument("--keep", action="store_true", help="keep the work dir for inspection")
     args = ap.parse_args()
-    if args.deadline < 4:
-        ap.error("--deadline must be at least 4 seconds")
+    if args.deadline < 6:
+        ap.error("--deadline must be at least 6 seconds")
     # The default margins (G = D - 10 s, O = D - 2 s) are for a 120 s notice; short demo
     # deadlines scale them down so the timeline keeps its shape.
     grace = min(10.0, args.deadline / 3)
@@ -51,26 +117,35 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="spotdrain-demo-"))
     started: list = []
     engine = None
+    traffic = None
     try:
         say(f"work dir {work}")
         engine = ensure_engine(work / "docker")
         say(f"Docker engine at {engine.host} ({'private' if engine.owned else 'system'})")
         ensure_images(engine.client)
+        say("building the fake model image (first run on a machine: about a minute)")
+        image = ensure_model_image(engine.client)
         remove_test_containers(engine.client, PREFIX)
+        remove_test_containers(engine.client, "spotdrain-w-")
         lib = build(work / "nvml")
         pki = Pki(work / "pki")
         coord = start_coordinator(work / "coordinator", tls=pki)
         started.append(coord.proc)
         say(f"coordinator on {coord.address} (mutual TLS), SQLite at {coord.db}")
 
-        options = AgentOptions(grace_s=grace, overrun_s=overrun, observe_every_s=0.25,
-                               default_notice_s=args.deadline)
+        options = AgentOptions(
+            grace_s=grace, overrun_s=overrun, observe_every_s=0.25,
+            default_notice_s=args.deadline,
+            extra=["--pause-notice-s", str(args.deadline)],
+        )
         agents, gpus = {}, {}
         for node in ("node-a", "node-b"):
             gpus[node] = FakeGpus(work / f"{node}.gpus")
             gpus[node].set(gpus=2)
             agents[node] = start_agent(work, node, coord, engine.host, gpus[node], lib, options)
             started.append(agents[node].proc)
+        admin = coord.admin()
+        wait_until(lambda: sum(n.connected for n in admin.nodes()) == 2, 20, "both nodes")
         say("agents up on node-a and node-b, each with 2 fake GPUs (real pynvml)")
 
         client = engine.client
@@ -86,52 +161,106 @@ def main() -> int:
             c.reload()
             gpus["node-a"].add_process(c.attrs["State"]["Pid"], gpu=i % 2)
             containers[name] = c
-        bystander = run_workload(client, name=PREFIX + "node-b-job", node_id="node-b",
-                                 kind="exits_on_term")
-        bystander.reload()
-        gpus["node-b"].add_process(bystander.attrs["State"]["Pid"], gpu=0)
-        say("node-a runs quick, ckpt and stubborn (each holding a GPU); node-b runs its own job")
+        say("node-a runs batch jobs quick, ckpt and stubborn, each holding a GPU")
 
-        admin = coord.admin()
-        wait_until(lambda: sum(n.connected for n in admin.nodes()) == 2, 20, "both nodes")
-        terminate_at = time.time() + args.deadline
-        agents["node-a"].write_notice({
-            "id": f"i-demo-{int(terminate_at)}", "action": "terminate",
-            "terminate_at": terminate_at, "source": "demo-relay",
-        })
-        say(f"notice written to node-a: terminate in {args.deadline:.0f} s "
-            f"(G = D - {grace:.1f} s, O = D - {overrun:.1f} s)")
+        ops = pb_grpc.AdminStub(coord.channel())
+        router = start_router(work / "router", coord)
+        started.append(router.proc)
+        workers = {}
+        long_answer: list = []
+        for i, node in enumerate(("node-a", "node-b")):
+            info = ops.StartWorker(pb.StartWorkerRequest(
+                node_id=node, model="fake-model", image=image, slots=8, port=21000 + i),
+                timeout=30)
+            workers[node] = info.worker_id
+            wait_until(lambda wid=info.worker_id: any(
+                w.worker_id == wid and w.state == "ready"
+                for w in ops.ListWorkers(pb.ListWorkersRequest(), timeout=10).workers),
+                90, f"{node}'s worker to be ready", every=0.2)
+            if node == "node-a":
+                # One long answer, started while node-a's worker is the only one: it is still
+                # streaming when the owner pauses, and is cut at the grace deadline.
+                threading.Thread(target=lambda: long_answer.append(  # noqa: B023 (once)
+                    stream(router.url + "/v1/chat/completions", tokens=10_000, pace=20)),
+                    daemon=True).start()
+                time.sleep(0.5)
+        say(f"inference workers ready: {workers['node-a']} on node-a, {workers['node-b']} on "
+            f"node-b; the router is at {router.url}")
 
-        def outcome():
-            kinds = admin.kinds(node="node-a")
-            return "drained" if "drained" in kinds else "overrun" if "overrun" in kinds else None
+        traffic = Traffic(router.url)
+        time.sleep(3)
+        say(f"traffic flowing: {traffic.completed} answers completed so far")
 
-        result = wait_until(outcome, args.deadline + 15, "the reclamation's outcome", 0.2)
-        time.sleep(0.3)
+        # --- act 1: the owner pauses node-a ------------------------------------------------
         print()
-        timeline = subprocess_text([str(BIN / "spotctl"), *coord.cli_args(), "timeline"])
-        print(timeline)
+        say("ACT 1: node-a's owner runs `spotctl pause`")
+        paused_at = time.time()
+        answer = subprocess_json([str(BIN / "spotctl"), "--socket", str(agents["node-a"].socket),
+                                  "pause", "--json"])
+        say(f"pause accepted: reclamation {answer.get('reclaim_id')}, "
+            f"D in {args.deadline:.0f} s")
+        result_a = wait_until(lambda: outcome(admin, "node-a"), args.deadline + 15,
+                              "node-a's outcome", 0.2)
+        empty_after = next(e["wall_time"] for e in admin.events(node="node-a")
+                           if e["kind"] == "verified_empty") - paused_at
         print()
-        bystander.reload()
-        say(f"node-b's job: {bystander.status} (never signalled)")
+        print(subprocess_text([str(BIN / "spotctl"), *coord.cli_args(), "timeline",
+                               answer.get("reclaim_id", "")]))
+        print()
         for name, c in containers.items():
             c.reload()
             say(f"node-a {name}: {c.status}, exit code {c.attrs['State']['ExitCode']}")
-        deadline_doc = json.loads(agents["node-a"].deadline_file.read_text())
-        say(f"deadline file workloads read: {json.dumps(deadline_doc)}")
-        say(f"outcome: {result}")
-        ok = result == "drained" and bystander.status == "running"
+        say(f"the long answer on node-a: {long_answer[0][0] if long_answer else 'still open'}")
+        say(f"node-a verified empty {empty_after:.1f} s after the pause; outcome {result_a}")
+        act1 = (traffic.completed, traffic.interrupted, traffic.refused, traffic.failed)
+
+        # --- act 2: the provider reclaims node-b ------------------------------------------
+        print()
+        say("ACT 2: the provider gives node-b a hard notice")
+        terminate_at = time.time() + args.deadline
+        agents["node-b"].write_notice({
+            "id": f"i-demo-{int(terminate_at)}", "action": "terminate",
+            "terminate_at": terminate_at, "source": "demo-relay",
+        })
+        result_b = wait_until(lambda: outcome(admin, "node-b"), args.deadline + 15,
+                              "node-b's outcome", 0.2)
+        time.sleep(1.0)  # clients now find no worker anywhere
+        traffic.close()
+        print()
+        print(subprocess_text([str(BIN / "spotctl"), *coord.cli_args(), "timeline"]))
+        print()
+        stats = json.loads(urllib.request.urlopen(router.url + "/stats", timeout=10).read())
+        say(f"clients, act 1 (pause of node-a): {act1[0]} completed, {act1[1]} interrupted, "
+            f"{act1[2]} refused, {act1[3]} failed")
+        say(f"clients, in all: {traffic.completed} completed, {traffic.interrupted} "
+            f"interrupted, {traffic.refused} refused (no worker left), {traffic.failed} failed")
+        say(f"router: {stats}")
+        say(f"outcomes: node-a {result_a}, node-b {result_b}")
+        ok = (result_a == "drained" and result_b == "drained" and act1[1] == 0
+              and act1[3] == 0 and traffic.failed == 0)
         return 0 if ok else 1
     finally:
+        if traffic is not None:
+            traffic.close()
         for proc in reversed(started):
             proc.stop()
         if engine is not None:
             remove_test_containers(engine.client, PREFIX)
+            remove_test_containers(engine.client, "spotdrain-w-")
             engine.stop()
         if args.keep:
             say(f"kept {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def outcome(admin, node: str) -> str | None:
+    kinds = admin.kinds(node=node)
+    return "drained" if "drained" in kinds else "overrun" if "overrun" in kinds else None
+
+
+def subprocess_json(argv: list[str]) -> dict:
+    return json.loads(subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout)
 
 
 def subprocess_text(argv: list[str]) -> str:

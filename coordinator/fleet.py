@@ -24,7 +24,7 @@ from spotdrain.v1 import spotdrain_pb2 as pb
 
 log = logging.getLogger("spotdrain.coordinator.fleet")
 
-HEARTBEAT_TTL_S = 15.0
+HEARTBEAT_TTL_S = 15.0  # three missed heartbeats
 RECOVERY_EVERY_S = 2.0
 FIRST_WORKER_PORT = 20000
 PAUSE_TAINT_KEY = "spotdrain.io/paused"
@@ -44,8 +44,15 @@ class PlacementRefused(Exception):
 
 
 class Fleet:
-    def __init__(self, store: Store, record: Record, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        store: Store,
+        record: Record,
+        clock: Callable[[], float] = time.time,
+        heartbeat_ttl_s: float = HEARTBEAT_TTL_S,
+    ):
         self.store = store
+        self.heartbeat_ttl_s = heartbeat_ttl_s
         self.record = record  # (kind, node_id, details) into the event log
         self.clock = clock
         self.workers: dict[str, wm.Worker] = {}
@@ -60,16 +67,28 @@ class Fleet:
 
     def rebuild(self) -> None:
         """Load every live worker from the store and publish the ready ones."""
+        now = self.clock()
         for doc in self.store.worker_docs(live_only=True):
             worker = _worker(doc)
+            # The coordinator was away, not the nodes: give every agent a full ttl to
+            # reconnect before any worker counts as missing.
+            worker.expires_at = now + self.heartbeat_ttl_s
             self.workers[worker.worker_id] = worker
             if worker.state == wm.READY:
                 self._publish(worker)
 
     async def recover(self) -> None:
         """Nodes whose workload is off (or that are draining) but still have workers: drain
-        them again. Run at start and every few seconds (DESIGN.md invariant 8)."""
+        them again; ready workers whose node went silent: replace them. Run at start and every
+        few seconds (DESIGN.md invariant 8)."""
         now = self.clock()
+        for worker in self.live_workers():
+            if (
+                worker.state == wm.READY
+                and worker.expired(now)
+                and worker.node_id not in self.streams
+            ):
+                await self._replace_missing(worker, now)
         for node in self.store.nodes():
             drain = self.node_drain(node.node_id)
             if drain is None:
@@ -152,6 +171,28 @@ class Fleet:
                 self._replace_on_stop[worker.worker_id] = worker
                 continue
             await self._replace(worker)
+
+    async def _replace_missing(self, worker: wm.Worker, now: float) -> None:
+        """A ready worker whose node stopped heartbeating and is gone: out of the routes, and a
+        replacement on the connected node with the fewest workers that the gate admits."""
+        log.warning(
+            "recovery: worker %s on %s missing since %.0f s",
+            worker.worker_id,
+            worker.node_id,
+            now - (worker.expires_at or now),
+        )
+        await self.record("worker_missing", worker.node_id, {"worker_id": worker.worker_id})
+        await self.apply(worker, wm.Stopped(now, None))
+        candidates = sorted(self.streams, key=lambda n: (len(self.live_workers(n)), n))
+        for node_id in candidates:
+            try:
+                await self.place_worker(
+                    node_id, worker.model, worker.image, worker.capacity, path="recovery"
+                )
+                return
+            except PlacementRefused:
+                continue
+        log.warning("recovery: no node admits a replacement for %s", worker.worker_id)
 
     async def _replace(self, worker: wm.Worker) -> None:
         try:
@@ -268,7 +309,9 @@ class Fleet:
                 continue
             claimed = slot.claimed_state if slot.claimed_state in wm.STATES else wm.READY
             if heartbeat:
-                event: wm.Event = wm.Heartbeat(now, claimed, slot.slots_in_use, HEARTBEAT_TTL_S)
+                event: wm.Event = wm.Heartbeat(
+                    now, claimed, slot.slots_in_use, self.heartbeat_ttl_s
+                )
             else:
                 event = wm.SlotsChanged(now, slot.slots_in_use)
             await self.apply(worker, event, save=heartbeat)
@@ -278,11 +321,23 @@ class Fleet:
         """A node (re)connected: reconcile its workers with what it says is running."""
         seen = {r.worker_id for r in running}
         now = self.clock()
+        lost = []
         for worker in self.live_workers(node_id):
             if worker.worker_id not in seen and worker.state != wm.STARTING:
                 # Gone while we were apart (reboot, crash): only a stop ends draining, and
                 # this is one.
+                if worker.state == wm.READY:
+                    lost.append(worker)
                 await self.apply(worker, wm.Stopped(now, None))
+        # A node back from a reboot gets its serving workers again, through the one gate: a
+        # node that came back paused or tainted gets none (DESIGN.md invariant 4).
+        for worker in lost:
+            try:
+                await self.place_worker(
+                    node_id, worker.model, worker.image, worker.capacity, path="reregistration"
+                )
+            except PlacementRefused as e:
+                log.info("re-registration of %s: %s", node_id, e)
         for report in running:
             await self.worker_report(node_id, report)
         for worker in self.live_workers(node_id):

@@ -35,6 +35,12 @@ def parser() -> ArgumentParser:
     p.add_argument("--tls-cert")
     p.add_argument("--tls-key")
     p.add_argument("--client-ca", help="CA that signs node and operator certificates")
+    p.add_argument(
+        "--heartbeat-ttl-s",
+        type=float,
+        default=15.0,
+        help="a ready worker without a heartbeat this long is missing (default 15)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -54,7 +60,9 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
 
     if args.insecure:
         warn_insecure(PROG)
-    coord = Coordinator(store, insecure=args.insecure)
+    if args.heartbeat_ttl_s <= 0:
+        raise UsageError("--heartbeat-ttl-s must be positive")
+    coord = Coordinator(store, insecure=args.insecure, heartbeat_ttl_s=args.heartbeat_ttl_s)
     server = grpc.aio.server()
     pb_grpc.add_AgentLinkServicer_to_server(AgentLinkServicer(coord), server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(coord), server)

@@ -37,12 +37,18 @@ class Refused(Exception):
 class Coordinator:
     """The coordinator's state behind the servicers: the store plus who is connected."""
 
-    def __init__(self, store: Store, insecure: bool, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        store: Store,
+        insecure: bool,
+        clock: Callable[[], float] = time.time,
+        heartbeat_ttl_s: float = 15.0,
+    ):
         self.store = store
         self.insecure = insecure
         self.clock = clock
         self._new_event = asyncio.Condition()
-        self.fleet = Fleet(store, self._record_for_fleet, clock)
+        self.fleet = Fleet(store, self._record_for_fleet, clock, heartbeat_ttl_s)
 
     @property
     def connected(self) -> dict[str, float]:

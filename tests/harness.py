@@ -111,11 +111,13 @@ class Coordinator:
 
 
 def start_coordinator(
-    work: Path, tls: Pki | None = None, db: Path | None = None, port: int = 0
+    work: Path, tls: Pki | None = None, db: Path | None = None, port: int = 0,
+    extra: tuple[str, ...] = (),
 ) -> Coordinator:
     work.mkdir(parents=True, exist_ok=True)
     db = db or work / "coordinator.sqlite"
-    argv = [str(BIN / "spotdrain-coordinator"), "--listen", f"127.0.0.1:{port}", "--db", str(db)]
+    argv = [str(BIN / "spotdrain-coordinator"), "--listen", f"127.0.0.1:{port}", "--db", str(db),
+            *extra]
     operator = None
     if tls is None:
         argv.append("--insecure")

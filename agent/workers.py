@@ -194,6 +194,8 @@ class WorkerManager:
         draining = []
         for worker in targets:
             draining.append(worker.container_id)
+            if reclaim_id and not worker.reclaim_id:
+                worker.reclaim_id = reclaim_id  # the coordinator's command may come first
             if worker.stop_issued_at is not None:
                 continue
             if not worker.draining:

@@ -377,12 +377,16 @@ class Fleet:
         )
 
     def _send_drain(self, worker: wm.Worker) -> None:
+        # The node's reclamation, so what the drain cuts lands in that reclamation's timeline.
+        drains = self.store.active_drains(worker.node_id)
+        reclaim_id = min(drains, key=lambda d: d.grace_deadline).reclaim_id if drains else ""
         self.send(
             worker.node_id,
             pb.CoordinatorMessage(
                 drain_worker=pb.DrainWorker(
                     worker_id=worker.worker_id,
                     reason=worker.drain_reason,
+                    reclaim_id=reclaim_id,
                     grace_deadline=worker.grace_deadline or 0.0,
                     terminate_at=worker.terminate_at or 0.0,
                 )

@@ -139,6 +139,8 @@ def test_pause_cuts_a_stream_longer_than_the_ceiling_and_frees_the_node_by_d(
         events = admin.events(node="node-a")
         cut = [e for e in events if e["kind"] == "stream_interrupted"]
         assert len(cut) == 1 and cut[0]["worker_id"] == info.worker_id
+        # In the pause's own timeline, whichever drain command reached the gate first.
+        assert cut[0]["reclaim_id"] == drained["reclaim_id"] and cut[0]["t_offset_s"] > 0
         kinds = [e["kind"] for e in events]
         assert kinds.index("workload_disabled") < kinds.index("stream_interrupted")
         wait_state(coordinator, info.worker_id, "stopped", timeout=10)

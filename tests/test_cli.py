@@ -195,3 +195,22 @@ def test_the_packaged_config_file_names_every_setting_and_parses(tmp_path):
     toml.write_text(uncommented)
     cfg = config.load(["--config", str(toml)])
     assert cfg.node_id == "gpu-host-17" and cfg.margins.grace_s == 10.0
+
+
+def test_spotctl_workers_start_and_list(coordinator):
+    """An operator's placement goes through the gate: an unknown node is refused with the
+    reason, and the list shows what the coordinator holds."""
+    refused = run("spotctl", *coordinator.cli_args(), "workers", "start", "node-x",
+                  "--model", "m", "--image", "img")
+    assert refused.returncode == 1
+    assert "FAILED_PRECONDITION" in refused.stderr and "unknown_node" in refused.stderr
+    listed = run("spotctl", *coordinator.cli_args(), "workers", "list", "--json")
+    assert listed.returncode == 0 and json.loads(listed.stdout) == []
+    table = run("spotctl", *coordinator.cli_args(), "workers", "list")
+    assert table.returncode == 0 and table.stdout.split()[:3] == ["worker", "node", "model"]
+
+
+def test_spotctl_status_without_an_agent_says_so(tmp_path):
+    result = run("spotctl", "--socket", str(tmp_path / "none.sock"), "status")
+    assert result.returncode == 1
+    assert "cannot reach the agent" in result.stderr

@@ -335,6 +335,9 @@ def test_spotctl_from_an_outsider_is_refused(tmp_path, docker_engine, coordinato
         )
         assert run.returncode == 1 and "neither root nor in group" in run.stderr
         assert spotctl(agent, "status")["paused"] is False
+        table = subprocess.run([str(BIN / "spotctl"), "--socket", str(agent.socket), "status"],
+                               capture_output=True, text=True, timeout=30)
+        assert table.returncode == 0 and table.stdout.startswith("node node-a: available")
     finally:
         agent.proc.stop()
         shutil.rmtree(public, ignore_errors=True)

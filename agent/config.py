@@ -50,6 +50,8 @@ class AgentConfig:
     gate_host: str = "0.0.0.0"
     advertise_host: str = "127.0.0.1"
     gate_port_offset: float = 1000
+    # Prometheus metrics (HOST:PORT; empty: off).
+    metrics_listen: str = ""
 
 
 # flag name -> (config key, type, help). Margins live under [margins] in the file.
@@ -75,6 +77,7 @@ SETTINGS: dict[str, tuple[type, str]] = {
     "gate_host": (str, "address the slot gates listen on"),
     "advertise_host": (str, "host routers use to reach this node's gates"),
     "gate_port_offset": (float, "a worker's gate port = its port + this"),
+    "metrics_listen": (str, "serve Prometheus /metrics on HOST:PORT"),
 }
 MARGINS = {f.name: float for f in dataclasses.fields(Margins)}
 REQUIRED = ("coordinator", "node_id", "notice_file", "state_dir", "docker_host")
@@ -148,6 +151,8 @@ def from_sources(flags: dict[str, Any], doc: dict[str, Any], origin: str = "") -
             f"missing --{missing[0].replace('_', '-')} (or {missing[0]} in the config)"
         )
     host_port(values["coordinator"], "--coordinator")
+    if values.get("metrics_listen"):
+        host_port(values["metrics_listen"], "--metrics-listen")
     if not str(values["docker_host"]).startswith("unix://"):
         raise UsageError(f"--docker-host must be unix:///PATH, got {values['docker_host']!r}")
     tls = [values.get(k, "") for k in ("tls_cert", "tls_key", "ca")]

@@ -24,6 +24,7 @@ from spotdrain.agent.notice import Notice, NoticeInvalid
 from spotdrain.agent.outbox import Outbox
 from spotdrain.agent.state import BundleStore, LocalTaints, write_deadline_file
 from spotdrain.agent.workers import WorkerManager
+from spotdrain.metrics import ReclamationMetrics
 
 log = logging.getLogger("spotdrain.agent.drain")
 
@@ -38,7 +39,9 @@ class DrainRunner:
         nvml: Nvml,
         workers: WorkerManager,
         clock: Callable[[], float] = time.time,
+        metrics: ReclamationMetrics | None = None,
     ) -> None:
+        self.metrics = metrics
         self.cfg = cfg
         self.workers = workers
         self.outbox = outbox
@@ -294,6 +297,8 @@ class DrainRunner:
     ) -> None:
         self.outbox.put(kind, self.cfg.node_id, reclaim_id, now, t_offset_s, details)
         self.link.wake()
+        if self.metrics is not None:
+            self.metrics.observe_event(kind, reclaim_id, t_offset_s, details)
         log.info(
             "node %s reclamation %s: %s %s",
             self.cfg.node_id,

@@ -140,6 +140,7 @@ class SlotGate:
         on_slots: Callable[[str, int], None] = _ignore,
         on_idle: Callable[[str], None] = _ignore,
         on_interrupted: Callable[[Interrupted], None] = _ignore,
+        on_refused: Callable[[str], None] = _ignore,
         retry_after_s: int = 1,
     ) -> None:
         if capacity < 1:
@@ -152,6 +153,7 @@ class SlotGate:
         self._on_slots = on_slots
         self._on_idle = on_idle
         self._on_interrupted = on_interrupted
+        self._on_refused = on_refused  # (why): "worker_draining" or "worker_busy", for metrics
         self._retry_after = str(retry_after_s)
         self._slots: set[_Slot] = set()
         self._in_flight = 0
@@ -309,8 +311,10 @@ class SlotGate:
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         if self._draining or self._closing:
+            self._call("on_refused", self._on_refused, "worker_draining")
             return self._refusal(503, "worker_draining", "the worker is draining; retry elsewhere")
         if self._in_flight >= self.capacity:
+            self._call("on_refused", self._on_refused, "worker_busy")
             return self._refusal(429, "worker_busy", f"all {self.capacity} slots are in use")
         slot = _Slot(
             request.headers.get(REQUEST_ID_HEADER) or str(uuid.uuid4()), asyncio.current_task()

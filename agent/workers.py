@@ -21,6 +21,7 @@ import aiohttp
 
 from spotdrain.agent.docker_engine import DockerEngine, DockerUnavailable
 from spotdrain.agent.slot_gate import Interrupted, SlotGate
+from spotdrain.metrics import ReclamationMetrics
 
 log = logging.getLogger("spotdrain.agent.workers")
 
@@ -45,6 +46,7 @@ class LocalWorker:
     stop_issued_at: float | None = None
     cut_timer: asyncio.TimerHandle | None = None
     reclaim_id: str = ""
+    draining_since: float | None = None
     exited: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -60,6 +62,7 @@ class WorkerManager:
         on_slots: Callable[[str, int, int, str], None],
         on_interrupted: Callable[[Interrupted, str], None],
         clock: Callable[[], float] = time.time,
+        metrics: ReclamationMetrics | None = None,
     ) -> None:
         self.node_id = node_id
         self.docker = docker
@@ -70,6 +73,7 @@ class WorkerManager:
         self.on_slots = on_slots  # (worker_id, in_use, capacity, claimed_state)
         self.on_interrupted = on_interrupted  # (what, reclaim_id)
         self.clock = clock
+        self.metrics = metrics
         self.workers: dict[str, LocalWorker] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -149,6 +153,7 @@ class WorkerManager:
             on_slots=self._slots_changed,
             on_idle=self._idle,
             on_interrupted=self._interrupted,
+            on_refused=self._refused,
         )
         await gate.start()
         worker = LocalWorker(worker_id, model, container_id, name, port, capacity, gate)
@@ -200,6 +205,7 @@ class WorkerManager:
                 continue
             if not worker.draining:
                 worker.draining = True
+                worker.draining_since = self.clock()
                 worker.reclaim_id = reclaim_id
                 # The grace deadline: cut what is still open and stop it anyway.
                 loop = asyncio.get_running_loop()
@@ -232,6 +238,8 @@ class WorkerManager:
     def _stop(self, worker: LocalWorker, signal: str) -> None:
         if worker.stop_issued_at is None:
             worker.stop_issued_at = self.clock()
+            if self.metrics is not None and worker.draining_since is not None:
+                self.metrics.slot_wait.observe(worker.stop_issued_at - worker.draining_since)
             log.info("node %s: stopping worker %s (%s)", self.node_id, worker.worker_id, signal)
         self._spawn(self.docker.kill(worker.container_id, worker.name, signal))
 
@@ -252,6 +260,10 @@ class WorkerManager:
         if worker is not None:
             state = "draining" if worker.draining else "ready"
             self.on_slots(worker_id, in_use, worker.capacity, state)
+
+    def _refused(self, why: str) -> None:
+        if self.metrics is not None:
+            self.metrics.refused.labels(why).inc()
 
     def _interrupted(self, what: Interrupted) -> None:
         worker = self.workers.get(what.worker_id)

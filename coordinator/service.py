@@ -21,6 +21,7 @@ from spotdrain.coordinator import workers as wm
 from spotdrain.coordinator.fleet import Fleet, PlacementRefused
 from spotdrain.coordinator.routes import RouteEntry
 from spotdrain.coordinator.store import EventRow, Store
+from spotdrain.metrics import CollectorRegistry, GaugeCollector, ReclamationMetrics
 from spotdrain.security import NODE, OPERATOR, ROUTER, Identity, parse_common_name
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
@@ -49,6 +50,45 @@ class Coordinator:
         self.clock = clock
         self._new_event = asyncio.Condition()
         self.fleet = Fleet(store, self._record_for_fleet, clock, heartbeat_ttl_s)
+        self.registry = CollectorRegistry()
+        self.metrics = ReclamationMetrics(self.registry)
+        self.registry.register(
+            GaugeCollector(
+                "spotdrain_workers",
+                "Inference workers by state.",
+                ["state"],
+                self._workers_by_state,
+            )
+        )
+        self.registry.register(
+            GaugeCollector(
+                "spotdrain_slots_in_use",
+                "Slots in use per ready worker, as its gate counts them.",
+                ["worker_id", "node_id", "model"],
+                self._slots_in_use,
+            )
+        )
+        self.registry.register(
+            GaugeCollector(
+                "spotdrain_nodes_connected",
+                "Agents with a live stream.",
+                [],
+                lambda: [([], float(len(self.fleet.streams)))],
+            )
+        )
+
+    def _workers_by_state(self) -> list[tuple[list[str], float]]:
+        counts = dict.fromkeys(wm.STATES, 0)
+        for worker in self.fleet.workers.values():
+            counts[worker.state] += 1
+        return [([state], float(n)) for state, n in counts.items()]
+
+    def _slots_in_use(self) -> list[tuple[list[str], float]]:
+        return [
+            ([w.worker_id, w.node_id, w.model], float(w.slots_in_use))
+            for w in self.fleet.workers.values()
+            if w.state == wm.READY
+        ]
 
     @property
     def connected(self) -> dict[str, float]:
@@ -128,15 +168,19 @@ class Coordinator:
             if not ev.uid or not ev.kind or not isinstance(details, dict):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"event {ev.uid!r} is incomplete")
         for ev in events:
-            self.store.add_event(
+            offset = ev.t_offset_s if ev.HasField("t_offset_s") else None
+            details = json.loads(ev.details_json) if ev.details_json else {}
+            stored = self.store.add_event(
                 uid=ev.uid,
                 kind=ev.kind,
                 node_id=node_id,
                 reclaim_id=ev.reclaim_id,
                 wall_time=ev.wall_time,
-                t_offset_s=ev.t_offset_s if ev.HasField("t_offset_s") else None,
-                details=json.loads(ev.details_json) if ev.details_json else {},
+                t_offset_s=offset,
+                details=details,
             )
+            if stored is not None:  # a resent event is counted once, like it is stored once
+                self.metrics.observe_event(ev.kind, ev.reclaim_id, offset, details)
         await self._notify()
         return [ev.uid for ev in events]
 

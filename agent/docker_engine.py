@@ -82,8 +82,12 @@ class DockerEngine:
             return await asyncio.wait_for(future, self.call_timeout_s + 0.5)
         except TimeoutError as e:
             raise DockerUnavailable(f"engine did not answer within {self.call_timeout_s} s") from e
-        except docker.errors.NotFound:
-            raise
+        except docker.errors.APIError as e:
+            # 404 (gone) and 409 (not running) are answers, not a hung engine: a caller that
+            # took them for one would fall back to a cached PID, which may have been reused.
+            if e.status_code in (404, 409):
+                raise
+            raise DockerUnavailable(f"{type(e).__name__}: {e}") from e
         except Exception as e:  # requests, urllib3 and socket errors all mean the same here
             raise DockerUnavailable(f"{type(e).__name__}: {e}") from e
 

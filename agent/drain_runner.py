@@ -58,6 +58,8 @@ class DrainRunner:
         # SIGKILL round never overtakes the SIGTERM round before it.
         self._signal_lock = asyncio.Lock()
         self._taint_calls: dict[str, asyncio.Task[None]] = {}
+        self._taint_retries: dict[str, asyncio.Task[None]] = {}
+        self._blind_resume: asyncio.Task[None] | None = None
 
     # --- inputs ------------------------------------------------------------------------------
 
@@ -75,6 +77,8 @@ class DrainRunner:
         current = self.current_pause()
         if current is not None:
             return current
+        if self._blind_resume is not None:
+            self._blind_resume.cancel()  # an old resume must not end this new pause
         now = self.clock()
         notice = Notice(
             key=f"pause:{now:.6f}",
@@ -101,27 +105,22 @@ class DrainRunner:
     def resume(self) -> list[str]:
         """The owner's resume: every pause ends, its taints are lifted, workload goes back on."""
         resumed = []
-        for rec in self.bundles.load_all():
-            if rec.reason != "pause" or rec.resumed:
+        now = self.clock()
+        for stored in self.bundles.load_all():
+            if stored.reason != "pause" or stored.lifted:
                 continue
-            live = self.live.get(rec.reclaim_id, rec)
-            live.resumed = True
-            if live.phase != "done":
-                self._step(live, r.Resumed(self.clock()))
-            else:
-                self.bundles.save(live)
-                self._execute(live, [r.LiftTaints(live.reclaim_id)])
-                self.live.pop(live.reclaim_id, None)
-            resumed.append(live.reclaim_id)
+            rec = self.live.setdefault(stored.reclaim_id, stored)
+            self._step(rec, r.Resumed(now))
+            resumed.append(rec.reclaim_id)
         if not resumed:
             # Nothing paused here, but the coordinator may still hold the flag off (a pause
             # made while this agent's state was lost): turn it on.
-            self._spawn(self.link.resume_until_answered(""))
+            self._blind_resume = self._spawn(self.link.resume_until_answered(""))
         return resumed
 
     def current_pause(self) -> r.Reclamation | None:
         for rec in self.bundles.load_all():
-            if rec.reason == "pause" and not rec.resumed:
+            if rec.reason == "pause" and not rec.lifted:
                 return self.live.get(rec.reclaim_id, rec)
         return None
 
@@ -130,7 +129,7 @@ class DrainRunner:
         why = self.local_taints.refuse_start()
         if why:
             return why
-        if any(not rec.finished or rec.reason == "pause" for rec in self.live.values()):
+        if any(not rec.lifted for rec in self.live.values()):
             return "node is draining"
         if self.current_pause() is not None:
             return "node is paused by its owner"
@@ -262,7 +261,8 @@ class DrainRunner:
                 case r.ApplyLocalTaint():
                     self.local_taints.apply(rid)
                 case r.RetryRemoteTaint():
-                    self._spawn(self._retry_taint(rec))
+                    if rid not in self._taint_retries or self._taint_retries[rid].done():
+                        self._taint_retries[rid] = self._spawn(self._retry_taint(rec))
                 case r.LiftTaints():
                     self.local_taints.lift(rid)
                     self.cfg.deadline_file.unlink(missing_ok=True)
@@ -327,6 +327,8 @@ class DrainRunner:
     # --- adapters, reporting back as events --------------------------------------------------
 
     async def _request_taint(self, rec: r.Reclamation, answer_by: float) -> None:
+        if rec.lifted:
+            return
         try:
             await self.link.taint(
                 rec.reclaim_id,
@@ -341,8 +343,12 @@ class DrainRunner:
         self.feed(rec.reclaim_id, r.TaintAnswered(self.clock()))
 
     async def _lift_remote_taint(self, rec: r.Reclamation) -> None:
-        # A Taint call still in flight (a frozen coordinator) could land after the lift and
-        # leave the node tainted: let it finish first, then lift.
+        # A background retry of the taint must stop, or it could land after the lift and taint
+        # (for a pause: disable) the node again; a Taint call still in flight (a frozen
+        # coordinator) likewise: let it finish first, then lift.
+        retry = self._taint_retries.pop(rec.reclaim_id, None)
+        if retry is not None:
+            retry.cancel()
         pending = self._taint_calls.pop(rec.reclaim_id, None)
         if pending is not None:
             await asyncio.gather(pending, return_exceptions=True)
@@ -350,6 +356,7 @@ class DrainRunner:
             await self.link.resume_until_answered(rec.reclaim_id)
         else:
             await self.link.taint_until_answered(rec.reclaim_id, rec.reason, remove=True)
+        self.feed(rec.reclaim_id, r.TaintsLifted(self.clock()))
 
     async def _retry_taint(self, rec: r.Reclamation) -> None:
         await self.link.taint_until_answered(

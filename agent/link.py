@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -219,13 +220,17 @@ class CoordinatorLink:
         self.connected.set()
         log.info("node %s: registered with coordinator %s", self.cfg.node_id, self.cfg.coordinator)
         in_flight: set[str] = set()
+        # Due every HEARTBEAT_S even while slot reports keep the stream busy: slot reports do
+        # not refresh a worker's expiry at the coordinator, heartbeats do.
+        last_heartbeat = time.monotonic()
         acks = asyncio.create_task(self._read_acks(call, in_flight))
         try:
             while not acks.done():
                 # Clear before reading: an event put after the read sets the flag again.
                 self._outbox_changed.clear()
                 while self._reports:
-                    await call.write(self._reports.pop(0))
+                    await call.write(self._reports[0])
+                    self._reports.pop(0)  # only once written: a broken stream keeps it
                 if self._slots:
                     slots, self._slots = list(self._slots.values()), {}
                     await call.write(pb.AgentMessage(slots=pb.SlotReport(workers=slots)))
@@ -241,7 +246,8 @@ class CoordinatorLink:
                     {waiter, acks}, timeout=HEARTBEAT_S, return_when=asyncio.FIRST_COMPLETED
                 )
                 waiter.cancel()
-                if not done:
+                if not done or time.monotonic() - last_heartbeat >= HEARTBEAT_S:
+                    last_heartbeat = time.monotonic()
                     slots = [
                         pb.WorkerSlots(
                             worker_id=w, slots_in_use=used, capacity=cap, claimed_state=state

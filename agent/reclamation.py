@@ -109,6 +109,13 @@ class Resumed:
 
 
 @dataclass(frozen=True)
+class TaintsLifted:
+    """The coordinator acknowledged the lift of a cancel or a resume."""
+
+    now: float
+
+
+@dataclass(frozen=True)
 class Tick:
     now: float
 
@@ -127,6 +134,7 @@ Event = (
     | Observed
     | WorkersDraining
     | Resumed
+    | TaintsLifted
     | Tick
     | Cancelled
 )
@@ -274,6 +282,7 @@ class Reclamation:
     verified_at: float | None = None
     outcome: str = ""  # "", "drained", "overrun", "cancelled", "resumed"
     resumed: bool = False  # a pause the owner has ended
+    lift_acknowledged: bool = False  # the coordinator lifted the taints of a cancel or resume
 
     # --- construction ----------------------------------------------------------------------
 
@@ -322,8 +331,11 @@ class Reclamation:
 
     def resume(self, now: float) -> list[Command]:
         """After an agent restart: carry on from the stored progress, same deadlines."""
+        if self.lifted:
+            # A cancel or resume that the coordinator may not have heard of yet: say it again.
+            return [] if self.lift_acknowledged else [LiftTaints(self.reclaim_id)]
         if self.phase == "done":
-            if self.taint_mode == "local" and not self.remote_taint and not self.finished:
+            if self.taint_mode == "local" and not self.remote_taint:
                 return [RetryRemoteTaint(self.reclaim_id)]
             return []
         commands: list[Command] = []
@@ -379,6 +391,9 @@ class Reclamation:
                 return self._workers_draining(containers, names)
             case Resumed(now):
                 return self._resumed(now)
+            case TaintsLifted():
+                self.lift_acknowledged = True
+                return []
             case Tick(now):
                 return self._tick(now)
             case Cancelled(now):
@@ -387,7 +402,7 @@ class Reclamation:
 
     def next_wakeup(self) -> float | None:
         """The earliest absolute time at which a Tick may change something."""
-        if self.finished:
+        if self.finished or self.lifted:
             return None
         times = []
         if self.next_observe_at is not None and not self.observing:
@@ -401,17 +416,24 @@ class Reclamation:
         return min(times) if times else None
 
     @property
+    def lifted(self) -> bool:
+        """Cancelled or resumed: nothing more may be signalled, and the taints must go."""
+        return self.resumed or self.outcome in ("cancelled", "resumed")
+
+    @property
     def finished(self) -> bool:
-        """Nothing more to do. A local taint keeps it open until the coordinator has the taint."""
-        lifted = self.outcome in ("cancelled", "resumed")
-        if self.taint_mode == "local" and not self.remote_taint and not lifted:
+        """Nothing more to do. A local taint keeps it open until the coordinator has the taint;
+        a lift (cancel, resume) keeps it open until the coordinator has lifted it."""
+        if self.lifted:
+            return self.lift_acknowledged
+        if self.taint_mode == "local" and not self.remote_taint:
             return False
         return self.phase == "done"
 
     # --- transitions -----------------------------------------------------------------------
 
     def _taint_answered(self, now: float) -> list[Command]:
-        if self.remote_taint or self.outcome == "cancelled":
+        if self.remote_taint or self.lifted:
             return []
         self.remote_taint = True
         if self.phase == "tainting":
@@ -421,7 +443,7 @@ class Reclamation:
         return [Emit("tainted", {"mode": "remote", "after_local": True})]
 
     def _taint_unanswered(self, now: float, error: str) -> list[Command]:
-        if self.phase != "tainting":
+        if self.phase != "tainting" or self.lifted:
             return []
         self.taint_mode = "local"
         return [
@@ -482,11 +504,15 @@ class Reclamation:
         return commands
 
     def _resumed(self, now: float) -> list[Command]:
-        if self.reason != "pause" or self.phase == "done":
+        if self.reason != "pause" or self.lifted:
             return []
+        if self.phase == "done":
+            self.resumed = True
+            return [Emit("pause_resumed", {"during_drain": False}), LiftTaints(self.reclaim_id)]
         # The owner has the machine back: stop verifying and signalling. Workers already
         # draining finish on their own gates' deadlines.
         self.outcome = self.outcome or "resumed"
+        self.resumed = True
         self.phase = "done"
         return [Emit("pause_resumed", {"during_drain": True}), LiftTaints(self.reclaim_id)]
 
@@ -496,9 +522,16 @@ class Reclamation:
 
     def _round_done(self, now: float, signal: str) -> list[Command]:
         self.rounds_in_flight = max(0, self.rounds_in_flight - 1)
+        first = signal == SIGTERM and not self.sigterm_round_done
         if signal == SIGTERM:
             self.sigterm_round_done = True
-        return self._observe(now)
+        if first or signal == SIGKILL:
+            return self._observe(now)
+        # A stray round: look again at the usual pace, not at once (a stray the round could
+        # not signal, such as an ungated inference worker, would make it spin).
+        if not self.observing and self.next_observe_at is None:
+            self.next_observe_at = now + self.observe_every_s
+        return []
 
     def _exited(self, now: float, container: str, name: str, code: int) -> list[Command]:
         if container in self.exited:
@@ -598,11 +631,11 @@ class Reclamation:
         return commands
 
     def _cancelled(self, now: float) -> list[Command]:
-        if self.phase == "done":
+        if self.phase == "done" or self.lifted:
             return [Emit("notice_cancelled", {"lifted": False, "outcome": self.outcome})]
         # "Nothing was stopped yet": still tainting, or the SIGTERM round found no container.
         nothing_stopped = self.phase == "tainting" or (
-            self.sigterm_round_done and not self.signalled
+            self.sigterm_round_done and not self.signalled and not self.gated
         )
         if not nothing_stopped:
             # Something was already stopped: the drain goes on under the same deadlines.

@@ -47,6 +47,7 @@ class LocalWorker:
     cut_timer: asyncio.TimerHandle | None = None
     reclaim_id: str = ""
     draining_since: float | None = None
+    grace_deadline: float = float("inf")
     exited: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -104,15 +105,24 @@ class WorkerManager:
             container_id, name = await self.docker.run_container(
                 image, name=f"spotdrain-{worker_id}", labels=labels, env=env
             )
-            await self._wait_healthy(port)
-        except (DockerUnavailable, TimeoutError) as e:
+        except DockerUnavailable as e:
             log.warning("node %s: worker %s did not start: %s", self.node_id, worker_id, e)
             self.report(worker_id, {"state": "stopped", "exit_code": -1, "reason": str(e)})
             return
-        # The node may have been tainted while the container started: it must serve nothing.
-        worker = await self._attach(worker_id, model, container_id, name, port, capacity, gate_port)
-        why = self.refuse_start()
-        if why:
+        try:
+            await self._wait_healthy(port)
+            # The node may have been tainted while the container started: it serves nothing.
+            worker = await self._attach(
+                worker_id, model, container_id, name, port, capacity, gate_port
+            )
+        except (TimeoutError, OSError, ValueError) as e:
+            # No gate in front of it (port taken, never healthy): it must not keep running
+            # unseen, holding its port and a GPU.
+            log.warning("node %s: worker %s failed to start: %s", self.node_id, worker_id, e)
+            await self.docker.kill(container_id, name, "SIGKILL")
+            self.report(worker_id, {"state": "stopped", "exit_code": -1, "reason": str(e)})
+            return
+        if self.refuse_start():
             self.drain(worker_id, grace_deadline=self.clock(), reclaim_id="")
         self._report_started(worker)
 
@@ -155,7 +165,11 @@ class WorkerManager:
             on_interrupted=self._interrupted,
             on_refused=self._refused,
         )
-        await gate.start()
+        try:
+            await gate.start()
+        except BaseException:
+            await gate.close()
+            raise
         worker = LocalWorker(worker_id, model, container_id, name, port, capacity, gate)
         self.workers[worker_id] = worker
         self._spawn(self._watch_exit(worker))
@@ -203,8 +217,18 @@ class WorkerManager:
                 worker.reclaim_id = reclaim_id  # the coordinator's command may come first
             if worker.stop_issued_at is not None:
                 continue
+            if worker.draining and grace_deadline < worker.grace_deadline:
+                # An earlier deadline (a notice during a pause) shortens the cut; never later.
+                if worker.cut_timer is not None:
+                    worker.cut_timer.cancel()
+                worker.grace_deadline = grace_deadline
+                delay = max(0.0, grace_deadline - self.clock())
+                worker.cut_timer = asyncio.get_running_loop().call_later(
+                    delay, self._at_grace, worker.worker_id
+                )
             if not worker.draining:
                 worker.draining = True
+                worker.grace_deadline = grace_deadline
                 worker.draining_since = self.clock()
                 worker.reclaim_id = reclaim_id
                 # The grace deadline: cut what is still open and stop it anyway.

@@ -89,13 +89,13 @@ class Fleet:
                 and worker.node_id not in self.streams
             ):
                 await self._replace_missing(worker, now)
-        for node in self.store.nodes():
-            drain = self.node_drain(node.node_id)
+        for node_id in self.store.nodes_needing_recovery():
+            drain = self.node_drain(node_id)
             if drain is None:
                 continue
-            for worker in self.live_workers(node.node_id):
+            for worker in self.live_workers(node_id):
                 if worker.state in (wm.STARTING, wm.READY):
-                    log.info("recovery: draining worker %s on %s", worker.worker_id, node.node_id)
+                    log.info("recovery: draining worker %s on %s", worker.worker_id, node_id)
                     await self.apply(
                         worker,
                         wm.Drain(now, drain.reason, drain.grace_deadline, drain.terminate_at),
@@ -154,9 +154,16 @@ class Fleet:
         for drain in self.store.active_drains(node_id):
             if drain.reason == "pause" and (not reclaim_id or drain.reclaim_id == reclaim_id):
                 self.store.end_drain(node_id, drain.reclaim_id)
-                self.store.remove_taint(node_id, drain.reclaim_id)
                 ended.append(drain)
-        if not self.store.active_drains(node_id) and self.store.set_workload(node_id, True):
+        # The pause's taints go, including one whose drain ended before (a repeated resume).
+        for taint in self.store.taints(node_id):
+            drain = self.store.drain(node_id, taint.reclaim_id)
+            if taint.reason == "pause" and (drain is None or drain.ended_at is not None):
+                self.store.remove_taint(node_id, taint.reclaim_id)
+        # The owner's flag is the owner's: back on once no pause holds it (a provider's notice
+        # in progress keeps the node tainted, not disabled).
+        pauses = [d for d in self.store.active_drains(node_id) if d.reason == "pause"]
+        if not pauses and self.store.set_workload(node_id, True):
             await self.record("workload_enabled", node_id, {"reclaim_id": reclaim_id})
         # The workers this pause took away come back, through the one gate. Only in the call
         # that ends the pause, so a repeated resume places nothing twice.

@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from spotdrain import systemd
 from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port
 from spotdrain.coordinator.service import (
     AdminServicer,
@@ -101,12 +102,26 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
 
     recovery = asyncio.create_task(coord.fleet.recovery_loop())
 
+    # systemd (Type=notify): the store is open and the server serving, so READY; then STATUS=
+    # on changes, and the watchdog ping while the recovery loop still runs.
+    def describe() -> str:
+        return _describe(coord, f"{host}:{bound}")
+
+    systemd.ready(said := describe())
+    notifying = [
+        asyncio.create_task(systemd.keep_status(describe, last=said)),
+        asyncio.create_task(systemd.keep_watchdog(lambda: not recovery.done())),
+    ]
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    systemd.stopping()
     log.info("stopping")
+    for task in notifying:
+        task.cancel()
     recovery.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2.0)
@@ -114,13 +129,22 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
     return 0
 
 
+def _describe(coord: Coordinator, address: str) -> str:
+    """One STATUS= line: connected nodes and live workers by state."""
+    states: dict[str, int] = {}
+    for worker in coord.fleet.live_workers():
+        states[worker.state] = states.get(worker.state, 0) + 1
+    by_state = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+    workers = sum(states.values())
+    return (
+        f"serving on {address}; {len(coord.fleet.streams)} nodes connected; "
+        f"{workers} workers" + (f" ({by_state})" if by_state else "")
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    systemd.configure_logging(PROG, args.log_level)
     try:
         return asyncio.run(serve(args))
     except (UsageError, ValueError) as e:

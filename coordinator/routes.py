@@ -11,6 +11,8 @@ import asyncio
 import time
 from dataclasses import dataclass, replace
 
+WATCH_BACKLOG = 10_000  # changes a watcher may be behind before its stream is ended
+
 
 @dataclass(frozen=True)
 class RouteEntry:
@@ -37,6 +39,7 @@ class RouteTable:
         self._routes: dict[str, dict[str, RouteEntry]] = {}
         self._model_of: dict[str, str] = {}
         self._watchers: dict[str, set[asyncio.Queue[RouteChange]]] = {}
+        self._overflowed: set[asyncio.Queue[RouteChange]] = set()
 
     def snapshot(self, model: str) -> tuple[int, list[RouteEntry]]:
         return self.version, list(self._routes.get(model, {}).values())
@@ -72,17 +75,27 @@ class RouteTable:
         )
 
     def subscribe(self, model: str) -> asyncio.Queue[RouteChange]:
-        queue: asyncio.Queue[RouteChange] = asyncio.Queue()
+        queue: asyncio.Queue[RouteChange] = asyncio.Queue(maxsize=WATCH_BACKLOG)
         self._watchers.setdefault(model, set()).add(queue)
         return queue
 
+    def overflowed(self, queue: asyncio.Queue[RouteChange]) -> bool:
+        return queue in self._overflowed
+
     def unsubscribe(self, model: str, queue: asyncio.Queue[RouteChange]) -> None:
         self._watchers.get(model, set()).discard(queue)
+        self._overflowed.discard(queue)
 
     def _bump(self) -> int:
         self.version += 1
         return self.version
 
     def _publish(self, model: str, change: RouteChange) -> None:
-        for queue in self._watchers.get(model, ()):
-            queue.put_nowait(change)
+        for queue in list(self._watchers.get(model, ())):
+            try:
+                queue.put_nowait(change)
+            except asyncio.QueueFull:
+                # A watcher this far behind gets no more changes: its stream ends and the
+                # router re-snapshots (memory stays bounded whatever a router does).
+                self._watchers[model].discard(queue)
+                self._overflowed.add(queue)

@@ -241,7 +241,27 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
         store = self.coord.store
         if request.remove:
             store.remove_taint(request.node_id, request.reclaim_id)
+            # Remember the lift even for a reclamation never tainted here, so a Taint call
+            # still in flight that lands after it is recognised as late.
+            store.start_drain(
+                request.node_id,
+                request.reclaim_id,
+                request.reason or "notice",
+                request.terminate_at,
+                request.grace_deadline,
+            )
             store.end_drain(request.node_id, request.reclaim_id)
+        elif (ended := store.drain(request.node_id, request.reclaim_id)) is not None and (
+            ended.ended_at is not None
+        ):
+            # A late retry of a reclamation already lifted (a resumed pause, a cancelled
+            # notice): taking it again would pause the node behind its owner's back.
+            log.info(
+                "node %s: ignored a late taint for %s, lifted at %.3f",
+                request.node_id,
+                request.reclaim_id,
+                ended.ended_at,
+            )
         else:
             store.add_taint(request.node_id, request.reclaim_id, request.reason or "notice")
             # Unschedulable, then unrouted: every worker on the node leaves the routing table
@@ -532,6 +552,11 @@ class RoutesServicer(pb_grpc.RoutesServicer):
                 version=version, snapshot=True, upsert=[route_pb(e) for e in entries]
             )
             while True:
+                if queue.empty() and routes.overflowed(queue):
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        "this watch fell too far behind; watch again",
+                    )
                 change = await queue.get()
                 if change.version <= version:
                     continue

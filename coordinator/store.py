@@ -206,7 +206,22 @@ class Store:
         ]
 
     def node(self, node_id: str) -> NodeRow | None:
-        return next((n for n in self.nodes() if n.node_id == node_id), None)
+        r = self.db.execute(
+            "SELECT node_id, spot, node_group, gpus_json, registered_at, last_seen, "
+            "workload_enabled FROM nodes WHERE node_id=?",
+            (node_id,),
+        ).fetchone()
+        return (
+            NodeRow(r[0], bool(r[1]), r[2], json.loads(r[3]), r[4], r[5], bool(r[6])) if r else None
+        )
+
+    def nodes_needing_recovery(self) -> list[str]:
+        """Nodes whose workload is off or that have a drain in progress."""
+        rows = self.db.execute(
+            "SELECT node_id FROM nodes WHERE workload_enabled=0 UNION "
+            "SELECT node_id FROM node_drains WHERE ended_at IS NULL"
+        ).fetchall()
+        return [r[0] for r in rows]
 
     def set_workload(self, node_id: str, enabled: bool) -> bool:
         """The node's workload flag (the coordinator owns it). Returns whether it changed."""
@@ -240,6 +255,12 @@ class Store:
             "SELECT * FROM node_drains WHERE node_id=? AND reclaim_id=?", (node_id, reclaim_id)
         ).fetchone()
         return DrainRow(*row)
+
+    def drain(self, node_id: str, reclaim_id: str) -> DrainRow | None:
+        row = self.db.execute(
+            "SELECT * FROM node_drains WHERE node_id=? AND reclaim_id=?", (node_id, reclaim_id)
+        ).fetchone()
+        return DrainRow(*row) if row else None
 
     def end_drain(self, node_id: str, reclaim_id: str) -> None:
         self.db.execute(

@@ -170,7 +170,7 @@ def main() -> int:
         long_answer: list = []
         for i, node in enumerate(("node-a", "node-b")):
             info = ops.StartWorker(pb.StartWorkerRequest(
-                node_id=node, model="fake-model", image=image, slots=8, port=21000 + i),
+                node_id=node, model="fake-model", image=image, slots=8, port=23000 + i),
                 timeout=30)
             workers[node] = info.worker_id
             wait_until(lambda wid=info.worker_id: any(

@@ -32,7 +32,7 @@ def scene(tmp_path, docker_engine, coordinator, gpus, nvml_lib):
     router = None
     try:
         # Both "nodes" share this host's network: give their workers different ports.
-        workers = {n: start_worker(coordinator, n, image, port=21000 + i)
+        workers = {n: start_worker(coordinator, n, image, port=23000 + i)
                    for i, n in enumerate(agents)}
         for info in workers.values():
             wait_state(coordinator, info.worker_id, "ready")

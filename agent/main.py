@@ -16,6 +16,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from spotdrain import systemd
 from spotdrain.agent import config as agent_config
 from spotdrain.agent.config import AgentConfig
 from spotdrain.agent.control_socket import ControlSocket
@@ -34,6 +35,9 @@ from spotdrain.v1 import spotdrain_pb2 as pb
 PROG = "spotdrain-agent"
 VERSION = "0.1.0"
 log = logging.getLogger("spotdrain.agent")
+# The watchdog ping is withheld when a live reclamation's next deadline is this far overdue:
+# the drain loop has stopped keeping its timers (see Agent.healthy).
+DRAIN_LOOP_STUCK_S = 2.0
 
 
 class Agent:
@@ -60,6 +64,7 @@ class Agent:
         self.control = ControlSocket(cfg.socket, cfg.socket_group, self.control_request)
         self.watching = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._supervised: dict[asyncio.Task[Any], str] = {}
 
     async def registration(self) -> pb.Register:
         try:
@@ -198,13 +203,16 @@ class Agent:
             "notices": self.watch_notices(),
             "link": self.link.run(),
             "inventory": self.keep_inventory(),
+            "watchdog": systemd.keep_watchdog(self.healthy),
         }
         running = {asyncio.create_task(c, name=n): n for n, c in tasks.items()}
+        self._supervised = running
         try:
             ready = asyncio.create_task(self.watching.wait())
             await asyncio.wait({ready, *running}, return_when=asyncio.FIRST_COMPLETED)
             if ready.done():
                 log.info("node %s: agent up, watching %s", self.cfg.node_id, self.cfg.notice_file)
+                running[asyncio.create_task(self.tell_systemd(), name="systemd")] = "systemd"
             else:
                 ready.cancel()
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_EXCEPTION)
@@ -217,6 +225,69 @@ class Agent:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
             await self.shutdown()
+
+    # --- systemd (Type=notify) ----------------------------------------------------------------
+
+    async def tell_systemd(self) -> None:
+        """READY=1 once the notice watcher is in place (the caller waited for it) and Docker and
+        NVML have each answered once, retried every second with STATUS= naming what is
+        missing; then STATUS= lines on every change. Drains run meanwhile: READY is a report,
+        never a gate on answering a notice."""
+        said = ""
+        while missing := await self._not_yet_up():
+            text = f"starting: waiting for {missing}"
+            if text != said:
+                systemd.status(text)
+                said = text
+            await asyncio.sleep(1.0)
+        log.info("node %s: Docker and NVML answered; ready", self.cfg.node_id)
+        said = self.describe()
+        systemd.ready(said)
+        await systemd.keep_status(self.describe, last=said)
+
+    async def _not_yet_up(self) -> str:
+        missing = []
+        try:
+            await self.docker.running()
+        except DockerUnavailable as e:
+            missing.append(f"Docker ({e})")
+        try:
+            await self.nvml.inventory()
+        except GpuError as e:
+            missing.append(f"NVML ({e})")
+        return " and ".join(missing)
+
+    def describe(self) -> str:
+        """One STATUS= line: what the agent is doing, as `systemctl status` shows it."""
+        s = self.status()
+        parts = [f"watching {self.cfg.notice_file}", f"{len(s['workers'])} workers"]
+        parts.append(
+            "coordinator connected" if s["coordinator_connected"] else "coordinator unreachable"
+        )
+        if s["paused"] and not s["drain"]:
+            parts.insert(0, "paused by the owner")
+        elif s["state"] == "tainted":
+            parts.insert(0, "locally tainted")
+        if s["drain"]:
+            d = s["drain"]
+            grace = f"G in {d['grace_in_s']:.0f} s" if d["grace_in_s"] > 0 else "G passed"
+            parts.insert(0, f"draining {d['reclaim_id']} ({d['reason']}, {d['phase']}): {grace}")
+        return "; ".join(parts)
+
+    def healthy(self) -> bool:
+        """Whether the supervisor may send the watchdog ping: every supervised task still
+        runs, and no live reclamation's next deadline is overdue by DRAIN_LOOP_STUCK_S (the
+        drain loop sleeps until the earliest one, so an overdue one means its timer is not
+        being kept, e.g. after a wall-clock jump or a wedged loop; a restart resumes from the
+        bundle with the same deadlines). A blocked event loop sends no ping at all."""
+        if any(task.done() for task in self._supervised):
+            return False
+        now = time.time()
+        for rec in self.drains.live.values():
+            due = rec.next_wakeup()
+            if due is not None and now - due > DRAIN_LOOP_STUCK_S:
+                return False
+        return True
 
     async def shutdown(self) -> None:
         await self.control.close()
@@ -235,8 +306,13 @@ async def amain(cfg: AgentConfig) -> int:
     main_task = asyncio.current_task()
     assert main_task is not None
     loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        systemd.stopping()
+        main_task.cancel()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, main_task.cancel)
+        loop.add_signal_handler(sig, stop)
     try:
         await agent.run()
     except asyncio.CancelledError:
@@ -250,11 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = agent_config.load(argv)
     except UsageError as e:
         return fail_usage(PROG, str(e))
-    logging.basicConfig(
-        level=cfg.log_level.upper(),
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    systemd.configure_logging(PROG, cfg.log_level, node_id=cfg.node_id)
     if cfg.insecure:
         warn_insecure(PROG)
     try:

@@ -10,7 +10,8 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$repo/.venv"
 stamp="$venv/.spotdrain-install-stamp"
 
-packages=(docker.io busybox-static debootstrap python3-venv gcc libc6-dev ca-certificates)
+packages=(docker.io busybox-static debootstrap python3-venv gcc libc6-dev ca-certificates
+          libsystemd-dev pkg-config python3-dev)
 missing=()
 for package in "${packages[@]}"; do
     if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed'; then

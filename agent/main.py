@@ -29,6 +29,8 @@ from spotdrain.agent.outbox import Outbox
 from spotdrain.agent.slot_gate import Interrupted
 from spotdrain.agent.workers import WorkerManager
 from spotdrain.cli import UsageError, fail_usage
+from spotdrain.metrics import CollectorRegistry, GaugeCollector, ReclamationMetrics
+from spotdrain.metrics import serve as metrics_serve
 from spotdrain.security import warn_insecure
 from spotdrain.v1 import spotdrain_pb2 as pb
 
@@ -48,6 +50,24 @@ class Agent:
         self.nvml = Nvml(cfg.nvml_timeout_s)
         self.docker = DockerEngine(cfg.docker_host, cfg.node_id, cfg.docker_call_timeout_s)
         self.link = CoordinatorLink(cfg, self.outbox, self.registration)
+        self.registry = CollectorRegistry()
+        self.metrics = ReclamationMetrics(self.registry)
+        self.registry.register(
+            GaugeCollector(
+                "spotdrain_slots_in_use",
+                "Slots in use per worker, as its gate counts them.",
+                ["worker_id", "state"],
+                lambda: [([w, st], float(used)) for w, used, _cap, st in self.workers.slots()],
+            )
+        )
+        self.registry.register(
+            GaugeCollector(
+                "spotdrain_workers",
+                "Inference workers on this node by state.",
+                ["state"],
+                self._workers_by_state,
+            )
+        )
         self.workers = WorkerManager(
             cfg.node_id,
             self.docker,
@@ -57,8 +77,17 @@ class Agent:
             report=self.link.report_worker,
             on_slots=self.link.report_slots,
             on_interrupted=self.stream_interrupted,
+            metrics=self.metrics,
         )
-        self.drains = DrainRunner(cfg, self.outbox, self.link, self.docker, self.nvml, self.workers)
+        self.drains = DrainRunner(
+            cfg,
+            self.outbox,
+            self.link,
+            self.docker,
+            self.nvml,
+            self.workers,
+            metrics=self.metrics,
+        )
         self.link.on_command = self.command
         self.link.heartbeat_slots = self.workers.slots
         self.control = ControlSocket(cfg.socket, cfg.socket_group, self.control_request)
@@ -108,6 +137,12 @@ class Agent:
             c = msg.drain_worker
             self.workers.drain(c.worker_id, c.grace_deadline or time.time(), c.reclaim_id)
 
+    def _workers_by_state(self) -> list[tuple[list[str], float]]:
+        counts = {"ready": 0, "draining": 0}
+        for _w, _used, _cap, state in self.workers.slots():
+            counts[state] = counts.get(state, 0) + 1
+        return [([state], float(n)) for state, n in counts.items()]
+
     def stream_interrupted(self, what: Interrupted, reclaim_id: str) -> None:
         now = time.time()
         rec = self.drains.live.get(reclaim_id)
@@ -125,6 +160,7 @@ class Agent:
             },
         )
         self.link.wake()
+        self.metrics.observe_event("stream_interrupted", reclaim_id, None, {})
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -194,6 +230,14 @@ class Agent:
     async def run(self) -> None:
         """The supervisor: named tasks, the first failure stops them all and is re-raised."""
         await self.control.start()
+        if self.cfg.metrics_listen:
+            port = metrics_serve(self.registry, self.cfg.metrics_listen)
+            log.info(
+                "node %s: metrics on %s:%d/metrics",
+                self.cfg.node_id,
+                self.cfg.metrics_listen.rpartition(":")[0],
+                port,
+            )
         try:
             await self.workers.adopt_running()
         except DockerUnavailable as e:

@@ -20,6 +20,7 @@ from spotdrain.coordinator.service import (
     RoutesServicer,
 )
 from spotdrain.coordinator.store import Store, StoreError
+from spotdrain.metrics import serve as metrics_serve
 from spotdrain.security import server_credentials, warn_insecure
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
@@ -36,6 +37,9 @@ def parser() -> ArgumentParser:
     p.add_argument("--tls-cert")
     p.add_argument("--tls-key")
     p.add_argument("--client-ca", help="CA that signs node and operator certificates")
+    p.add_argument(
+        "--metrics-listen", default="", help="serve Prometheus /metrics on HOST:PORT (default: off)"
+    )
     p.add_argument(
         "--heartbeat-ttl-s",
         type=float,
@@ -88,6 +92,13 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
     # no agent or router sees an empty registry), then recover.
     coord.fleet.rebuild()
     await server.start()
+    if args.metrics_listen:
+        host_port(args.metrics_listen, "--metrics-listen")
+        metrics_port = metrics_serve(coord.registry, args.metrics_listen)
+        print(
+            f"{PROG}: metrics on {args.metrics_listen.rpartition(':')[0]}:{metrics_port}",
+            flush=True,
+        )
     for name in ["", *services]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     # Tests and the demo read the bound port from this line.

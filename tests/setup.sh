@@ -29,6 +29,21 @@ if ((${#missing[@]})); then
     apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
+# promtool (tests check live scrapes with `promtool check metrics`): taken from Debian's
+# prometheus package without installing the server it comes with.
+if ! command -v promtool >/dev/null 2>&1; then
+    if ((EUID != 0)); then
+        echo "tests/setup.sh: promtool missing; run it as root" >&2
+        exit 1
+    fi
+    echo "tests/setup.sh: installing promtool from Debian's prometheus package" >&2
+    scratch="$(mktemp -d)"
+    (cd "$scratch" && apt-get download -qq prometheus >/dev/null 2>&1 || { apt-get update -qq && apt-get download -qq prometheus; })
+    dpkg-deb -x "$scratch"/prometheus_*.deb "$scratch/root"
+    install -m 0755 "$scratch/root/usr/bin/promtool" /usr/local/bin/promtool
+    rm -rf "$scratch"
+fi
+
 if ! "$venv/bin/python" -c 'import sys' >/dev/null 2>&1; then
     echo "tests/setup.sh: creating $venv" >&2
     rm -rf "$venv"

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import signal as signals
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,39 @@ KIND_LABEL = "spotdrain.kind"
 
 class DockerUnavailable(Exception):
     pass
+
+
+async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
+    """Run a call that may block for as long as a container lives, in a daemon thread.
+
+    A pool thread would be joined at interpreter exit, so an agent stopping (or restarting)
+    mid-reclamation would hang until every watched container exited. A daemon thread is
+    abandoned instead; the restarted agent waits again from its bundle.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as e:  # noqa: BLE001 (handed to the awaiting task)
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_settle, future, None, e)
+            return
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(_settle, future, result, None)
+
+    threading.Thread(target=run, name="docker-wait", daemon=True).start()
+    return await future
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 @dataclass(frozen=True)
@@ -229,12 +263,9 @@ class DockerEngine:
 
     async def wait_exit(self, container_id: str, name: str) -> ContainerExited:
         """Block until the container stops; its exit code as the engine reports it."""
-        loop = asyncio.get_running_loop()
         while True:
             try:
-                result = await loop.run_in_executor(
-                    self._pool, lambda: self._waits.wait(container_id)
-                )
+                result = await _in_daemon_thread(lambda: self._waits.wait(container_id))
                 return ContainerExited(
                     self.clock(), container_id, name, int(result.get("StatusCode", -1))
                 )

@@ -11,7 +11,8 @@ venv="$repo/.venv"
 stamp="$venv/.spotdrain-install-stamp"
 
 packages=(docker.io busybox-static debootstrap python3-venv gcc libc6-dev ca-certificates
-          libsystemd-dev pkg-config python3-dev)
+          libsystemd-dev pkg-config python3-dev
+          build-essential debhelper lintian systemd)
 missing=()
 for package in "${packages[@]}"; do
     if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed'; then

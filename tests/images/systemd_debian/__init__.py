@@ -1,0 +1,289 @@
+"""A fresh Debian 12 system with systemd as PID 1, as a container, for installing the packages.
+
+    ensure_systemd_image(client) -> "spotdrain-test/debian-systemd:1"
+    boot(client, name=..., mounts=...) -> SystemdContainer   (systemd running, ready for apt)
+
+The image is `debootstrap --variant=minbase --include=systemd,systemd-sysv,dbus,procps bookworm`,
+trimmed (apt lists and caches, docs, man pages, locales) and `docker import`ed: no Python, no
+spotdrain, so `apt install ./spotdrain-agent_*.deb` has to bring what the packages need. The
+trimmed root is cached as a tarball in /var/cache/spotdrain-test ($SPOTDRAIN_TEST_CACHE), like
+the fake model's base (tests/images/fake_model): debootstrap (about 35 s, root, the Debian
+mirror) runs once per machine, and a new engine imports the tarball in seconds.
+
+The container runs with exactly the flags shared/DESIGN.md gives for systemd in a container
+(`--privileged` is refused on this kernel), on the host network (a private engine has no
+bridge), so the Debian mirror and anything listening on the host's loopback are reachable from
+inside. This module must not import pytest.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import logging
+import os
+import shutil
+import subprocess
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker
+import docker.errors
+import docker.types
+from docker.models.containers import Container
+
+from images.fake_model import (
+    ImageBuildError,
+    _digest,
+    _image_with_recipe,
+    _locked,
+    _remove_replaced,
+    _temp_dir,
+    _unmount_under,
+    cache_dir,
+    debian_mirror,
+)
+
+log = logging.getLogger("spotdrain.tests.systemd_debian")
+
+SYSTEMD_IMAGE = "spotdrain-test/debian-systemd:1"
+SUITE = "bookworm"
+RECIPE_LABEL = "spotdrain.test.recipe"
+
+# Bump when the recipe changes in a way the lists below do not show.
+_RECIPE = "1"
+_INCLUDE = ("systemd", "systemd-sysv", "dbus", "procps")
+_TRIM = (
+    "var/cache/apt/*",
+    "var/lib/apt/lists/*",
+    "var/cache/debconf/*-old",
+    "var/lib/dpkg/*-old",
+    "var/log/*",
+    "usr/share/doc/*",
+    "usr/share/man/*",
+    "usr/share/info/*",
+    "usr/share/locale/*",
+    "etc/hostname",  # the build host's; Docker mounts its own
+)
+_SBIN_PATH = "/usr/local/sbin:/usr/sbin:/sbin"
+
+# shared/DESIGN.md, "Testing on machines with no GPU and no registry": systemd in a container.
+_RUN_FLAGS = {
+    "cap_add": ["SYS_ADMIN"],
+    "security_opt": ["seccomp=unconfined"],
+    "cgroupns": "host",
+    "tmpfs": {"/run": "", "/run/lock": ""},
+    "command": ["/lib/systemd/systemd"],
+    # systemd shuts down cleanly on SIGRTMIN+3 (docker import cannot set STOPSIGNAL).
+    "stop_signal": "SIGRTMIN+3",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# image
+
+
+def ensure_systemd_image(
+    client: docker.DockerClient, work_dir: Path | None = None, *, force: bool = False
+) -> str:
+    """Import `spotdrain-test/debian-systemd:1` unless it is there and current. Returns its tag."""
+    recipe = _digest(_RECIPE.encode(), SUITE.encode(), *(s.encode() for s in _INCLUDE + _TRIM))
+    old = _image_with_recipe(client, SYSTEMD_IMAGE)
+    if not force and old is not None and old[1] == recipe:
+        return SYSTEMD_IMAGE
+    cache = cache_dir()
+    tarball = cache / f"debian-systemd-{SUITE}-{recipe}.tar"
+    with _locked(cache / "debian-systemd.lock"):
+        old = _image_with_recipe(client, SYSTEMD_IMAGE)
+        if not force and old is not None and old[1] == recipe:
+            return SYSTEMD_IMAGE
+        if not tarball.exists():
+            _debootstrap_tarball(tarball, work_dir)
+        started = time.monotonic()
+        repository, tag = SYSTEMD_IMAGE.rsplit(":", 1)
+        client.api.import_image_from_file(
+            str(tarball),
+            repository=repository,
+            tag=tag,
+            changes=[
+                "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                "ENV LANG=C.UTF-8",
+                # systemd reads this to know it runs in a container.
+                "ENV container=docker",
+                'CMD ["/lib/systemd/systemd"]',
+                f"LABEL {RECIPE_LABEL}={recipe}",
+            ],
+        )
+    image = client.images.get(SYSTEMD_IMAGE)
+    if (image.labels or {}).get(RECIPE_LABEL) != recipe:
+        raise ImageBuildError(f"imported {SYSTEMD_IMAGE} but the engine dropped its label")
+    _remove_replaced(client, old, image.id)
+    log.info("imported %s from %s in %.1fs", SYSTEMD_IMAGE, tarball, time.monotonic() - started)
+    return SYSTEMD_IMAGE
+
+
+def _debootstrap_tarball(tarball: Path, work_dir: Path | None) -> None:
+    """debootstrap a minimal Debian root with systemd, trim it, write it to `tarball` atomically."""
+    if os.geteuid() != 0:
+        raise ImageBuildError(f"{tarball} is not cached and debootstrap needs root")
+    debootstrap = shutil.which("debootstrap", path=os.environ.get("PATH", "") + ":" + _SBIN_PATH)
+    if debootstrap is None:
+        raise ImageBuildError("debootstrap is not installed (apt-get install debootstrap)")
+    mirror = debian_mirror()
+    started = time.monotonic()
+    with _temp_dir(work_dir, "debian-systemd-rootfs-") as tmp:
+        root = tmp / "root"
+        log_path = tmp / "debootstrap.log"
+        env = dict(os.environ, PATH=os.environ.get("PATH", "") + ":" + _SBIN_PATH)
+        log.info("debootstrap %s with %s from %s into %s", SUITE, _INCLUDE, mirror, root)
+        try:
+            with open(log_path, "wb") as out:
+                result = subprocess.run(
+                    [
+                        debootstrap,
+                        "--variant=minbase",
+                        f"--include={','.join(_INCLUDE)}",
+                        SUITE,
+                        str(root),
+                        mirror,
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    timeout=900,
+                )
+            if result.returncode != 0:
+                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+                raise ImageBuildError(f"debootstrap failed ({result.returncode}):\n{tail}")
+            for pattern in _TRIM:
+                for path in glob.glob(str(root / pattern)):
+                    if os.path.isdir(path) and not os.path.islink(path):
+                        shutil.rmtree(path)
+                    else:
+                        os.unlink(path)
+            (root / "etc/resolv.conf").write_text("")  # the build host's; Docker mounts its own
+            # A fresh id at each boot (systemd makes one when the file is empty), as on a new host.
+            (root / "etc/machine-id").write_text("")
+            partial = tarball.with_name(f".{tarball.name}.{os.getpid()}.partial")
+            try:
+                subprocess.run(
+                    [
+                        "tar",
+                        "--numeric-owner",
+                        "--xattrs",
+                        "-C",
+                        str(root),
+                        "--exclude=./dev/*",
+                        "--exclude=./proc/*",
+                        "--exclude=./sys/*",
+                        "-cf",
+                        str(partial),
+                        ".",
+                    ],
+                    check=True,
+                    capture_output=True,
+                    timeout=300,
+                )
+                os.replace(partial, tarball)
+            finally:
+                partial.unlink(missing_ok=True)
+        finally:
+            _unmount_under(root)
+    log.info(
+        "cached the %s systemd root (%.0f MB) in %s in %.1fs",
+        SUITE,
+        tarball.stat().st_size / 1e6,
+        tarball,
+        time.monotonic() - started,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# a booted system
+
+
+class CommandFailed(RuntimeError):
+    """A command inside the container exited non-zero."""
+
+
+@dataclass
+class SystemdContainer:
+    """A running Debian 12 container with systemd as PID 1."""
+
+    container: Container
+
+    def sh(
+        self, script: str, *, user: str = "root", check: bool = True, env: dict | None = None
+    ) -> tuple[int, str]:
+        """Run `script` with /bin/sh inside; (exit code, stdout and stderr together)."""
+        code, out = self.container.exec_run(
+            ["sh", "-c", script], user=user, environment=env or {}, demux=False
+        )
+        text = (out or b"").decode(errors="replace")
+        if check and code != 0:
+            raise CommandFailed(f"`{script}` as {user} exited {code}:\n{text}")
+        return code, text
+
+    def put(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Write `data` to `path` inside (parent directories made as needed)."""
+        directory, name = os.path.split(path)
+        self.sh(f"mkdir -p '{directory}'")
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = mode
+            info.mtime = int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+        if not self.container.put_archive(directory, buf.getvalue()):
+            raise CommandFailed(f"could not put {path} into {self.container.name}")
+
+    def remove(self) -> None:
+        try:
+            self.container.remove(force=True)
+        except docker.errors.NotFound:
+            pass
+
+
+def boot(
+    client: docker.DockerClient,
+    *,
+    name: str,
+    image: str = SYSTEMD_IMAGE,
+    mounts: list[docker.types.Mount] | None = None,
+    timeout: float = 60.0,
+) -> SystemdContainer:
+    """Start the image with systemd as PID 1; return once `systemctl is-system-running` says
+    running (or degraded: a unit the container cannot run, listed in the error otherwise)."""
+    container = client.containers.run(
+        image,
+        name=name,
+        mounts=[
+            docker.types.Mount("/sys/fs/cgroup", "/sys/fs/cgroup", type="bind", read_only=False),
+            *(mounts or []),
+        ],
+        network_mode="host",
+        detach=True,
+        **_RUN_FLAGS,
+    )
+    system = SystemdContainer(container)
+    deadline = time.monotonic() + timeout
+    state = ""
+    while time.monotonic() < deadline:
+        container.reload()
+        if container.status != "running":
+            logs = container.logs().decode(errors="replace")
+            raise CommandFailed(f"{name} exited ({container.status}) while booting:\n{logs}")
+        _, state = system.sh("systemctl is-system-running || true")
+        state = state.strip()
+        if state in ("running", "degraded"):
+            if state == "degraded":
+                _, failed = system.sh("systemctl --failed --no-legend --plain || true")
+                log.warning("%s booted degraded: %s", name, failed.strip())
+            return system
+        time.sleep(0.2)
+    system.remove()
+    raise CommandFailed(f"{name}: systemd not up within {timeout}s (state {state!r})")

@@ -48,7 +48,6 @@ they arrive. The hot path (one streamed chunk) is one read, a length check, one 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import Callable
@@ -58,30 +57,11 @@ import aiohttp
 from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from spotdrain import sse
+
 log = logging.getLogger("spotdrain.agent.gate")
 
 REQUEST_ID_HEADER = "X-Request-Id"
-
-# RFC 9110 7.6.1, plus what the gate does itself: Host (the worker's, set by the client
-# session), Expect (the gate answers 100-continue; see _forward). Content-Length is dropped on
-# the way back only, where the gate frames the body itself.
-_HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "Proxy-Connection",
-        "TE",
-        "Trailer",
-        "Trailers",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Host",
-        "Expect",
-    )
-)
 
 # Slot phases. A cut acts on WAITING and RELAYING only: a FINISHING slot has its whole answer
 # and is ending normally, so it is never reported interrupted as well (never both).
@@ -402,7 +382,7 @@ class SlotGate:
         """Relay a streamed answer chunk by chunk as it arrives; decide, once, how it ended:
         complete, the client gone, or interrupted (never two of these)."""
         slot.phase = _RELAYING
-        sse = upstream.content_type == "text/event-stream"
+        is_sse = upstream.content_type == "text/event-stream"
         read = upstream.content.readany
         write = response.write
         tail = b""  # SSE: the last bytes written, to see "data: [DONE]" at the end
@@ -418,7 +398,7 @@ class SlotGate:
                     )
                     failure = "upstream_failed"
                     break
-                if sse:
+                if is_sse:
                     if not chunk:
                         if not held:
                             break
@@ -427,7 +407,7 @@ class SlotGate:
                         if held:
                             chunk, held = held + chunk, b""
                         if not (chunk.endswith(b"\n\n") or chunk.endswith(b"\r\n\r\n")):
-                            end = _event_end(chunk)
+                            end = sse.event_end(chunk)
                             if end == 0 and len(chunk) < _HOLD_MAX:
                                 held = chunk
                                 continue
@@ -440,7 +420,7 @@ class SlotGate:
                     await write(chunk)
                 except ConnectionError:  # aiohttp's ClientConnectionResetError: client gone
                     return response
-            if sse and not failure and not tail.rstrip().endswith(b"[DONE]"):
+            if is_sse and not failure and not tail.rstrip().endswith(b"[DONE]"):
                 log.warning(
                     "gate %s: stream %s ended without [DONE]", self.worker_id, slot.request_id
                 )
@@ -449,7 +429,7 @@ class SlotGate:
             if not slot.cut or _uncancel() > 0:
                 raise  # the client went away: release the slot, close the worker's request
             # What the client holds decides: an SSE stream whose [DONE] is written is complete.
-            if not (sse and tail.rstrip().endswith(b"[DONE]")):
+            if not (is_sse and tail.rstrip().endswith(b"[DONE]")):
                 failure = "stopped"
         if not failure:
             slot.phase = _FINISHING
@@ -460,7 +440,7 @@ class SlotGate:
             return response
         upstream.close()
         self._report_interrupted(slot, True, failure)
-        if not sse:
+        if not is_sse:
             _abort(request)  # no terminating chunk: the client sees a truncated body
         elif not await _bounded(response.write_eof(_error_event(failure, slot.request_id))):
             _abort(request)
@@ -471,7 +451,7 @@ class SlotGate:
     def _refusal(self, status: int, kind: str, message: str) -> web.Response:
         return web.Response(
             status=status,
-            body=_error_body(kind, message, None),
+            body=sse.error_body(kind, message, None),
             content_type="application/json",
             headers={hdrs.RETRY_AFTER: self._retry_after},
         )
@@ -490,7 +470,7 @@ class SlotGate:
         slot.phase = _FINISHING
         response = web.Response(
             status=status,
-            body=_error_body("interrupted", message, slot.request_id),
+            body=sse.error_body("interrupted", message, slot.request_id),
             content_type="application/json",
             headers={hdrs.RETRY_AFTER: self._retry_after, REQUEST_ID_HEADER: slot.request_id},
         )
@@ -529,18 +509,8 @@ def _abort(request: web.BaseRequest) -> None:
         transport.abort()
 
 
-def _event_end(data: bytes) -> int:
-    """Index just past the last SSE event boundary (a blank line) in data; 0 if none."""
-    return max(
-        data.rfind(b"\n\n") + 2 if b"\n\n" in data else 0,
-        data.rfind(b"\r\n\r\n") + 4 if b"\r\n\r\n" in data else 0,
-        data.rfind(b"\r\r") + 2 if b"\r\r" in data else 0,
-    )
-
-
 def _error_event(reason: str, request_id: str) -> bytes:
-    body = _error_body("interrupted", _interrupted_message(reason), request_id)
-    return b"event: error\ndata: " + body + b"\n\n"
+    return sse.interrupted_event(_interrupted_message(reason), request_id)
 
 
 def _interrupted_message(reason: str) -> str:
@@ -549,22 +519,8 @@ def _interrupted_message(reason: str) -> str:
     return "the worker failed mid-response; the answer is incomplete"
 
 
-def _error_body(kind: str, message: str, request_id: str | None) -> bytes:
-    error: dict[str, str] = {"type": kind, "message": message}
-    if request_id is not None:
-        error["request_id"] = request_id
-    return json.dumps({"error": error}).encode()
-
-
-def _hop_by_hop(headers: CIMultiDictProxy[str]) -> frozenset[str]:
-    named = headers.get(hdrs.CONNECTION)
-    if not named:
-        return _HOP_BY_HOP
-    return _HOP_BY_HOP | {h.strip().lower() for h in named.split(",")}
-
-
 def _request_headers(incoming: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
-    drop = _hop_by_hop(incoming)
+    drop = sse.hop_by_hop(incoming)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in incoming.items():
         if name.lower() not in drop:
@@ -574,7 +530,7 @@ def _request_headers(incoming: CIMultiDictProxy[str], request_id: str) -> CIMult
 
 
 def _response_headers(upstream: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
-    drop = _hop_by_hop(upstream)
+    drop = sse.hop_by_hop(upstream)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in upstream.items():
         low = name.lower()

@@ -42,6 +42,7 @@ import grpc
 from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from spotdrain import sse
 from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port
 from spotdrain.security import channel_credentials, warn_insecure
 from spotdrain.v1 import spotdrain_pb2 as pb
@@ -74,25 +75,8 @@ HOLD_MAX = 1 << 20
 # router says so at start (exit 1) and requests do not wait for a snapshot that cannot come.
 REFUSED_CODES = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
 
-# RFC 9110 7.6.1, plus what aiohttp recomputes (Host, Content-Length) and Expect.
-_HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "Proxy-Connection",
-        "TE",
-        "Trailer",
-        "Trailers",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Host",
-        "Expect",
-        "Content-Length",
-    )
-)
+# Beyond the shared hop-by-hop set: aiohttp recomputes Content-Length on the way back.
+_NOT_FORWARDED = frozenset({"content-length"})
 
 
 # --- the core: one model's routing table ------------------------------------------------------
@@ -500,7 +484,7 @@ class Router:
             headers=_client_headers(upstream.headers, route.worker_id, request_id),
         )
         await response.prepare(request)
-        sse = upstream.content_type == "text/event-stream"
+        is_sse = upstream.content_type == "text/event-stream"
         read = upstream.content.readany
         last = b""  # SSE: the last chunk written; it ends at an event boundary
         held = b""  # SSE: the start of an event whose blank line has not come yet
@@ -511,7 +495,7 @@ class Router:
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
                 broken = e
                 break
-            if sse:
+            if is_sse:
                 # Whole events only, as the gate does: if the gate goes away mid-event, the
                 # client's parser never sees half an event glued to our error event.
                 if not chunk:
@@ -522,7 +506,7 @@ class Router:
                     if held:
                         chunk, held = held + chunk, b""
                     if not chunk.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
-                        end = _event_end(chunk)
+                        end = sse.event_end(chunk)
                         if end == 0 and len(chunk) < HOLD_MAX:
                             held = chunk
                             continue
@@ -545,7 +529,7 @@ class Router:
                 route.node_id,
                 broken,
             )
-        if not sse:
+        if not is_sse:
             if broken is None:
                 self.stats.completed += 1
                 await _bounded(response.write_eof())
@@ -607,7 +591,7 @@ def _try_elsewhere(status: int, kind: str) -> bool:
 
 
 def _upstream_headers(incoming: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
-    drop = _hop_by_hop(incoming) | {ROUTE_VERSION_HEADER.lower()}
+    drop = sse.hop_by_hop(incoming, _NOT_FORWARDED) | {ROUTE_VERSION_HEADER.lower()}
     out: CIMultiDict[str] = CIMultiDict(
         (name, value) for name, value in incoming.items() if name.lower() not in drop
     )
@@ -618,26 +602,13 @@ def _upstream_headers(incoming: CIMultiDictProxy[str], request_id: str) -> CIMul
 def _client_headers(
     upstream: CIMultiDictProxy[str], worker_id: str, request_id: str
 ) -> CIMultiDict[str]:
-    drop = _hop_by_hop(upstream)
+    drop = sse.hop_by_hop(upstream, _NOT_FORWARDED)
     out: CIMultiDict[str] = CIMultiDict(
         (name, value) for name, value in upstream.items() if name.lower() not in drop
     )
     out[WORKER_ID_HEADER] = worker_id
     out[REQUEST_ID_HEADER] = request_id
     return out
-
-
-def _hop_by_hop(headers: CIMultiDictProxy[str]) -> frozenset[str]:
-    named = headers.get(hdrs.CONNECTION)
-    if not named:
-        return _HOP_BY_HOP
-    return _HOP_BY_HOP | {h.strip().lower() for h in named.split(",")}
-
-
-def _error_body(kind: str, message: str, request_id: str) -> bytes:
-    return json.dumps(
-        {"error": {"type": kind, "message": message, "request_id": request_id}}
-    ).encode()
 
 
 def _error(
@@ -656,28 +627,16 @@ def _error(
         headers[WORKER_ID_HEADER] = worker_id
     return web.Response(
         status=status,
-        body=_error_body(kind, message, request_id),
+        body=sse.error_body(kind, message, request_id),
         content_type="application/json",
         headers=headers,
     )
 
 
 def _interrupted_event(request_id: str) -> bytes:
-    # The gate's shape (agent/slot_gate.py): the `data:` line is what makes the openai SDK raise.
-    body = _error_body(
-        "interrupted",
-        "the connection to the worker broke mid-stream; the answer is incomplete",
-        request_id,
-    )
-    return b"event: error\ndata: " + body + b"\n\n"
-
-
-def _event_end(data: bytes) -> int:
-    """Index just past the last SSE event boundary (a blank line) in data; 0 if none."""
-    return max(
-        data.rfind(b"\n\n") + 2 if b"\n\n" in data else 0,
-        data.rfind(b"\r\n\r\n") + 4 if b"\r\n\r\n" in data else 0,
-        data.rfind(b"\r\r") + 2 if b"\r\r" in data else 0,
+    # The gate's shape (spotdrain.sse): the `data:` line is what makes the openai SDK raise.
+    return sse.interrupted_event(
+        "the connection to the worker broke mid-stream; the answer is incomplete", request_id
     )
 
 

@@ -1,0 +1,64 @@
+"""The HTTP and SSE wire shapes the slot gate and the reference router share.
+
+One definition of how an interrupted answer looks (DESIGN.md invariant 7): an SSE `error` event
+whose `data:` line is an OpenAI-style error object (the openai SDK raises `APIError` on it), and
+never a `data: [DONE]`. The same error object is the body of a non-streamed refusal.
+"""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import hdrs
+from multidict import CIMultiDictProxy
+
+# RFC 9110 7.6.1, plus what a proxy recomputes or answers itself (Host, Expect).
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "Proxy-Connection",
+        "TE",
+        "Trailer",
+        "Trailers",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Host",
+        "Expect",
+    )
+)
+
+
+def hop_by_hop(
+    headers: CIMultiDictProxy[str], extra: frozenset[str] = frozenset()
+) -> frozenset[str]:
+    """The headers not to forward: the fixed set, `extra`, and any the Connection header names."""
+    named = headers.get(hdrs.CONNECTION)
+    base = HOP_BY_HOP | extra
+    if not named:
+        return base
+    return base | {h.strip().lower() for h in named.split(",")}
+
+
+def error_body(kind: str, message: str, request_id: str | None) -> bytes:
+    error: dict[str, str] = {"type": kind, "message": message}
+    if request_id is not None:
+        error["request_id"] = request_id
+    return json.dumps({"error": error}).encode()
+
+
+def interrupted_event(message: str, request_id: str) -> bytes:
+    """The SSE event that ends an interrupted stream, in place of `data: [DONE]`."""
+    return b"event: error\ndata: " + error_body("interrupted", message, request_id) + b"\n\n"
+
+
+def event_end(data: bytes) -> int:
+    """Index just past the last SSE event boundary (a blank line) in data; 0 if none."""
+    return max(
+        data.rfind(b"\n\n") + 2 if b"\n\n" in data else 0,
+        data.rfind(b"\r\n\r\n") + 4 if b"\r\n\r\n" in data else 0,
+        data.rfind(b"\r\r") + 2 if b"\r\r" in data else 0,
+    )

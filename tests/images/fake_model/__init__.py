@@ -39,6 +39,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import docker
@@ -283,6 +284,21 @@ def _apt_mirrors() -> list[str]:
 
 def _debootstrap_tarball(tarball: Path, work_dir: Path | None) -> None:
     """debootstrap a Debian root with python3, trim it, and write it to `tarball` atomically."""
+    debootstrap_tarball(tarball, work_dir, include=_INCLUDE, trim=_TRIM, what="python3")
+
+
+def debootstrap_tarball(
+    tarball: Path,
+    work_dir: Path | None,
+    *,
+    include: tuple[str, ...],
+    trim: tuple[str, ...],
+    what: str,
+    customize: Callable[[Path], None] | None = None,
+) -> None:
+    """debootstrap a minimal Debian root with `include`, delete what `trim` globs, let
+    `customize` adjust the root, and write it to `tarball` atomically (shared by the images
+    built from a Debian root: this one and tests/images/systemd_debian)."""
     if os.geteuid() != 0:
         raise ImageBuildError(
             f"{tarball} is not cached and building it runs debootstrap, which needs root"
@@ -292,18 +308,18 @@ def _debootstrap_tarball(tarball: Path, work_dir: Path | None) -> None:
         raise ImageBuildError("debootstrap is not installed (apt-get install debootstrap)")
     mirror = debian_mirror()
     started = time.monotonic()
-    with _temp_dir(work_dir, "fake-model-rootfs-") as tmp:
+    with _temp_dir(work_dir, "debian-rootfs-") as tmp:
         root = tmp / "root"
         log_path = tmp / "debootstrap.log"
         env = dict(os.environ, PATH=os.environ.get("PATH", "") + ":" + _SBIN_PATH)
-        log.info("debootstrap %s from %s into %s", SUITE, mirror, root)
+        log.info("debootstrap %s with %s from %s into %s", SUITE, include, mirror, root)
         try:
             with open(log_path, "wb") as out:
                 result = subprocess.run(
                     [
                         debootstrap,
                         "--variant=minbase",
-                        f"--include={','.join(_INCLUDE)}",
+                        f"--include={','.join(include)}",
                         SUITE,
                         str(root),
                         mirror,
@@ -317,13 +333,15 @@ def _debootstrap_tarball(tarball: Path, work_dir: Path | None) -> None:
             if result.returncode != 0:
                 tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
                 raise ImageBuildError(f"debootstrap failed ({result.returncode}):\n{tail}")
-            for pattern in _TRIM:
+            for pattern in trim:
                 for path in glob.glob(str(root / pattern)):
                     if os.path.isdir(path) and not os.path.islink(path):
                         shutil.rmtree(path)
                     else:
                         os.unlink(path)
             (root / "etc/resolv.conf").write_text("")  # the build host's; Docker mounts its own
+            if customize is not None:
+                customize(root)
             partial = tarball.with_name(f".{tarball.name}.{os.getpid()}.partial")
             try:
                 subprocess.run(
@@ -350,8 +368,9 @@ def _debootstrap_tarball(tarball: Path, work_dir: Path | None) -> None:
         finally:
             _unmount_under(root)  # debootstrap mounts proc and sys in the root while it runs
     log.info(
-        "cached the %s root (%.0f MB) in %s in %.1fs",
+        "cached the %s root with %s (%.0f MB) in %s in %.1fs",
         SUITE,
+        what,
         tarball.stat().st_size / 1e6,
         tarball,
         time.monotonic() - started,

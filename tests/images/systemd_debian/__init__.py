@@ -18,12 +18,9 @@ inside. This module must not import pytest.
 
 from __future__ import annotations
 
-import glob
 import io
 import logging
 import os
-import shutil
-import subprocess
 import tarfile
 import time
 from dataclasses import dataclass
@@ -40,10 +37,8 @@ from images.fake_model import (
     _image_with_recipe,
     _locked,
     _remove_replaced,
-    _temp_dir,
-    _unmount_under,
     cache_dir,
-    debian_mirror,
+    debootstrap_tarball,
 )
 
 log = logging.getLogger("spotdrain.tests.systemd_debian")
@@ -67,7 +62,6 @@ _TRIM = (
     "usr/share/locale/*",
     "etc/hostname",  # the build host's; Docker mounts its own
 )
-_SBIN_PATH = "/usr/local/sbin:/usr/sbin:/sbin"
 
 # shared/DESIGN.md, "Testing on machines with no GPU and no registry": systemd in a container.
 _RUN_FLAGS = {
@@ -126,78 +120,13 @@ def ensure_systemd_image(
 
 def _debootstrap_tarball(tarball: Path, work_dir: Path | None) -> None:
     """debootstrap a minimal Debian root with systemd, trim it, write it to `tarball` atomically."""
-    if os.geteuid() != 0:
-        raise ImageBuildError(f"{tarball} is not cached and debootstrap needs root")
-    debootstrap = shutil.which("debootstrap", path=os.environ.get("PATH", "") + ":" + _SBIN_PATH)
-    if debootstrap is None:
-        raise ImageBuildError("debootstrap is not installed (apt-get install debootstrap)")
-    mirror = debian_mirror()
-    started = time.monotonic()
-    with _temp_dir(work_dir, "debian-systemd-rootfs-") as tmp:
-        root = tmp / "root"
-        log_path = tmp / "debootstrap.log"
-        env = dict(os.environ, PATH=os.environ.get("PATH", "") + ":" + _SBIN_PATH)
-        log.info("debootstrap %s with %s from %s into %s", SUITE, _INCLUDE, mirror, root)
-        try:
-            with open(log_path, "wb") as out:
-                result = subprocess.run(
-                    [
-                        debootstrap,
-                        "--variant=minbase",
-                        f"--include={','.join(_INCLUDE)}",
-                        SUITE,
-                        str(root),
-                        mirror,
-                    ],
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    timeout=900,
-                )
-            if result.returncode != 0:
-                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-                raise ImageBuildError(f"debootstrap failed ({result.returncode}):\n{tail}")
-            for pattern in _TRIM:
-                for path in glob.glob(str(root / pattern)):
-                    if os.path.isdir(path) and not os.path.islink(path):
-                        shutil.rmtree(path)
-                    else:
-                        os.unlink(path)
-            (root / "etc/resolv.conf").write_text("")  # the build host's; Docker mounts its own
-            # A fresh id at each boot (systemd makes one when the file is empty), as on a new host.
-            (root / "etc/machine-id").write_text("")
-            partial = tarball.with_name(f".{tarball.name}.{os.getpid()}.partial")
-            try:
-                subprocess.run(
-                    [
-                        "tar",
-                        "--numeric-owner",
-                        "--xattrs",
-                        "-C",
-                        str(root),
-                        "--exclude=./dev/*",
-                        "--exclude=./proc/*",
-                        "--exclude=./sys/*",
-                        "-cf",
-                        str(partial),
-                        ".",
-                    ],
-                    check=True,
-                    capture_output=True,
-                    timeout=300,
-                )
-                os.replace(partial, tarball)
-            finally:
-                partial.unlink(missing_ok=True)
-        finally:
-            _unmount_under(root)
-    log.info(
-        "cached the %s systemd root (%.0f MB) in %s in %.1fs",
-        SUITE,
-        tarball.stat().st_size / 1e6,
-        tarball,
-        time.monotonic() - started,
+
+    def fresh_machine_id(root: Path) -> None:
+        # A fresh id at each boot (systemd makes one when the file is empty), as on a new host.
+        (root / "etc/machine-id").write_text("")
+
+    debootstrap_tarball(
+        tarball, work_dir, include=_INCLUDE, trim=_TRIM, what="systemd", customize=fresh_machine_id
     )
 
 

@@ -25,6 +25,7 @@ from spotdrain.v1 import spotdrain_pb2 as pb
 log = logging.getLogger("spotdrain.coordinator.fleet")
 
 HEARTBEAT_TTL_S = 15.0  # three missed heartbeats
+START_TIMEOUT_S = 300.0  # image pull and model load included
 RECOVERY_EVERY_S = 2.0
 FIRST_WORKER_PORT = 20000
 PAUSE_TAINT_KEY = "spotdrain.io/paused"
@@ -50,8 +51,10 @@ class Fleet:
         record: Record,
         clock: Callable[[], float] = time.time,
         heartbeat_ttl_s: float = HEARTBEAT_TTL_S,
+        start_timeout_s: float = START_TIMEOUT_S,
     ):
         self.store = store
+        self.start_timeout_s = start_timeout_s
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.record = record  # (kind, node_id, details) into the event log
         self.clock = clock
@@ -83,6 +86,19 @@ class Fleet:
         few seconds (DESIGN.md invariant 8)."""
         now = self.clock()
         for worker in self.live_workers():
+            if worker.state == wm.STARTING and now - worker.created_at > self.start_timeout_s:
+                # A start command lost with a broken stream, or an agent that never answered:
+                # the worker must not hold its node's GPU forever.
+                log.warning(
+                    "recovery: worker %s on %s never started", worker.worker_id, worker.node_id
+                )
+                await self.record(
+                    "worker_start_timeout",
+                    worker.node_id,
+                    {"worker_id": worker.worker_id, "model": worker.model},
+                )
+                await self.apply(worker, wm.Stopped(now, None))
+                continue
             if (
                 worker.state == wm.READY
                 and worker.expired(now)

@@ -38,6 +38,12 @@ def parser() -> ArgumentParser:
     p.add_argument("--tls-key")
     p.add_argument("--client-ca", help="CA that signs node and operator certificates")
     p.add_argument(
+        "--start-timeout-s",
+        type=float,
+        default=300.0,
+        help="a worker not started this long after it was placed is given up (default 300)",
+    )
+    p.add_argument(
         "--metrics-listen", default="", help="serve Prometheus /metrics on HOST:PORT (default: off)"
     )
     p.add_argument(
@@ -67,7 +73,14 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
         warn_insecure(PROG)
     if args.heartbeat_ttl_s <= 0:
         raise UsageError("--heartbeat-ttl-s must be positive")
-    coord = Coordinator(store, insecure=args.insecure, heartbeat_ttl_s=args.heartbeat_ttl_s)
+    if args.start_timeout_s <= 0:
+        raise UsageError("--start-timeout-s must be positive")
+    coord = Coordinator(
+        store,
+        insecure=args.insecure,
+        heartbeat_ttl_s=args.heartbeat_ttl_s,
+        start_timeout_s=args.start_timeout_s,
+    )
     server = grpc.aio.server()
     pb_grpc.add_AgentLinkServicer_to_server(AgentLinkServicer(coord), server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(coord), server)

@@ -44,12 +44,13 @@ class Coordinator:
         insecure: bool,
         clock: Callable[[], float] = time.time,
         heartbeat_ttl_s: float = 15.0,
+        start_timeout_s: float = 300.0,
     ):
         self.store = store
         self.insecure = insecure
         self.clock = clock
         self._new_event = asyncio.Condition()
-        self.fleet = Fleet(store, self._record_for_fleet, clock, heartbeat_ttl_s)
+        self.fleet = Fleet(store, self._record_for_fleet, clock, heartbeat_ttl_s, start_timeout_s)
         self.registry = CollectorRegistry()
         self.metrics = ReclamationMetrics(self.registry)
         self.registry.register(

@@ -221,3 +221,29 @@ async def test_the_recovery_loop_replaces_a_missing_worker_through_the_gate(tmp_
             await n.close()
         await ops.channel.close()
         coordinator.proc.stop()
+
+
+async def test_a_worker_that_never_starts_stops_holding_its_gpu(tmp_path, pki):
+    """The start command is lost (the agent never answers it). After the start timeout the
+    worker is given up, and the node's GPU is free for the next placement."""
+    coordinator = start_coordinator(tmp_path / "c", tls=pki, extra=("--start-timeout-s", "1"))
+    ops = Ops(coordinator)
+    node = FakeNode(coordinator, pki, "node-a")
+    try:
+        await node.connect()
+        first = await ops.start("node-a")
+        await node.command()  # received, never answered
+        second = await ops.start("node-a")  # the node's second GPU
+        await node.command()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await ops.start("node-a")
+        assert "not_enough_gpus" in err.value.details()
+        await ops.wait_state(first.worker_id, "stopped", timeout=10)
+        await ops.wait_state(second.worker_id, "stopped", timeout=10)
+        assert len(await ops.events("worker_start_timeout")) == 2
+        third = await ops.start("node-a")
+        assert third.state == "starting"
+    finally:
+        await node.close()
+        await ops.channel.close()
+        coordinator.proc.stop()

@@ -67,11 +67,6 @@ REQUEST_ID_HEADER = "X-Request-Id"
 # and is ending normally, so it is never reported interrupted as well (never both).
 _WAITING, _RELAYING, _FINISHING = 0, 1, 2
 
-# Seconds the last bytes of a cut request (the error event, the 503) may take to be handed to a
-# client's connection; then it is aborted. aiohttp queues them without waiting today (a client
-# that stopped reading finds the error event after what it has not read yet); this bound keeps
-# cut() prompt should that change.
-FINAL_WRITE_TIMEOUT_S = 1.0
 # Idle connections to the worker are dropped before a typical server's keep-alive (uvicorn: 5 s)
 # would drop them, so a request is never sent on a connection the worker is closing (that would
 # look like the worker failing mid-request).
@@ -219,7 +214,7 @@ class SlotGate:
     async def cut(self) -> None:
         """The grace deadline: end every in-flight request now, each reported `Interrupted`.
         The gate stays draining. Returns when every cut request has ended (bounded by
-        FINAL_WRITE_TIMEOUT_S for clients that do not read)."""
+        spotdrain.sse.FINAL_WRITE_TIMEOUT_S for clients that do not read)."""
         self.drain()
         await self._cut_open()
 
@@ -239,7 +234,7 @@ class SlotGate:
         waits = [s.finished for s in self._slots if s.finished is not None]
         if not waits:
             return
-        _, pending = await asyncio.wait(waits, timeout=FINAL_WRITE_TIMEOUT_S + 1.0)
+        _, pending = await asyncio.wait(waits, timeout=sse.FINAL_WRITE_TIMEOUT_S + 1.0)
         if pending:
             log.error("gate %s: %d cut requests did not end", self.worker_id, len(pending))
 
@@ -441,9 +436,9 @@ class SlotGate:
         upstream.close()
         self._report_interrupted(slot, True, failure)
         if not is_sse:
-            _abort(request)  # no terminating chunk: the client sees a truncated body
-        elif not await _bounded(response.write_eof(_error_event(failure, slot.request_id))):
-            _abort(request)
+            sse.abort(request)  # no terminating chunk: the client sees a truncated body
+        elif not await sse.bounded(response.write_eof(_error_event(failure, slot.request_id))):
+            sse.abort(request)
         return response
 
     # --- answers of the gate's own -----------------------------------------------------------
@@ -460,8 +455,8 @@ class SlotGate:
         self, request: web.BaseRequest, status: int, kind: str, message: str
     ) -> web.StreamResponse:
         response = self._refusal(status, kind, message)
-        if not await _bounded(_send(request, response)):
-            _abort(request)
+        if not await sse.bounded(_send(request, response)):
+            sse.abort(request)
         return response
 
     async def _answer_interrupted(
@@ -474,8 +469,8 @@ class SlotGate:
             content_type="application/json",
             headers={hdrs.RETRY_AFTER: self._retry_after, REQUEST_ID_HEADER: slot.request_id},
         )
-        if not await _bounded(_send(request, response)):
-            _abort(request)
+        if not await sse.bounded(_send(request, response)):
+            sse.abort(request)
         return response
 
 
@@ -490,23 +485,6 @@ def _uncancel() -> int:
 async def _send(request: web.BaseRequest, response: web.StreamResponse) -> None:
     await response.prepare(request)
     await response.write_eof()
-
-
-async def _bounded(coro: object) -> bool:
-    """Await the last bytes for a client, at most FINAL_WRITE_TIMEOUT_S. False if they did not
-    go (timeout, or the client is gone)."""
-    try:
-        async with asyncio.timeout(FINAL_WRITE_TIMEOUT_S):
-            await coro  # type: ignore[misc]
-        return True
-    except (TimeoutError, ConnectionError):
-        return False
-
-
-def _abort(request: web.BaseRequest) -> None:
-    transport = request.transport
-    if transport is not None:
-        transport.abort()
 
 
 def _error_event(reason: str, request_id: str) -> bytes:

@@ -64,7 +64,6 @@ GATE_CONNECT_TIMEOUT_S = 3.0
 # is closing; when it is, that is a connection error before any byte, and another worker is
 # tried.
 GATE_KEEPALIVE_S = 15.0
-FINAL_WRITE_TIMEOUT_S = 1.0
 MAX_MODELS = 256  # watches are per model, and the model name comes from the client
 MAX_BODY_BYTES = 64 << 20
 RETRY_AFTER_S = "1"
@@ -532,20 +531,20 @@ class Router:
         if not is_sse:
             if broken is None:
                 self.stats.completed += 1
-                await _bounded(response.write_eof())
+                await sse.bounded(response.write_eof())
             else:
                 self.stats.interrupted += 1
-                _abort(request)  # no terminating chunk: the client sees a truncated body
+                sse.abort(request)  # no terminating chunk: the client sees a truncated body
             return response
         ending = _ending(last)
         if ending == "done":
             self.stats.completed += 1
-            await _bounded(response.write_eof())
+            await sse.bounded(response.write_eof())
             return response
         self.stats.interrupted += 1
         if ending == "error":
             # The gate's own interrupted event is already with the client, as the gate sent it.
-            await _bounded(response.write_eof())
+            await sse.bounded(response.write_eof())
             return response
         # Invariant 7: an explicit error and no [DONE] for a stream cut on the way.
         log.warning(
@@ -553,8 +552,8 @@ class Router:
             request_id,
             route.worker_id,
         )
-        if not await _bounded(response.write_eof(_interrupted_event(request_id))):
-            _abort(request)
+        if not await sse.bounded(response.write_eof(_interrupted_event(request_id))):
+            sse.abort(request)
         return response
 
 
@@ -660,22 +659,6 @@ def _ending(chunk: bytes) -> str:
                 if isinstance(doc, dict) and doc.get("error"):
                     return "error"
     return ""
-
-
-async def _bounded(coro: object) -> bool:
-    """The last bytes for a client, at most FINAL_WRITE_TIMEOUT_S; False if they did not go."""
-    try:
-        async with asyncio.timeout(FINAL_WRITE_TIMEOUT_S):
-            await coro  # type: ignore[misc]
-        return True
-    except (TimeoutError, ConnectionError):
-        return False
-
-
-def _abort(request: web.Request) -> None:
-    transport = request.transport
-    if transport is not None:
-        transport.abort()
 
 
 # --- the process ------------------------------------------------------------------------------

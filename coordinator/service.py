@@ -138,6 +138,15 @@ class Coordinator:
                 grpc.StatusCode.PERMISSION_DENIED, f"{identity} may not use the admin API"
             )
 
+    async def require(
+        self, context: grpc.aio.ServicerContext, check: Callable[[Identity], None]
+    ) -> None:
+        """Abort the call unless the caller's identity passes `check`."""
+        try:
+            check(self.identity(context))
+        except Refused as r:
+            await _abort(context, r)
+
     def require_router(self, identity: Identity) -> None:
         if identity.role not in (ROUTER, OPERATOR):
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"{identity} may not read routes")
@@ -402,10 +411,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         self.coord = coord
 
     async def _operator(self, context: grpc.aio.ServicerContext) -> None:
-        try:
-            self.coord.require_operator(self.coord.identity(context))
-        except Refused as r:
-            await _abort(context, r)
+        await self.coord.require(context, self.coord.require_operator)
 
     async def WatchEvents(  # noqa: N802
         self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
@@ -535,10 +541,7 @@ class RoutesServicer(pb_grpc.RoutesServicer):
         self.coord = coord
 
     async def _router(self, context: grpc.aio.ServicerContext) -> None:
-        try:
-            self.coord.require_router(self.coord.identity(context))
-        except Refused as r:
-            await _abort(context, r)
+        await self.coord.require(context, self.coord.require_router)
 
     async def WatchRoutes(  # noqa: N802
         self, request: pb.WatchRoutesRequest, context: grpc.aio.ServicerContext

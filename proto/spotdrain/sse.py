@@ -7,9 +7,11 @@ never a `data: [DONE]`. The same error object is the body of a non-streamed refu
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable
 
-from aiohttp import hdrs
+from aiohttp import hdrs, web
 from multidict import CIMultiDictProxy
 
 # RFC 9110 7.6.1, plus what a proxy recomputes or answers itself (Host, Expect).
@@ -62,3 +64,26 @@ def event_end(data: bytes) -> int:
         data.rfind(b"\r\n\r\n") + 4 if b"\r\n\r\n" in data else 0,
         data.rfind(b"\r\r") + 2 if b"\r\r" in data else 0,
     )
+
+
+# Seconds the last bytes of a cut or refused request may take to be handed to a client's
+# connection; then the connection is aborted, so a client that stopped reading cannot hold a
+# proxy's cut or shutdown.
+FINAL_WRITE_TIMEOUT_S = 1.0
+
+
+async def bounded(write: Awaitable[object]) -> bool:
+    """Await the last bytes for a client, at most FINAL_WRITE_TIMEOUT_S. False if they did not
+    go (timeout, or the client is gone)."""
+    try:
+        async with asyncio.timeout(FINAL_WRITE_TIMEOUT_S):
+            await write
+        return True
+    except (TimeoutError, ConnectionError):
+        return False
+
+
+def abort(request: web.BaseRequest) -> None:
+    transport = request.transport
+    if transport is not None:
+        transport.abort()

@@ -171,20 +171,43 @@ def ensure_python_base(
     The Debian root comes from the cached tarball, or from debootstrap (which needs root).
     """
     recipe = _digest(_BASE_RECIPE.encode(), SUITE.encode(), *(s.encode() for s in _INCLUDE + _TRIM))
-    old = _image_with_recipe(client, PYTHON_BASE_IMAGE)
-    if not force and old is not None and old[1] == recipe:
-        return PYTHON_BASE_IMAGE
+    return import_debian_root(
+        client,
+        PYTHON_BASE_IMAGE,
+        recipe,
+        cache_name="python-base",
+        build=lambda tarball: _debootstrap_tarball(tarball, work_dir),
+        changes=['CMD ["python3"]'],
+        force=force,
+    )
 
+
+def import_debian_root(
+    client: docker.DockerClient,
+    image_tag: str,
+    recipe: str,
+    *,
+    cache_name: str,
+    build: Callable[[Path], None],
+    changes: list[str],
+    force: bool = False,
+) -> str:
+    """Import a cached Debian root tarball as `image_tag`, labelled with `recipe`, unless an
+    image with that recipe is there already; `build` makes the tarball when it is not cached.
+    Shared by the images built from a Debian root (this one and tests/images/systemd_debian)."""
+    old = _image_with_recipe(client, image_tag)
+    if not force and old is not None and old[1] == recipe:
+        return image_tag
     cache = cache_dir()
-    tarball = cache / f"python-base-{SUITE}-{recipe}.tar"
-    with _locked(cache / "python-base.lock"):
-        old = _image_with_recipe(client, PYTHON_BASE_IMAGE)
+    tarball = cache / f"{cache_name}-{SUITE}-{recipe}.tar"
+    with _locked(cache / f"{cache_name}.lock"):
+        old = _image_with_recipe(client, image_tag)
         if not force and old is not None and old[1] == recipe:
-            return PYTHON_BASE_IMAGE  # imported meanwhile by another build
+            return image_tag  # imported meanwhile by another build
         if not tarball.exists():
-            _debootstrap_tarball(tarball, work_dir)
+            build(tarball)
         started = time.monotonic()
-        repository, tag = PYTHON_BASE_IMAGE.rsplit(":", 1)
+        repository, tag = image_tag.rsplit(":", 1)
         client.api.import_image_from_file(
             str(tarball),
             repository=repository,
@@ -192,16 +215,16 @@ def ensure_python_base(
             changes=[
                 "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                 "ENV LANG=C.UTF-8",
-                'CMD ["python3"]',
+                *changes,
                 f"LABEL {RECIPE_LABEL}={recipe}",
             ],
         )
-    image = client.images.get(PYTHON_BASE_IMAGE)
+    image = client.images.get(image_tag)
     if (image.labels or {}).get(RECIPE_LABEL) != recipe:
-        raise ImageBuildError(f"imported {PYTHON_BASE_IMAGE} but the engine dropped its label")
+        raise ImageBuildError(f"imported {image_tag} but the engine dropped its label")
     _remove_replaced(client, old, image.id)
-    log.info("imported %s from %s in %.1fs", PYTHON_BASE_IMAGE, tarball, time.monotonic() - started)
-    return PYTHON_BASE_IMAGE
+    log.info("imported %s from %s in %.1fs", image_tag, tarball, time.monotonic() - started)
+    return image_tag
 
 
 def cache_dir() -> Path:

@@ -32,13 +32,9 @@ import docker.types
 from docker.models.containers import Container
 
 from images.fake_model import (
-    ImageBuildError,
     _digest,
-    _image_with_recipe,
-    _locked,
-    _remove_replaced,
-    cache_dir,
     debootstrap_tarball,
+    import_debian_root,
 )
 
 log = logging.getLogger("spotdrain.tests.systemd_debian")
@@ -84,38 +80,16 @@ def ensure_systemd_image(
 ) -> str:
     """Import `spotdrain-test/debian-systemd:1` unless it is there and current. Returns its tag."""
     recipe = _digest(_RECIPE.encode(), SUITE.encode(), *(s.encode() for s in _INCLUDE + _TRIM))
-    old = _image_with_recipe(client, SYSTEMD_IMAGE)
-    if not force and old is not None and old[1] == recipe:
-        return SYSTEMD_IMAGE
-    cache = cache_dir()
-    tarball = cache / f"debian-systemd-{SUITE}-{recipe}.tar"
-    with _locked(cache / "debian-systemd.lock"):
-        old = _image_with_recipe(client, SYSTEMD_IMAGE)
-        if not force and old is not None and old[1] == recipe:
-            return SYSTEMD_IMAGE
-        if not tarball.exists():
-            _debootstrap_tarball(tarball, work_dir)
-        started = time.monotonic()
-        repository, tag = SYSTEMD_IMAGE.rsplit(":", 1)
-        client.api.import_image_from_file(
-            str(tarball),
-            repository=repository,
-            tag=tag,
-            changes=[
-                "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                "ENV LANG=C.UTF-8",
-                # systemd reads this to know it runs in a container.
-                "ENV container=docker",
-                'CMD ["/lib/systemd/systemd"]',
-                f"LABEL {RECIPE_LABEL}={recipe}",
-            ],
-        )
-    image = client.images.get(SYSTEMD_IMAGE)
-    if (image.labels or {}).get(RECIPE_LABEL) != recipe:
-        raise ImageBuildError(f"imported {SYSTEMD_IMAGE} but the engine dropped its label")
-    _remove_replaced(client, old, image.id)
-    log.info("imported %s from %s in %.1fs", SYSTEMD_IMAGE, tarball, time.monotonic() - started)
-    return SYSTEMD_IMAGE
+    return import_debian_root(
+        client,
+        SYSTEMD_IMAGE,
+        recipe,
+        cache_name="debian-systemd",
+        build=lambda tarball: _debootstrap_tarball(tarball, work_dir),
+        # systemd reads `container` to know it runs in a container.
+        changes=["ENV container=docker", 'CMD ["/lib/systemd/systemd"]'],
+        force=force,
+    )
 
 
 def _debootstrap_tarball(tarball: Path, work_dir: Path | None) -> None:

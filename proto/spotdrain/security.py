@@ -2,7 +2,9 @@
 
 A certificate's common name says who its holder is: `node:<node-id>` for agents,
 `operator:<name>` for people and their scripts, `router:<name>` for routers, which may only
-read routes (DESIGN.md "Security").
+read routes (DESIGN.md "Security"), `renter:<name>` for a renter's tooling, which sees only its
+own rentals, and `provider:<name>` for a node owner's tooling, which may end rentals on its own
+nodes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import grpc
 NODE = "node"
 OPERATOR = "operator"
 ROUTER = "router"
-ROLES = (NODE, OPERATOR, ROUTER)
+RENTER = "renter"
+PROVIDER = "provider"
+ROLES = (NODE, OPERATOR, ROUTER, RENTER, PROVIDER)
 
 
 @dataclass(frozen=True)

@@ -19,20 +19,24 @@ class Gpu(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node_id", "gpus", "spot", "node_group", "agent_version", "workers")
+    __slots__ = ("node_id", "gpus", "spot", "node_group", "agent_version", "workers", "provider", "rentals")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     SPOT_FIELD_NUMBER: _ClassVar[int]
     NODE_GROUP_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    RENTALS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     spot: bool
     node_group: str
     agent_version: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerReport]
-    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., agent_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerReport, _Mapping]]] = ...) -> None: ...
+    provider: str
+    rentals: _containers.RepeatedCompositeFieldContainer[RentalReport]
+    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., agent_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerReport, _Mapping]]] = ..., provider: _Optional[str] = ..., rentals: _Optional[_Iterable[_Union[RentalReport, _Mapping]]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("node_id", "workers")
@@ -101,18 +105,34 @@ class EventBatch(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "events", "worker", "slots")
+    __slots__ = ("register", "heartbeat", "events", "worker", "slots", "rental")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    RENTAL_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
     events: EventBatch
     worker: WorkerReport
     slots: SlotReport
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., events: _Optional[_Union[EventBatch, _Mapping]] = ..., worker: _Optional[_Union[WorkerReport, _Mapping]] = ..., slots: _Optional[_Union[SlotReport, _Mapping]] = ...) -> None: ...
+    rental: RentalReport
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., events: _Optional[_Union[EventBatch, _Mapping]] = ..., worker: _Optional[_Union[WorkerReport, _Mapping]] = ..., slots: _Optional[_Union[SlotReport, _Mapping]] = ..., rental: _Optional[_Union[RentalReport, _Mapping]] = ...) -> None: ...
+
+class RentalReport(_message.Message):
+    __slots__ = ("rental_id", "state", "container", "exit_code", "reason")
+    RENTAL_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    rental_id: str
+    state: str
+    container: str
+    exit_code: int
+    reason: str
+    def __init__(self, rental_id: _Optional[str] = ..., state: _Optional[str] = ..., container: _Optional[str] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("node_id", "taints")
@@ -129,30 +149,56 @@ class EventAck(_message.Message):
     def __init__(self, uids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("registered", "ack", "start_worker", "drain_worker")
+    __slots__ = ("registered", "ack", "start_worker", "drain_worker", "start_rental", "stop_rental")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     START_WORKER_FIELD_NUMBER: _ClassVar[int]
     DRAIN_WORKER_FIELD_NUMBER: _ClassVar[int]
+    START_RENTAL_FIELD_NUMBER: _ClassVar[int]
+    STOP_RENTAL_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     ack: EventAck
     start_worker: StartWorker
     drain_worker: DrainWorker
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., ack: _Optional[_Union[EventAck, _Mapping]] = ..., start_worker: _Optional[_Union[StartWorker, _Mapping]] = ..., drain_worker: _Optional[_Union[DrainWorker, _Mapping]] = ...) -> None: ...
+    start_rental: StartRental
+    stop_rental: StopRental
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., ack: _Optional[_Union[EventAck, _Mapping]] = ..., start_worker: _Optional[_Union[StartWorker, _Mapping]] = ..., drain_worker: _Optional[_Union[DrainWorker, _Mapping]] = ..., start_rental: _Optional[_Union[StartRental, _Mapping]] = ..., stop_rental: _Optional[_Union[StopRental, _Mapping]] = ...) -> None: ...
+
+class StartRental(_message.Message):
+    __slots__ = ("rental_id", "image", "gpus", "renter")
+    RENTAL_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    RENTER_FIELD_NUMBER: _ClassVar[int]
+    rental_id: str
+    image: str
+    gpus: int
+    renter: str
+    def __init__(self, rental_id: _Optional[str] = ..., image: _Optional[str] = ..., gpus: _Optional[int] = ..., renter: _Optional[str] = ...) -> None: ...
+
+class StopRental(_message.Message):
+    __slots__ = ("rental_id", "reason")
+    RENTAL_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    rental_id: str
+    reason: str
+    def __init__(self, rental_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StartWorker(_message.Message):
-    __slots__ = ("worker_id", "model", "image", "port", "capacity")
+    __slots__ = ("worker_id", "model", "image", "port", "capacity", "kind")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     image: str
     port: int
     capacity: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., image: _Optional[str] = ..., port: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
+    kind: str
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., image: _Optional[str] = ..., port: _Optional[int] = ..., capacity: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class DrainWorker(_message.Message):
     __slots__ = ("worker_id", "reclaim_id", "reason", "grace_deadline", "terminate_at")
@@ -220,22 +266,100 @@ class TaintReply(_message.Message):
     taints: _containers.RepeatedCompositeFieldContainer[Taint]
     def __init__(self, taints: _Optional[_Iterable[_Union[Taint, _Mapping]]] = ...) -> None: ...
 
+class SetNodeSpotRequest(_message.Message):
+    __slots__ = ("node_id", "spot")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SPOT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    spot: bool
+    def __init__(self, node_id: _Optional[str] = ..., spot: _Optional[bool] = ...) -> None: ...
+
+class GetReputationRequest(_message.Message):
+    __slots__ = ("node_id", "provider")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    provider: str
+    def __init__(self, node_id: _Optional[str] = ..., provider: _Optional[str] = ...) -> None: ...
+
+class Reputation(_message.Message):
+    __slots__ = ("node_id", "provider", "score", "successes", "failures", "counted", "excluded_spot", "neutral_reclaims")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSES_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    COUNTED_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_SPOT_FIELD_NUMBER: _ClassVar[int]
+    NEUTRAL_RECLAIMS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    provider: str
+    score: float
+    successes: int
+    failures: int
+    counted: int
+    excluded_spot: int
+    neutral_reclaims: int
+    def __init__(self, node_id: _Optional[str] = ..., provider: _Optional[str] = ..., score: _Optional[float] = ..., successes: _Optional[int] = ..., failures: _Optional[int] = ..., counted: _Optional[int] = ..., excluded_spot: _Optional[int] = ..., neutral_reclaims: _Optional[int] = ...) -> None: ...
+
+class SetModelReplicasRequest(_message.Message):
+    __slots__ = ("model", "replicas", "image", "slots")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    replicas: int
+    image: str
+    slots: int
+    def __init__(self, model: _Optional[str] = ..., replicas: _Optional[int] = ..., image: _Optional[str] = ..., slots: _Optional[int] = ...) -> None: ...
+
+class Model(_message.Message):
+    __slots__ = ("model", "replicas", "image", "slots", "ready", "starting", "draining")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    STARTING_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    replicas: int
+    image: str
+    slots: int
+    ready: int
+    starting: int
+    draining: int
+    def __init__(self, model: _Optional[str] = ..., replicas: _Optional[int] = ..., image: _Optional[str] = ..., slots: _Optional[int] = ..., ready: _Optional[int] = ..., starting: _Optional[int] = ..., draining: _Optional[int] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsReply(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[Model]
+    def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
+
 class StartWorkerRequest(_message.Message):
-    __slots__ = ("node_id", "model", "image", "slots", "port")
+    __slots__ = ("node_id", "model", "image", "slots", "port", "kind")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     model: str
     image: str
     slots: int
     port: int
-    def __init__(self, node_id: _Optional[str] = ..., model: _Optional[str] = ..., image: _Optional[str] = ..., slots: _Optional[int] = ..., port: _Optional[int] = ...) -> None: ...
+    kind: str
+    def __init__(self, node_id: _Optional[str] = ..., model: _Optional[str] = ..., image: _Optional[str] = ..., slots: _Optional[int] = ..., port: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "node_id", "model", "image", "port", "capacity", "state", "gate_address", "slots_in_use", "drain_reason", "grace_deadline", "terminate_at")
+    __slots__ = ("worker_id", "node_id", "model", "image", "port", "capacity", "state", "gate_address", "slots_in_use", "drain_reason", "grace_deadline", "terminate_at", "kind")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +372,7 @@ class WorkerInfo(_message.Message):
     DRAIN_REASON_FIELD_NUMBER: _ClassVar[int]
     GRACE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     TERMINATE_AT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     node_id: str
     model: str
@@ -260,7 +385,8 @@ class WorkerInfo(_message.Message):
     drain_reason: str
     grace_deadline: float
     terminate_at: float
-    def __init__(self, worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., model: _Optional[str] = ..., image: _Optional[str] = ..., port: _Optional[int] = ..., capacity: _Optional[int] = ..., state: _Optional[str] = ..., gate_address: _Optional[str] = ..., slots_in_use: _Optional[int] = ..., drain_reason: _Optional[str] = ..., grace_deadline: _Optional[float] = ..., terminate_at: _Optional[float] = ...) -> None: ...
+    kind: str
+    def __init__(self, worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., model: _Optional[str] = ..., image: _Optional[str] = ..., port: _Optional[int] = ..., capacity: _Optional[int] = ..., state: _Optional[str] = ..., gate_address: _Optional[str] = ..., slots_in_use: _Optional[int] = ..., drain_reason: _Optional[str] = ..., grace_deadline: _Optional[float] = ..., terminate_at: _Optional[float] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("node_id",)
@@ -346,7 +472,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "gpus", "spot", "node_group", "connected", "last_seen", "taints", "workload_enabled")
+    __slots__ = ("node_id", "gpus", "spot", "node_group", "connected", "last_seen", "taints", "workload_enabled", "provider", "live_workers", "active_rentals", "group_avoided_until")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     SPOT_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +481,10 @@ class Node(_message.Message):
     LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
     TAINTS_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_RENTALS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_AVOIDED_UNTIL_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     spot: bool
@@ -363,7 +493,11 @@ class Node(_message.Message):
     last_seen: float
     taints: _containers.RepeatedCompositeFieldContainer[Taint]
     workload_enabled: bool
-    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., connected: _Optional[bool] = ..., last_seen: _Optional[float] = ..., taints: _Optional[_Iterable[_Union[Taint, _Mapping]]] = ..., workload_enabled: _Optional[bool] = ...) -> None: ...
+    provider: str
+    live_workers: int
+    active_rentals: int
+    group_avoided_until: float
+    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., connected: _Optional[bool] = ..., last_seen: _Optional[float] = ..., taints: _Optional[_Iterable[_Union[Taint, _Mapping]]] = ..., workload_enabled: _Optional[bool] = ..., provider: _Optional[str] = ..., live_workers: _Optional[int] = ..., active_rentals: _Optional[int] = ..., group_avoided_until: _Optional[float] = ...) -> None: ...
 
 class ListNodesReply(_message.Message):
     __slots__ = ("nodes",)
@@ -410,3 +544,79 @@ class PickWorkerRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     model: str
     def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class Rental(_message.Message):
+    __slots__ = ("rental_id", "node_id", "provider", "renter", "image", "gpus", "state", "started_at", "ended_at", "ended_by", "started_on_spot", "reclaim_at", "reclaim_id", "reclaim_reason", "exit_code", "detail")
+    RENTAL_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    RENTER_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_BY_FIELD_NUMBER: _ClassVar[int]
+    STARTED_ON_SPOT_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_AT_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_REASON_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    rental_id: str
+    node_id: str
+    provider: str
+    renter: str
+    image: str
+    gpus: int
+    state: str
+    started_at: float
+    ended_at: float
+    ended_by: str
+    started_on_spot: bool
+    reclaim_at: float
+    reclaim_id: str
+    reclaim_reason: str
+    exit_code: int
+    detail: str
+    def __init__(self, rental_id: _Optional[str] = ..., node_id: _Optional[str] = ..., provider: _Optional[str] = ..., renter: _Optional[str] = ..., image: _Optional[str] = ..., gpus: _Optional[int] = ..., state: _Optional[str] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., ended_by: _Optional[str] = ..., started_on_spot: _Optional[bool] = ..., reclaim_at: _Optional[float] = ..., reclaim_id: _Optional[str] = ..., reclaim_reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class CreateRentalRequest(_message.Message):
+    __slots__ = ("node_id", "image", "gpus", "renter")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    RENTER_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    image: str
+    gpus: int
+    renter: str
+    def __init__(self, node_id: _Optional[str] = ..., image: _Optional[str] = ..., gpus: _Optional[int] = ..., renter: _Optional[str] = ...) -> None: ...
+
+class GetRentalRequest(_message.Message):
+    __slots__ = ("rental_id",)
+    RENTAL_ID_FIELD_NUMBER: _ClassVar[int]
+    rental_id: str
+    def __init__(self, rental_id: _Optional[str] = ...) -> None: ...
+
+class EndRentalRequest(_message.Message):
+    __slots__ = ("rental_id", "ended_by")
+    RENTAL_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDED_BY_FIELD_NUMBER: _ClassVar[int]
+    rental_id: str
+    ended_by: str
+    def __init__(self, rental_id: _Optional[str] = ..., ended_by: _Optional[str] = ...) -> None: ...
+
+class ListRentalsRequest(_message.Message):
+    __slots__ = ("node_id", "active_only")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    active_only: bool
+    def __init__(self, node_id: _Optional[str] = ..., active_only: _Optional[bool] = ...) -> None: ...
+
+class ListRentalsReply(_message.Message):
+    __slots__ = ("rentals",)
+    RENTALS_FIELD_NUMBER: _ClassVar[int]
+    rentals: _containers.RepeatedCompositeFieldContainer[Rental]
+    def __init__(self, rentals: _Optional[_Iterable[_Union[Rental, _Mapping]]] = ...) -> None: ...

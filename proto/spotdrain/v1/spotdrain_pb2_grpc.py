@@ -242,6 +242,26 @@ class AdminStub:
                 request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListWorkersReply.FromString,
                 _registered_method=True)
+        self.SetNodeSpot = channel.unary_unary(
+                '/spotdrain.v1.Admin/SetNodeSpot',
+                request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.SetNodeSpotRequest.SerializeToString,
+                response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.Node.FromString,
+                _registered_method=True)
+        self.GetReputation = channel.unary_unary(
+                '/spotdrain.v1.Admin/GetReputation',
+                request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.GetReputationRequest.SerializeToString,
+                response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.Reputation.FromString,
+                _registered_method=True)
+        self.SetModelReplicas = channel.unary_unary(
+                '/spotdrain.v1.Admin/SetModelReplicas',
+                request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.SetModelReplicasRequest.SerializeToString,
+                response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.Model.FromString,
+                _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/spotdrain.v1.Admin/ListModels',
+                request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListModelsReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -284,6 +304,34 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetNodeSpot(self, request, context):
+        """A node's spot flag. Refused (FAILED_PRECONDITION) while the node has an active rental, so
+        no provider can switch a node to spot mid-rental (DESIGN.md invariant 9).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetReputation(self, request, context):
+        """Node or provider reputation from how its rentals went (spot rentals left out).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetModelReplicas(self, request, context):
+        """Desired capacity: how many workers of a model the coordinator keeps placed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListModels(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -311,6 +359,26 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListWorkersRequest.FromString,
                     response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListWorkersReply.SerializeToString,
+            ),
+            'SetNodeSpot': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetNodeSpot,
+                    request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.SetNodeSpotRequest.FromString,
+                    response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.Node.SerializeToString,
+            ),
+            'GetReputation': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetReputation,
+                    request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.GetReputationRequest.FromString,
+                    response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.Reputation.SerializeToString,
+            ),
+            'SetModelReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetModelReplicas,
+                    request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.SetModelReplicasRequest.FromString,
+                    response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.Model.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListModelsRequest.FromString,
+                    response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListModelsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -462,6 +530,114 @@ class Admin:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def SetNodeSpot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spotdrain.v1.Admin/SetNodeSpot',
+            spotdrain_dot_v1_dot_spotdrain__pb2.SetNodeSpotRequest.SerializeToString,
+            spotdrain_dot_v1_dot_spotdrain__pb2.Node.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetReputation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spotdrain.v1.Admin/GetReputation',
+            spotdrain_dot_v1_dot_spotdrain__pb2.GetReputationRequest.SerializeToString,
+            spotdrain_dot_v1_dot_spotdrain__pb2.Reputation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetModelReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spotdrain.v1.Admin/SetModelReplicas',
+            spotdrain_dot_v1_dot_spotdrain__pb2.SetModelReplicasRequest.SerializeToString,
+            spotdrain_dot_v1_dot_spotdrain__pb2.Model.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spotdrain.v1.Admin/ListModels',
+            spotdrain_dot_v1_dot_spotdrain__pb2.ListModelsRequest.SerializeToString,
+            spotdrain_dot_v1_dot_spotdrain__pb2.ListModelsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class RoutesStub:
     """---------------------------------------------------------------------------------------------
@@ -584,6 +760,272 @@ class Routes:
             '/spotdrain.v1.Routes/PickWorker',
             spotdrain_dot_v1_dot_spotdrain__pb2.PickWorkerRequest.SerializeToString,
             spotdrain_dot_v1_dot_spotdrain__pb2.Route.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class RentalsStub:
+    """---------------------------------------------------------------------------------------------
+    Rentals: what a renter's tooling uses. A renter (certificate CN renter:<name>) sees and ends
+    only its own rentals; an operator acts as the platform; a provider (provider:<name>) may end
+    rentals on its own nodes.
+    ---------------------------------------------------------------------------------------------
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.CreateRental = channel.unary_unary(
+                '/spotdrain.v1.Rentals/CreateRental',
+                request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.CreateRentalRequest.SerializeToString,
+                response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.Rental.FromString,
+                _registered_method=True)
+        self.GetRental = channel.unary_unary(
+                '/spotdrain.v1.Rentals/GetRental',
+                request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.GetRentalRequest.SerializeToString,
+                response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.Rental.FromString,
+                _registered_method=True)
+        self.EndRental = channel.unary_unary(
+                '/spotdrain.v1.Rentals/EndRental',
+                request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.EndRentalRequest.SerializeToString,
+                response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.Rental.FromString,
+                _registered_method=True)
+        self.WatchRental = channel.unary_stream(
+                '/spotdrain.v1.Rentals/WatchRental',
+                request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.GetRentalRequest.SerializeToString,
+                response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.Rental.FromString,
+                _registered_method=True)
+        self.ListRentals = channel.unary_unary(
+                '/spotdrain.v1.Rentals/ListRentals',
+                request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListRentalsRequest.SerializeToString,
+                response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListRentalsReply.FromString,
+                _registered_method=True)
+
+
+class RentalsServicer:
+    """---------------------------------------------------------------------------------------------
+    Rentals: what a renter's tooling uses. A renter (certificate CN renter:<name>) sees and ends
+    only its own rentals; an operator acts as the platform; a provider (provider:<name>) may end
+    rentals on its own nodes.
+    ---------------------------------------------------------------------------------------------
+
+    """
+
+    def CreateRental(self, request, context):
+        """Through the one placement gate: refused (FAILED_PRECONDITION, with the reason) when the
+        node is paused, tainted, in an avoided group, disconnected or has no free GPU.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRental(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndRental(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchRental(self, request, context):
+        """The rental now, then again on every change (reclaim_at set, started, ended); ends after
+        the rental has ended.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRentals(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RentalsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'CreateRental': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateRental,
+                    request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.CreateRentalRequest.FromString,
+                    response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.Rental.SerializeToString,
+            ),
+            'GetRental': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRental,
+                    request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.GetRentalRequest.FromString,
+                    response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.Rental.SerializeToString,
+            ),
+            'EndRental': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndRental,
+                    request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.EndRentalRequest.FromString,
+                    response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.Rental.SerializeToString,
+            ),
+            'WatchRental': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchRental,
+                    request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.GetRentalRequest.FromString,
+                    response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.Rental.SerializeToString,
+            ),
+            'ListRentals': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRentals,
+                    request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListRentalsRequest.FromString,
+                    response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListRentalsReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'spotdrain.v1.Rentals', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('spotdrain.v1.Rentals', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Rentals:
+    """---------------------------------------------------------------------------------------------
+    Rentals: what a renter's tooling uses. A renter (certificate CN renter:<name>) sees and ends
+    only its own rentals; an operator acts as the platform; a provider (provider:<name>) may end
+    rentals on its own nodes.
+    ---------------------------------------------------------------------------------------------
+
+    """
+
+    @staticmethod
+    def CreateRental(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spotdrain.v1.Rentals/CreateRental',
+            spotdrain_dot_v1_dot_spotdrain__pb2.CreateRentalRequest.SerializeToString,
+            spotdrain_dot_v1_dot_spotdrain__pb2.Rental.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRental(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spotdrain.v1.Rentals/GetRental',
+            spotdrain_dot_v1_dot_spotdrain__pb2.GetRentalRequest.SerializeToString,
+            spotdrain_dot_v1_dot_spotdrain__pb2.Rental.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndRental(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spotdrain.v1.Rentals/EndRental',
+            spotdrain_dot_v1_dot_spotdrain__pb2.EndRentalRequest.SerializeToString,
+            spotdrain_dot_v1_dot_spotdrain__pb2.Rental.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchRental(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/spotdrain.v1.Rentals/WatchRental',
+            spotdrain_dot_v1_dot_spotdrain__pb2.GetRentalRequest.SerializeToString,
+            spotdrain_dot_v1_dot_spotdrain__pb2.Rental.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRentals(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spotdrain.v1.Rentals/ListRentals',
+            spotdrain_dot_v1_dot_spotdrain__pb2.ListRentalsRequest.SerializeToString,
+            spotdrain_dot_v1_dot_spotdrain__pb2.ListRentalsReply.FromString,
             options,
             channel_credentials,
             insecure,

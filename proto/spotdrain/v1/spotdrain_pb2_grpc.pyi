@@ -128,6 +128,15 @@ class AdminStub:
     StartWorker: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.StartWorkerRequest, _spotdrain_pb2.WorkerInfo]
     """Place an inference worker on a node, through the one placement gate."""
     ListWorkers: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.ListWorkersRequest, _spotdrain_pb2.ListWorkersReply]
+    SetNodeSpot: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.SetNodeSpotRequest, _spotdrain_pb2.Node]
+    """A node's spot flag. Refused (FAILED_PRECONDITION) while the node has an active rental, so
+    no provider can switch a node to spot mid-rental (DESIGN.md invariant 9).
+    """
+    GetReputation: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.GetReputationRequest, _spotdrain_pb2.Reputation]
+    """Node or provider reputation from how its rentals went (spot rentals left out)."""
+    SetModelReplicas: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.SetModelReplicasRequest, _spotdrain_pb2.Model]
+    """Desired capacity: how many workers of a model the coordinator keeps placed."""
+    ListModels: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.ListModelsRequest, _spotdrain_pb2.ListModelsReply]
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -145,6 +154,15 @@ class AdminAsyncStub(AdminStub):
     StartWorker: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.StartWorkerRequest, _spotdrain_pb2.WorkerInfo]  # type: ignore[assignment]
     """Place an inference worker on a node, through the one placement gate."""
     ListWorkers: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.ListWorkersRequest, _spotdrain_pb2.ListWorkersReply]  # type: ignore[assignment]
+    SetNodeSpot: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.SetNodeSpotRequest, _spotdrain_pb2.Node]  # type: ignore[assignment]
+    """A node's spot flag. Refused (FAILED_PRECONDITION) while the node has an active rental, so
+    no provider can switch a node to spot mid-rental (DESIGN.md invariant 9).
+    """
+    GetReputation: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.GetReputationRequest, _spotdrain_pb2.Reputation]  # type: ignore[assignment]
+    """Node or provider reputation from how its rentals went (spot rentals left out)."""
+    SetModelReplicas: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.SetModelReplicasRequest, _spotdrain_pb2.Model]  # type: ignore[assignment]
+    """Desired capacity: how many workers of a model the coordinator keeps placed."""
+    ListModels: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.ListModelsRequest, _spotdrain_pb2.ListModelsReply]  # type: ignore[assignment]
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------------------------------------------
@@ -189,6 +207,39 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         request: _spotdrain_pb2.ListWorkersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_spotdrain_pb2.ListWorkersReply, _abc.Awaitable[_spotdrain_pb2.ListWorkersReply]]: ...
+
+    @_abc_1.abstractmethod
+    def SetNodeSpot(
+        self,
+        request: _spotdrain_pb2.SetNodeSpotRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_spotdrain_pb2.Node, _abc.Awaitable[_spotdrain_pb2.Node]]:
+        """A node's spot flag. Refused (FAILED_PRECONDITION) while the node has an active rental, so
+        no provider can switch a node to spot mid-rental (DESIGN.md invariant 9).
+        """
+
+    @_abc_1.abstractmethod
+    def GetReputation(
+        self,
+        request: _spotdrain_pb2.GetReputationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_spotdrain_pb2.Reputation, _abc.Awaitable[_spotdrain_pb2.Reputation]]:
+        """Node or provider reputation from how its rentals went (spot rentals left out)."""
+
+    @_abc_1.abstractmethod
+    def SetModelReplicas(
+        self,
+        request: _spotdrain_pb2.SetModelReplicasRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_spotdrain_pb2.Model, _abc.Awaitable[_spotdrain_pb2.Model]]:
+        """Desired capacity: how many workers of a model the coordinator keeps placed."""
+
+    @_abc_1.abstractmethod
+    def ListModels(
+        self,
+        request: _spotdrain_pb2.ListModelsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_spotdrain_pb2.ListModelsReply, _abc.Awaitable[_spotdrain_pb2.ListModelsReply]]: ...
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
@@ -246,3 +297,100 @@ class RoutesServicer(metaclass=_abc_1.ABCMeta):
         """The least-loaded ready worker of a model, for simple routers."""
 
 def add_RoutesServicer_to_server(servicer: RoutesServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class RentalsStub:
+    """---------------------------------------------------------------------------------------------
+    Rentals: what a renter's tooling uses. A renter (certificate CN renter:<name>) sees and ends
+    only its own rentals; an operator acts as the platform; a provider (provider:<name>) may end
+    rentals on its own nodes.
+    ---------------------------------------------------------------------------------------------
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> RentalsAsyncStub: ...
+    CreateRental: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.CreateRentalRequest, _spotdrain_pb2.Rental]
+    """Through the one placement gate: refused (FAILED_PRECONDITION, with the reason) when the
+    node is paused, tainted, in an avoided group, disconnected or has no free GPU.
+    """
+    GetRental: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.GetRentalRequest, _spotdrain_pb2.Rental]
+    EndRental: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.EndRentalRequest, _spotdrain_pb2.Rental]
+    WatchRental: _grpc.UnaryStreamMultiCallable[_spotdrain_pb2.GetRentalRequest, _spotdrain_pb2.Rental]
+    """The rental now, then again on every change (reclaim_at set, started, ended); ends after
+    the rental has ended.
+    """
+    ListRentals: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.ListRentalsRequest, _spotdrain_pb2.ListRentalsReply]
+
+@_typing.type_check_only
+class RentalsAsyncStub(RentalsStub):
+    """---------------------------------------------------------------------------------------------
+    Rentals: what a renter's tooling uses. A renter (certificate CN renter:<name>) sees and ends
+    only its own rentals; an operator acts as the platform; a provider (provider:<name>) may end
+    rentals on its own nodes.
+    ---------------------------------------------------------------------------------------------
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    CreateRental: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.CreateRentalRequest, _spotdrain_pb2.Rental]  # type: ignore[assignment]
+    """Through the one placement gate: refused (FAILED_PRECONDITION, with the reason) when the
+    node is paused, tainted, in an avoided group, disconnected or has no free GPU.
+    """
+    GetRental: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.GetRentalRequest, _spotdrain_pb2.Rental]  # type: ignore[assignment]
+    EndRental: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.EndRentalRequest, _spotdrain_pb2.Rental]  # type: ignore[assignment]
+    WatchRental: _aio.UnaryStreamMultiCallable[_spotdrain_pb2.GetRentalRequest, _spotdrain_pb2.Rental]  # type: ignore[assignment]
+    """The rental now, then again on every change (reclaim_at set, started, ended); ends after
+    the rental has ended.
+    """
+    ListRentals: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.ListRentalsRequest, _spotdrain_pb2.ListRentalsReply]  # type: ignore[assignment]
+
+class RentalsServicer(metaclass=_abc_1.ABCMeta):
+    """---------------------------------------------------------------------------------------------
+    Rentals: what a renter's tooling uses. A renter (certificate CN renter:<name>) sees and ends
+    only its own rentals; an operator acts as the platform; a provider (provider:<name>) may end
+    rentals on its own nodes.
+    ---------------------------------------------------------------------------------------------
+    """
+
+    @_abc_1.abstractmethod
+    def CreateRental(
+        self,
+        request: _spotdrain_pb2.CreateRentalRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_spotdrain_pb2.Rental, _abc.Awaitable[_spotdrain_pb2.Rental]]:
+        """Through the one placement gate: refused (FAILED_PRECONDITION, with the reason) when the
+        node is paused, tainted, in an avoided group, disconnected or has no free GPU.
+        """
+
+    @_abc_1.abstractmethod
+    def GetRental(
+        self,
+        request: _spotdrain_pb2.GetRentalRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_spotdrain_pb2.Rental, _abc.Awaitable[_spotdrain_pb2.Rental]]: ...
+
+    @_abc_1.abstractmethod
+    def EndRental(
+        self,
+        request: _spotdrain_pb2.EndRentalRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_spotdrain_pb2.Rental, _abc.Awaitable[_spotdrain_pb2.Rental]]: ...
+
+    @_abc_1.abstractmethod
+    def WatchRental(
+        self,
+        request: _spotdrain_pb2.GetRentalRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_spotdrain_pb2.Rental], _abc.AsyncIterator[_spotdrain_pb2.Rental]]:
+        """The rental now, then again on every change (reclaim_at set, started, ended); ends after
+        the rental has ended.
+        """
+
+    @_abc_1.abstractmethod
+    def ListRentals(
+        self,
+        request: _spotdrain_pb2.ListRentalsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_spotdrain_pb2.ListRentalsReply, _abc.Awaitable[_spotdrain_pb2.ListRentalsReply]]: ...
+
+def add_RentalsServicer_to_server(servicer: RentalsServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

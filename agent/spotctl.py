@@ -1,19 +1,44 @@
-"""spotctl: operators' view of the coordinator (events, timelines).
+"""spotctl: the owner's switch on a host, and operators' view of the coordinator.
 
-spotctl --coordinator HOST:PORT [--insecure | --tls-cert F --tls-key F --ca F] events --json
-spotctl --coordinator HOST:PORT [...] timeline [RECLAIM_ID] [--json]
+On the host, through the agent's unix socket:
+  spotctl [--socket PATH] pause | resume | status [--json]
+
+Against the coordinator; [...] stands for --coordinator HOST:PORT and either --insecure or
+--tls-cert F --tls-key F --ca F:
+  spotctl [...] events --json [--from ID] [--follow]
+  spotctl [...] timeline [RECLAIM_ID] [--json]
+  spotctl [...] workers start NODE --model M --image IMAGE [--slots N] [--port P]
+                [--kind inference|batch|render] [--json]
+  spotctl [...] workers list [--node NODE] [--json]
+  spotctl [...] nodes [--json]
+  spotctl [...] node set-spot NODE true|false [--json]
+  spotctl [...] rentals [list] [--node NODE] [--active] [--json]
+  spotctl [...] rentals create NODE --image IMAGE [--gpus N] [--renter NAME] [--json]
+  spotctl [...] rentals get | watch RENTAL_ID [--json]
+  spotctl [...] rentals end RENTAL_ID [--ended-by renter|provider|platform] [--json]
+  spotctl [...] reputation NODE | --provider PROVIDER [--json]
+  spotctl [...] models list [--json]
+  spotctl [...] models set-replicas MODEL N [--image IMAGE] [--slots S] [--json]
+
+--json prints one JSON object a line, with the proto's field names (optional fields absent when
+unset); `workers list --json` keeps printing one array, as it always has.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import sys
+import time
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message
 
 from spotdrain.agent import control_socket
 from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port
@@ -23,6 +48,20 @@ from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
 PROG = "spotctl"
+WORKER_KINDS = ("inference", "batch", "render")
+ENDED_BY = ("renter", "provider", "platform")
+REPUTATION_FORMULA = "score = (successes + 4) / (successes + failures + 5)"
+
+
+def count(text: str) -> int:
+    """A whole number >= 0 (replicas, GPUs, slots: uint32 on the wire)."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return int(text)
+
+
+def _json_flag(p: argparse.ArgumentParser, default: Any = False) -> None:
+    p.add_argument("--json", action="store_true", default=default, help="JSON lines")
 
 
 def parser() -> ArgumentParser:
@@ -54,6 +93,7 @@ def parser() -> ArgumentParser:
     ws.add_argument("--image", required=True)
     ws.add_argument("--slots", type=int, default=4)
     ws.add_argument("--port", type=int, default=0, help="worker port (default: picked)")
+    ws.add_argument("--kind", choices=WORKER_KINDS, default="inference")
     ws.add_argument("--json", action="store_true")
     wl = wsub.add_parser("list", help="workers and their state")
     wl.add_argument("--node", default="")
@@ -65,7 +105,59 @@ def parser() -> ArgumentParser:
     tl = sub.add_parser("timeline", help="a reclamation as a table of steps")
     tl.add_argument("reclaim_id", nargs="?", default="", help="default: the latest")
     tl.add_argument("--json", action="store_true")
+    _json_flag(sub.add_parser("nodes", help="nodes: flags, taints, workers, rentals"))
+    nd = sub.add_parser("node", help="change a node's flags")
+    nsub = nd.add_subparsers(dest="node_command", required=True, parser_class=ArgumentParser)
+    spot = nsub.add_parser("set-spot", help="spot (true) or on-demand (false)")
+    spot.add_argument("node")
+    spot.add_argument("spot", choices=("true", "false"))
+    _json_flag(spot)
+    add_rentals(sub)
+    rp = sub.add_parser("reputation", help="a node's or a provider's reputation")
+    subject = rp.add_mutually_exclusive_group(required=True)
+    subject.add_argument("node", nargs="?", help="node id")
+    subject.add_argument("--provider")
+    _json_flag(rp)
+    md = sub.add_parser("models", help="desired capacity: workers kept placed per model")
+    msub = md.add_subparsers(dest="models_command", required=True, parser_class=ArgumentParser)
+    _json_flag(msub.add_parser("list", help="models, desired and actual workers"))
+    mr = msub.add_parser("set-replicas", help="how many workers of a model to keep placed")
+    mr.add_argument("model")
+    mr.add_argument("replicas", type=count)
+    mr.add_argument("--image", default="", help="needed the first time a model is set")
+    mr.add_argument("--slots", type=count, default=0, help="per worker (default: 4)")
+    _json_flag(mr)
     return p
+
+
+def add_rentals(sub: Any) -> None:
+    rt = sub.add_parser("rentals", help="rentals: list (the default), create, get, end, watch")
+    # `rentals --active` lists too. The list flags live on both parsers; the sub-command's copies
+    # default to SUPPRESS so they never overwrite what was given before the sub-command's name.
+    rt.add_argument("--node", default="", help="only this node's")
+    rt.add_argument("--active", action="store_true", help="only rentals not ended")
+    _json_flag(rt)
+    rsub = rt.add_subparsers(dest="rentals_command", parser_class=ArgumentParser)
+    ls = rsub.add_parser("list", help="rentals, newest state")
+    ls.add_argument("--node", default=argparse.SUPPRESS, help="only this node's")
+    ls.add_argument("--active", action="store_true", default=argparse.SUPPRESS)
+    _json_flag(ls, argparse.SUPPRESS)
+    cr = rsub.add_parser("create", help="rent GPUs on a node, through the placement gate")
+    cr.add_argument("node_id", metavar="NODE")
+    cr.add_argument("--image", required=True)
+    cr.add_argument("--gpus", type=count, default=1)
+    cr.add_argument("--renter", default="", help="the renter's name (an operator's call)")
+    _json_flag(cr, argparse.SUPPRESS)
+    for name, text in (
+        ("get", "one rental"),
+        ("watch", "one rental, then every change until it has ended"),
+        ("end", "end a rental: its container is stopped"),
+    ):
+        one = rsub.add_parser(name, help=text)
+        one.add_argument("rental_id")
+        _json_flag(one, argparse.SUPPRESS)
+        if name == "end":
+            one.add_argument("--ended-by", choices=ENDED_BY, default="", help="default: platform")
 
 
 def channel(args: Any) -> grpc.aio.Channel:
@@ -82,6 +174,23 @@ def channel(args: Any) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(args.coordinator, channel_credentials(*tls))
 
 
+def message_doc(msg: Message) -> dict[str, Any]:
+    """The proto's field names; every plain field, optional ones only when set."""
+    return json_format.MessageToDict(
+        msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+
+
+def emit(args: Any, messages: Iterable[Message], text: str) -> int:
+    """One JSON object a line with --json, else the rendered text."""
+    if args.json:
+        for msg in messages:
+            print(json.dumps(message_doc(msg), sort_keys=True), flush=True)
+    else:
+        print(text, flush=True)
+    return 0
+
+
 async def events(stub: pb_grpc.AdminStub, args: Any) -> int:
     async for stored in stub.WatchEvents(
         pb.WatchEventsRequest(from_id=args.from_id, follow=args.follow)
@@ -96,6 +205,16 @@ def _iso(t: float) -> str:
 
 def _offset(t: float, t0: float) -> str:
     return f"T{t - t0:+.3f}s"
+
+
+def _when(t: float, now: float) -> str:
+    """An absolute time and how far it is from now: `...Z (in 87.3 s)` or `...Z (2.0 s ago)`."""
+    delta = t - now
+    return f"{_iso(t)} ({f'in {delta:.1f} s' if delta >= 0 else f'{-delta:.1f} s ago'})"
+
+
+def _mode(spot: bool) -> str:
+    return "spot" if spot else "on-demand"
 
 
 def render_timeline(tl: pb.Timeline) -> str:
@@ -174,6 +293,7 @@ def _worker_doc(w: pb.WorkerInfo) -> dict[str, Any]:
         "worker_id": w.worker_id,
         "node": w.node_id,
         "model": w.model,
+        "kind": w.kind,
         "image": w.image,
         "port": w.port,
         "capacity": w.capacity,
@@ -194,6 +314,7 @@ async def workers(stub: pb_grpc.AdminStub, args: Any) -> int:
                 image=args.image,
                 slots=args.slots,
                 port=args.port,
+                kind=args.kind,
             )
         )
         doc = _worker_doc(info)
@@ -215,6 +336,158 @@ async def workers(stub: pb_grpc.AdminStub, args: Any) -> int:
             f"{d['slots_in_use']:>3}/{d['capacity']:<3}  {d['gate_address']}"
         )
     return 0
+
+
+def render_nodes(nodes: Iterable[pb.Node], now: float) -> str:
+    lines = [
+        f"{'node':<14} {'mode':<9} {'group':<12} {'provider':<12} {'workload':<8} "
+        f"{'workers':>7} {'rentals':>7} {'connected':<9} taints"
+    ]
+    for n in nodes:
+        taints = ",".join(t.reason or t.key for t in n.taints) or "-"
+        avoided = (
+            f"  group avoided until {_when(n.group_avoided_until, now)}"
+            if n.group_avoided_until
+            else ""
+        )
+        lines.append(
+            f"{n.node_id:<14} {_mode(n.spot):<9} {n.node_group or '-':<12} "
+            f"{n.provider or '-':<12} {'enabled' if n.workload_enabled else 'disabled':<8} "
+            f"{n.live_workers:>7} {n.active_rentals:>7} {'yes' if n.connected else 'no':<9} "
+            f"{taints}{avoided}"
+        )
+    return "\n".join(lines)
+
+
+async def nodes(stub: pb_grpc.AdminStub, args: Any) -> int:
+    reply = await stub.ListNodes(pb.ListNodesRequest())
+    return emit(args, reply.nodes, render_nodes(reply.nodes, time.time()))
+
+
+async def node(stub: pb_grpc.AdminStub, args: Any) -> int:
+    # The only node sub-command today: set-spot. The coordinator refuses it mid-rental.
+    n = await stub.SetNodeSpot(pb.SetNodeSpotRequest(node_id=args.node, spot=args.spot == "true"))
+    return emit(args, [n], render_nodes([n], time.time()))
+
+
+def _reclaim(r: pb.Rental, now: float) -> str:
+    if not r.HasField("reclaim_at"):
+        return ""
+    cause = " ".join(x for x in (r.reclaim_reason, r.reclaim_id) if x)
+    return f"RECLAIM at {_when(r.reclaim_at, now)}{f': {cause}' if cause else ''}"
+
+
+def _ended(r: pb.Rental) -> str:
+    if not r.HasField("ended_at"):
+        return ""
+    code = f", exit code {r.exit_code}" if r.HasField("exit_code") else ""
+    return f"ended {_iso(r.ended_at)} by {r.ended_by or '?'}{code}"
+
+
+def render_rental(r: pb.Rental, now: float) -> str:
+    lines = [
+        f"rental {r.rental_id} on {r.node_id} (provider {r.provider or '-'}, "
+        f"{_mode(r.started_on_spot)} at start): {r.state}",
+        f"  renter {r.renter or '-'}  image {r.image}  gpus {r.gpus}  "
+        f"started {_iso(r.started_at) if r.started_at else '-'}",
+    ]
+    lines += [f"  {part}" for part in (_reclaim(r, now), _ended(r)) if part]
+    if r.detail:
+        lines.append(f"  detail: {r.detail}")
+    return "\n".join(lines)
+
+
+def render_rentals(rentals: Iterable[pb.Rental], now: float) -> str:
+    lines = [
+        f"{'rental':<20} {'node':<14} {'state':<8} {'renter':<12} {'gpus':>4} {'at start':<9} "
+        f"{'started':<24} reclaim / end"
+    ]
+    for r in rentals:
+        started = _iso(r.started_at) if r.started_at else "-"
+        note = "; ".join(part for part in (_reclaim(r, now), _ended(r)) if part)
+        lines.append(
+            f"{r.rental_id:<20} {r.node_id:<14} {r.state:<8} {r.renter or '-':<12} {r.gpus:>4} "
+            f"{_mode(r.started_on_spot):<9} {started:<24} {note or '-'}"
+        )
+    return "\n".join(lines)
+
+
+async def rentals(stub: pb_grpc.RentalsStub, args: Any) -> int:
+    command = args.rentals_command or "list"
+    if command == "list":
+        reply = await stub.ListRentals(
+            pb.ListRentalsRequest(node_id=args.node, active_only=args.active)
+        )
+        return emit(args, reply.rentals, render_rentals(reply.rentals, time.time()))
+    if command == "watch":
+        async for r in stub.WatchRental(pb.GetRentalRequest(rental_id=args.rental_id)):
+            emit(args, [r], render_rental(r, time.time()))
+        return 0
+    if command == "create":
+        r = await stub.CreateRental(
+            pb.CreateRentalRequest(
+                node_id=args.node_id, image=args.image, gpus=args.gpus, renter=args.renter
+            )
+        )
+    elif command == "get":
+        r = await stub.GetRental(pb.GetRentalRequest(rental_id=args.rental_id))
+    else:
+        r = await stub.EndRental(
+            pb.EndRentalRequest(rental_id=args.rental_id, ended_by=args.ended_by)
+        )
+    return emit(args, [r], render_rental(r, time.time()))
+
+
+def render_reputation(rep: pb.Reputation) -> str:
+    if rep.node_id:
+        subject = f"node {rep.node_id}" + (f" (provider {rep.provider})" if rep.provider else "")
+    else:
+        subject = f"provider {rep.provider}"
+    s, f = rep.successes, rep.failures
+    return "\n".join(
+        [
+            f"{subject}: score {rep.score:.3f}",
+            f"  successes {s}  failures {f}  (counted {rep.counted})",
+            f"  left out: excluded spot rentals {rep.excluded_spot}  "
+            f"neutral reclaims {rep.neutral_reclaims}",
+            f"  {REPUTATION_FORMULA} = ({s} + 4) / ({s} + {f} + 5)",
+        ]
+    )
+
+
+async def reputation(stub: pb_grpc.AdminStub, args: Any) -> int:
+    request = (
+        pb.GetReputationRequest(provider=args.provider)
+        if args.provider is not None
+        else pb.GetReputationRequest(node_id=args.node)
+    )
+    rep = await stub.GetReputation(request)
+    return emit(args, [rep], render_reputation(rep))
+
+
+def render_models(models: Iterable[pb.Model]) -> str:
+    lines = [
+        f"{'model':<20} {'replicas':>8} {'ready':>5} {'starting':>8} {'draining':>8} "
+        f"{'slots':>5}  image"
+    ]
+    for m in models:
+        lines.append(
+            f"{m.model:<20} {m.replicas:>8} {m.ready:>5} {m.starting:>8} {m.draining:>8} "
+            f"{m.slots:>5}  {m.image}"
+        )
+    return "\n".join(lines)
+
+
+async def models(stub: pb_grpc.AdminStub, args: Any) -> int:
+    if args.models_command == "list":
+        reply = await stub.ListModels(pb.ListModelsRequest())
+        return emit(args, reply.models, render_models(reply.models))
+    m = await stub.SetModelReplicas(
+        pb.SetModelReplicasRequest(
+            model=args.model, replicas=args.replicas, image=args.image, slots=args.slots
+        )
+    )
+    return emit(args, [m], render_models([m]))
 
 
 async def local(args: Any) -> int:
@@ -258,17 +531,25 @@ def render_status(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+ADMIN_COMMANDS = {
+    "events": events,
+    "timeline": timeline,
+    "workers": workers,
+    "nodes": nodes,
+    "node": node,
+    "reputation": reputation,
+    "models": models,
+}
+
+
 async def run(args: Any) -> int:
     if args.command in ("pause", "resume", "status"):
         return await local(args)
     async with channel(args) as ch:
-        stub = pb_grpc.AdminStub(ch)
         try:
-            if args.command == "events":
-                return await events(stub, args)
-            if args.command == "workers":
-                return await workers(stub, args)
-            return await timeline(stub, args)
+            if args.command == "rentals":
+                return await rentals(pb_grpc.RentalsStub(ch), args)
+            return await ADMIN_COMMANDS[args.command](pb_grpc.AdminStub(ch), args)
         except grpc.aio.AioRpcError as e:
             print(
                 f"{PROG}: coordinator {args.coordinator}: {e.code().name}: {e.details()}",

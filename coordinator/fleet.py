@@ -1,5 +1,6 @@
 """The coordinator's live view of nodes and workers: the workload flags, the worker registry,
-the routing table, the commands to agents, and the recovery loop.
+the routing table, rentals, desired capacity, replacement requests, the commands to agents, and
+the recovery loop.
 
 The worker machine (`workers.py`) decides; this module carries out its effects (routes, drain
 commands, events) and stores every worker after every change. Startup and the recovery loop
@@ -10,16 +11,25 @@ share one path (`rebuild`): nothing here lives only in memory that the store can
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from spotdrain.coordinator import capacity
 from spotdrain.coordinator import workers as wm
+from spotdrain.coordinator.acquirer import (
+    DEFAULT_AVOID_S,
+    Acquirer,
+    AcquisitionRequest,
+    choose_target_group,
+)
 from spotdrain.coordinator.placement import NodeView, PlacementRequest, admit
+from spotdrain.coordinator.rentals import Rental
 from spotdrain.coordinator.routes import RouteEntry, RouteTable
-from spotdrain.coordinator.store import Store
+from spotdrain.coordinator.store import NodeRow, Store
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 log = logging.getLogger("spotdrain.coordinator.fleet")
@@ -29,12 +39,28 @@ START_TIMEOUT_S = 300.0  # image pull and model load included
 RECOVERY_EVERY_S = 2.0
 FIRST_WORKER_PORT = 20000
 PAUSE_TAINT_KEY = "spotdrain.io/paused"
+# A worker drained because its model has more than its desired count: its open requests get
+# this long to finish before its gate cuts them.
+SCALE_DOWN_GRACE_S = 60.0
 
-Record = Callable[[str, str, dict[str, Any]], Awaitable[None]]
+WORKER_KINDS = ("inference", "batch", "render")
+
+# (kind, node_id, details, reclaim_id) into the event log.
+Record = Callable[[str, str, dict[str, Any], str], Awaitable[None]]
 
 
 def _worker(doc: dict[str, Any]) -> wm.Worker:
     return wm.Worker.from_json(doc)
+
+
+class SpotChangeRefused(Exception):
+    def __init__(self, node_id: str, rentals: list[str]) -> None:
+        super().__init__(
+            f"node {node_id} has {len(rentals)} active rental(s) ({', '.join(rentals)}): its "
+            "spot flag cannot change until they end"
+        )
+        self.node_id = node_id
+        self.rentals = rentals
 
 
 class PlacementRefused(Exception):
@@ -52,8 +78,13 @@ class Fleet:
         clock: Callable[[], float] = time.time,
         heartbeat_ttl_s: float = HEARTBEAT_TTL_S,
         start_timeout_s: float = START_TIMEOUT_S,
+        acquirers: dict[str, Acquirer] | None = None,
+        avoid_s: float = DEFAULT_AVOID_S,
     ):
         self.store = store
+        # Replacement capacity per node group, in the operator's order of preference.
+        self.acquirers = dict(acquirers or {})
+        self.avoid_s = avoid_s
         self.start_timeout_s = start_timeout_s
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.record = record  # (kind, node_id, details) into the event log
@@ -65,6 +96,13 @@ class Fleet:
         self.streams: dict[str, asyncio.Queue[pb.CoordinatorMessage]] = {}
         # Paused workers still draining when the owner resumed: replaced once they stop.
         self._replace_on_stop: dict[str, wm.Worker] = {}
+        # Each rental's watchers (WatchRental streams): a queue of snapshots each.
+        self.rental_watchers: dict[str, set[asyncio.Queue[Rental]]] = {}
+        # Acquisitions in flight: nothing waits for them, but they are not garbage.
+        self._background: set[asyncio.Task[None]] = set()
+        self._short: set[str] = set()  # models whose desired capacity could not be met
+        # One capacity pass at a time: two passes that both saw a shortage would both fill it.
+        self._capacity_lock = asyncio.Lock()
 
     # --- rebuild and recovery ----------------------------------------------------------------
 
@@ -96,6 +134,7 @@ class Fleet:
                     "worker_start_timeout",
                     worker.node_id,
                     {"worker_id": worker.worker_id, "model": worker.model},
+                    "",
                 )
                 await self.apply(worker, wm.Stopped(now, None))
                 continue
@@ -116,6 +155,7 @@ class Fleet:
                         worker,
                         wm.Drain(now, drain.reason, drain.grace_deadline, drain.terminate_at),
                     )
+        await self.keep_capacity(path="recovery")
 
     async def recovery_loop(self) -> None:
         while True:
@@ -147,12 +187,14 @@ class Fleet:
     ) -> None:
         """A pause or a notice: (for a pause) the flag off; every worker on the node draining."""
         if reason == "pause" and self.store.set_workload(node_id, False):
-            await self.record("workload_disabled", node_id, {"reclaim_id": reclaim_id})
+            await self.record("workload_disabled", node_id, {"reclaim_id": reclaim_id}, "")
         if terminate_at <= 0:  # an agent that sent no deadlines: the defaults from now
             terminate_at = self.clock() + 120
             grace_deadline = terminate_at - 10
+        first = self.store.drain(node_id, reclaim_id) is None
         drain = self.store.start_drain(node_id, reclaim_id, reason, terminate_at, grace_deadline)
         now = self.clock()
+        lost = [w for w in self.live_workers(node_id) if w.state != wm.DRAINING]
         for worker in self.live_workers(node_id):
             await self.apply(
                 worker,
@@ -163,6 +205,22 @@ class Fleet:
                     drain.terminate_at,
                 ),
             )
+        # The renters are told when their containers stop: the grace deadline, so the node is
+        # still verified empty by D.
+        for rental in self.rentals(node_id, active_only=True):
+            if rental.reclaim(drain.reclaim_id, reason, drain.grace_deadline):
+                await self._rental_changed(rental)
+                await self.record(
+                    "rental_reclaim_set",
+                    node_id,
+                    {"rental_id": rental.rental_id, "reclaim_at": rental.reclaim_at},
+                    drain.reclaim_id,
+                )
+        if first and reason == "notice":
+            self._request_replacement(node_id, drain.reclaim_id, drain.terminate_at, lost, now)
+        # Replacements start now, elsewhere, in parallel with this drain: the node is already
+        # unschedulable (tainted or disabled), so the gate sends them to other nodes.
+        await self.keep_capacity(path="recovery")
 
     async def end_pause(self, node_id: str, reclaim_id: str) -> None:
         """The owner's resume: flag on, pause drains ended, paused workers placed again."""
@@ -178,9 +236,11 @@ class Fleet:
                 self.store.remove_taint(node_id, taint.reclaim_id)
         # The owner's flag is the owner's: back on once no pause holds it (a provider's notice
         # in progress keeps the node tainted, not disabled).
+        for drain in ended:
+            await self.lift_reclaim(node_id, drain.reclaim_id)
         pauses = [d for d in self.store.active_drains(node_id) if d.reason == "pause"]
         if not pauses and self.store.set_workload(node_id, True):
-            await self.record("workload_enabled", node_id, {"reclaim_id": reclaim_id})
+            await self.record("workload_enabled", node_id, {"reclaim_id": reclaim_id}, "")
         # The workers this pause took away come back, through the one gate. Only in the call
         # that ends the pause, so a repeated resume places nothing twice.
         graces = {d.grace_deadline for d in ended}
@@ -204,26 +264,333 @@ class Fleet:
             worker.node_id,
             now - (worker.expires_at or now),
         )
-        await self.record("worker_missing", worker.node_id, {"worker_id": worker.worker_id})
+        await self.record("worker_missing", worker.node_id, {"worker_id": worker.worker_id}, "")
         await self.apply(worker, wm.Stopped(now, None))
-        candidates = sorted(self.streams, key=lambda n: (len(self.live_workers(n)), n))
-        for node_id in candidates:
-            try:
-                await self.place_worker(
-                    node_id, worker.model, worker.image, worker.capacity, path="recovery"
-                )
-                return
-            except PlacementRefused:
-                continue
-        log.warning("recovery: no node admits a replacement for %s", worker.worker_id)
+        if self.store.model(worker.model) is not None and worker.kind == "inference":
+            return  # the model's desired capacity decides what replaces it (keep_capacity)
+        request = PlacementRequest(kind=worker.kind, path="recovery")
+        node_id, refused = self._pick_node(request)
+        for other, why in refused.items():
+            await self.record(
+                "placement_refused",
+                other,
+                {"model": worker.model, "kind": worker.kind, "path": "recovery", "reason": why},
+                "",
+            )
+        if node_id is None:
+            log.warning("recovery: no node admits a replacement for %s", worker.worker_id)
+            return
+        await self.place_worker(
+            node_id, worker.model, worker.image, worker.capacity, path="recovery", kind=worker.kind
+        )
 
     async def _replace(self, worker: wm.Worker) -> None:
+        if self._enough(worker.model):
+            return  # replaced elsewhere while the node was paused
         try:
             await self.place_worker(
-                worker.node_id, worker.model, worker.image, worker.capacity, path="resume"
+                worker.node_id,
+                worker.model,
+                worker.image,
+                worker.capacity,
+                path="resume",
+                kind=worker.kind,
             )
         except PlacementRefused as e:
             log.info("resume of %s: %s", worker.node_id, e)
+
+    # --- desired capacity and replacement ----------------------------------------------------
+
+    def _serving(self, model: str) -> list[wm.Worker]:
+        """A model's workers that count toward its capacity: starting or ready, not draining."""
+        return [
+            w
+            for w in self.live_workers()
+            if w.model == model and w.kind == "inference" and w.state in (wm.STARTING, wm.READY)
+        ]
+
+    def _enough(self, model: str) -> bool:
+        row = self.store.model(model)
+        return row is not None and len(self._serving(model)) >= row.replicas
+
+    def _pick_node(
+        self, request: PlacementRequest, prefer: str = ""
+    ) -> tuple[str | None, dict[str, str]]:
+        views = [v for v in map(self.node_view, self.streams) if v is not None]
+        return capacity.pick_node(views, request, prefer)
+
+    async def keep_capacity(self, path: str = "recovery", prefer: str = "") -> None:
+        """Every model with a desired count gets it, through the gate, on the least-loaded
+        nodes that admit it; a model over its count has its newest extra workers drained."""
+        async with self._capacity_lock:
+            await self._keep_capacity(path, prefer)
+
+    async def _keep_capacity(self, path: str, prefer: str) -> None:
+        now = self.clock()
+        for model in self.store.models():
+            serving = self._serving(model.model)
+            for _ in range(model.replicas - len(serving)):
+                request = PlacementRequest(kind="inference", path=path)
+                node_id, refused = self._pick_node(request, prefer)
+                if node_id is None:
+                    # Recorded once per shortage, with why each node said no; not every pass.
+                    if model.model not in self._short:
+                        self._short.add(model.model)
+                        await self.record(
+                            "capacity_short",
+                            "",
+                            {
+                                "model": model.model,
+                                "replicas": model.replicas,
+                                "serving": len(self._serving(model.model)),
+                                "refused": refused,
+                                "path": path,
+                            },
+                        )
+                    break
+                self._short.discard(model.model)
+                await self.place_worker(node_id, model.model, model.image, model.slots, path=path)
+            else:
+                self._short.discard(model.model)
+            for worker in capacity.surplus(serving, model.replicas):
+                grace = now + SCALE_DOWN_GRACE_S
+                await self.apply(worker, wm.Drain(now, "operator", grace, grace + 10))
+
+    def _request_replacement(
+        self, node_id: str, reclaim_id: str, terminate_at: float, lost: list[wm.Worker], now: float
+    ) -> None:
+        """A hard notice: avoid the node's group, and ask another group's acquirer for
+        capacity. Recorded at once; the call itself runs in the background and nothing on the
+        node (or the Taint answer) waits for it (DESIGN.md step 6)."""
+        node = self.store.node(node_id)
+        group = node.node_group if node is not None else ""
+        until = self.store.avoid_group(group, now + self.avoid_s)
+        target = choose_target_group(
+            group, list(self.acquirers), self.store.avoided_groups(now), now
+        )
+        request = AcquisitionRequest(
+            request_id=f"acq-{reclaim_id}",
+            reclaimed_node=node_id,
+            reclaimed_group=group,
+            target_group=target or "",
+            gpus=len(node.gpus) if node is not None else 0,
+            models=tuple(sorted({w.model for w in lost})),
+            reason="notice",
+            deadline=terminate_at,
+        )
+        details = {**json.loads(request.to_json()), "avoided_until": until}
+        if target is None:
+            details["detail"] = "no other node group has an acquirer that is not avoided"
+            self._spawn(self.record("replacement_unavailable", node_id, details, reclaim_id))
+            return
+        self._spawn(self._acquire(self.acquirers[target], request, details, reclaim_id))
+
+    async def _acquire(
+        self, acquirer: Acquirer, request: AcquisitionRequest, details: dict, reclaim_id: str
+    ) -> None:
+        await self.record("replacement_requested", request.reclaimed_node, details, reclaim_id)
+        result = await acquirer.request(request)
+        await self.record(
+            "replacement_result",
+            request.reclaimed_node,
+            {
+                "request_id": result.request_id,
+                "target_group": request.target_group,
+                "ok": result.ok,
+                "detail": result.detail,
+                "duration_s": round(result.duration_s, 3),
+                "response": result.response,
+            },
+            reclaim_id,
+        )
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        async def run() -> None:
+            try:
+                await coro
+            except Exception:  # noqa: BLE001 (a background step must not vanish silently)
+                log.exception("background step failed")
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --- rentals -----------------------------------------------------------------------------
+
+    def rentals(self, node_id: str | None = None, active_only: bool = False) -> list[Rental]:
+        return [
+            Rental.from_json(d) for d in self.store.rental_docs(node_id, active_only=active_only)
+        ]
+
+    def rental(self, rental_id: str) -> Rental | None:
+        doc = self.store.rental_doc(rental_id)
+        return Rental.from_json(doc) if doc is not None else None
+
+    async def create_rental(self, node_id: str, renter: str, image: str, gpus: int) -> Rental:
+        """A renter's container on a node, through the one placement gate."""
+        await self._admit(node_id, PlacementRequest(kind="rental", gpus=gpus, path="rental"), {})
+        node = self.store.node(node_id)
+        assert node is not None  # admitted
+        rental = Rental(
+            rental_id=f"r-{uuid.uuid4().hex[:10]}",
+            node_id=node_id,
+            provider=node.owner,
+            renter=renter,
+            image=image,
+            gpus=gpus,
+            started_at=self.clock(),
+            started_on_spot=node.spot,  # fixed now, for good (invariant 9)
+        )
+        await self._rental_changed(rental)
+        await self.record(
+            "rental_created",
+            node_id,
+            {"rental_id": rental.rental_id, "renter": renter, "spot": node.spot, "gpus": gpus},
+            "",
+        )
+        self._send_start_rental(rental)
+        return rental
+
+    async def end_rental(self, rental: Rental, ended_by: str) -> Rental:
+        if rental.end(self.clock(), ended_by):
+            await self._rental_ended(rental)
+            self.send(
+                rental.node_id,
+                pb.CoordinatorMessage(
+                    stop_rental=pb.StopRental(rental_id=rental.rental_id, reason=ended_by)
+                ),
+            )
+        return rental
+
+    async def rental_report(self, node_id: str, report: pb.RentalReport) -> None:
+        rental = self.rental(report.rental_id)
+        if rental is None or rental.node_id != node_id:
+            log.warning("node %s reported unknown rental %s", node_id, report.rental_id)
+            if report.state == "started":  # not ours: it must not keep the node's GPUs
+                self.send(
+                    node_id,
+                    pb.CoordinatorMessage(
+                        stop_rental=pb.StopRental(rental_id=report.rental_id, reason="unknown")
+                    ),
+                )
+            return
+        if report.state == "started":
+            if not rental.active:  # ended while the agent was away: stop what still runs
+                self.send(
+                    node_id,
+                    pb.CoordinatorMessage(
+                        stop_rental=pb.StopRental(rental_id=rental.rental_id, reason="ended")
+                    ),
+                )
+            elif rental.started(report.container):
+                await self._rental_changed(rental)
+            return
+        was_active = rental.active
+        detail = report.reason if report.state == "refused" else ""
+        if rental.stopped(self.clock(), report.exit_code, detail):
+            if was_active:
+                await self._rental_ended(rental)
+            else:
+                await self._rental_changed(rental)
+
+    async def lift_reclaim(self, node_id: str, reclaim_id: str) -> None:
+        """A pause resumed or a notice cancelled before G: its rentals go on."""
+        for rental in self.rentals(node_id, active_only=True):
+            if rental.reclaim_lifted(reclaim_id):
+                await self._rental_changed(rental)
+                await self.record(
+                    "rental_reclaim_lifted", node_id, {"rental_id": rental.rental_id}, reclaim_id
+                )
+
+    async def _reconcile_rentals(self, node_id: str, running: list[pb.RentalReport]) -> None:
+        seen = {r.rental_id for r in running}
+        for rental in self.rentals(node_id, active_only=True):
+            if rental.rental_id in seen:
+                continue
+            if rental.state == "starting":
+                self._send_start_rental(rental)  # the command may have been lost: it is idempotent
+            else:
+                await self.rental_report(
+                    node_id,
+                    pb.RentalReport(
+                        rental_id=rental.rental_id,
+                        state="stopped",
+                        exit_code=-1,
+                        reason="its container was gone when the node came back",
+                    ),
+                )
+        for report in running:
+            await self.rental_report(node_id, report)
+
+    async def _rental_ended(self, rental: Rental) -> None:
+        await self._rental_changed(rental)
+        await self.record(
+            "rental_ended",
+            rental.node_id,
+            {
+                "rental_id": rental.rental_id,
+                "ended_by": rental.ended_by,
+                "started_on_spot": rental.started_on_spot,
+                "exit_code": rental.exit_code,
+                "reclaim_at": rental.reclaim_at,
+            },
+            rental.reclaim_id,
+        )
+        # Its GPUs are free: a worker the fleet wants goes back there first.
+        await self.keep_capacity(path="rental_end_restart", prefer=rental.node_id)
+
+    async def _rental_changed(self, rental: Rental) -> None:
+        self.store.save_rental(rental.rental_id, rental.node_id, rental.ended_at, rental.to_json())
+        for queue in self.rental_watchers.get(rental.rental_id, ()):
+            queue.put_nowait(Rental.from_json(rental.to_json()))
+
+    def _send_start_rental(self, rental: Rental) -> None:
+        self.send(
+            rental.node_id,
+            pb.CoordinatorMessage(
+                start_rental=pb.StartRental(
+                    rental_id=rental.rental_id,
+                    image=rental.image,
+                    gpus=rental.gpus,
+                    renter=rental.renter,
+                )
+            ),
+        )
+
+    def watch_rental(self, rental_id: str) -> asyncio.Queue[Rental]:
+        queue: asyncio.Queue[Rental] = asyncio.Queue()
+        self.rental_watchers.setdefault(rental_id, set()).add(queue)
+        return queue
+
+    def unwatch_rental(self, rental_id: str, queue: asyncio.Queue[Rental]) -> None:
+        watchers = self.rental_watchers.get(rental_id, set())
+        watchers.discard(queue)
+        if not watchers:
+            self.rental_watchers.pop(rental_id, None)
+
+    # --- the spot flag -----------------------------------------------------------------------
+
+    async def set_spot(self, node_id: str, spot: bool) -> NodeRow:
+        """An operator's (the dashboard's) change of a node's spot flag. Refused while the node
+        has an active rental, so no provider can switch to spot mid-rental (invariant 9)."""
+        node = self.store.node(node_id)
+        if node is None:
+            raise KeyError(node_id)
+        active = self.rentals(node_id, active_only=True)
+        if active and node.spot != spot:
+            await self.record(
+                "spot_change_refused",
+                node_id,
+                {"spot": spot, "active_rentals": [r.rental_id for r in active]},
+                "",
+            )
+            raise SpotChangeRefused(node_id, [r.rental_id for r in active])
+        self.store.set_spot(node_id, spot)
+        if node.spot != spot:
+            await self.record("node_spot_changed", node_id, {"spot": spot, "was": node.spot}, "")
+        changed = self.store.node(node_id)
+        assert changed is not None
+        return changed
 
     # --- the one placement gate --------------------------------------------------------------
 
@@ -231,7 +598,11 @@ class Fleet:
         node = self.store.node(node_id)
         if node is None:
             return None
-        busy = len(self.live_workers(node_id))
+        # One GPU per worker and a rental's own count: promised GPUs are in use from the
+        # moment of placement, so nothing is double-booked.
+        busy = len(self.live_workers(node_id)) + sum(
+            r.gpus for r in self.rentals(node_id, active_only=True)
+        )
         return NodeView(
             node_id=node_id,
             workload_enabled=node.workload_enabled,
@@ -240,7 +611,21 @@ class Fleet:
             connected=node_id in self.streams,
             gpus_total=max(len(node.gpus), 1),
             gpus_in_use=busy,
+            group_avoided=node.node_group in self.store.avoided_groups(self.clock()),
         )
+
+    async def _admit(self, node_id: str, request: PlacementRequest, what: dict[str, Any]) -> None:
+        """The gate's answer for `request` on `node_id`; a refusal is recorded and raised."""
+        view = self.node_view(node_id)
+        why = "unknown_node" if view is None else admit(view, request)
+        if why is not None:
+            await self.record(
+                "placement_refused",
+                node_id,
+                {**what, "kind": request.kind, "path": request.path, "reason": why},
+                "",
+            )
+            raise PlacementRefused(node_id, why)
 
     async def place_worker(
         self,
@@ -250,19 +635,12 @@ class Fleet:
         capacity: int,
         port: int = 0,
         path: str = "operator",
+        kind: str = "inference",
     ) -> wm.Worker:
         """Every path that puts a worker on a node comes through here (DESIGN.md invariant 4)."""
-        view = self.node_view(node_id)
-        why = (
-            "unknown_node"
-            if view is None
-            else admit(view, PlacementRequest(kind="inference", gpus=1, path=path))
-        )
-        if why is not None:
-            await self.record(
-                "placement_refused", node_id, {"model": model, "path": path, "reason": why}
-            )
-            raise PlacementRefused(node_id, why)
+        if kind not in WORKER_KINDS:
+            raise ValueError(f"worker kind must be one of {WORKER_KINDS}, got {kind!r}")
+        await self._admit(node_id, PlacementRequest(kind=kind, gpus=1, path=path), {"model": model})
         used = {w.port for w in self.live_workers(node_id)}
         if not port:
             port = next(
@@ -276,13 +654,15 @@ class Fleet:
             port=port,
             capacity=max(capacity, 1),
             created_at=self.clock(),
+            kind=kind,
         )
         self.workers[worker.worker_id] = worker
         self._save(worker)
         await self.record(
             "worker_starting",
             node_id,
-            {"worker_id": worker.worker_id, "model": model, "path": path},
+            {"worker_id": worker.worker_id, "model": model, "path": path, "kind": kind},
+            "",
         )
         self.send(
             node_id,
@@ -293,6 +673,7 @@ class Fleet:
                     image=image,
                     port=port,
                     capacity=worker.capacity,
+                    kind=kind,
                 )
             ),
         )
@@ -312,7 +693,11 @@ class Fleet:
             await self.apply(
                 worker,
                 wm.Started(
-                    now, report.gate_address, max(report.capacity, 1), self.node_drain(node_id)
+                    now,
+                    report.gate_address,
+                    max(report.capacity, 1),
+                    self.node_drain(node_id),
+                    routed=worker.routed,
                 ),
             )
         elif report.state in ("stopped", "refused"):
@@ -321,6 +706,7 @@ class Fleet:
                     "worker_refused",
                     node_id,
                     {"worker_id": worker.worker_id, "reason": report.reason},
+                    "",
                 )
             await self.apply(worker, wm.Stopped(now, report.exit_code))
 
@@ -340,7 +726,12 @@ class Fleet:
             await self.apply(worker, event, save=heartbeat)
             self.routes.set_slots(worker.worker_id, worker.slots_in_use)
 
-    async def registered(self, node_id: str, running: list[pb.WorkerReport]) -> None:
+    async def registered(
+        self,
+        node_id: str,
+        running: list[pb.WorkerReport],
+        rentals: Sequence[pb.RentalReport] = (),
+    ) -> None:
         """A node (re)connected: reconcile its workers with what it says is running."""
         seen = {r.worker_id for r in running}
         now = self.clock()
@@ -357,7 +748,12 @@ class Fleet:
         for worker in lost:
             try:
                 await self.place_worker(
-                    node_id, worker.model, worker.image, worker.capacity, path="reregistration"
+                    node_id,
+                    worker.model,
+                    worker.image,
+                    worker.capacity,
+                    path="reregistration",
+                    kind=worker.kind,
                 )
             except PlacementRefused as e:
                 log.info("re-registration of %s: %s", node_id, e)
@@ -366,6 +762,7 @@ class Fleet:
         for worker in self.live_workers(node_id):
             if worker.state == wm.DRAINING:
                 self._send_drain(worker)
+        await self._reconcile_rentals(node_id, list(rentals))
 
     # --- effects -----------------------------------------------------------------------------
 
@@ -382,7 +779,7 @@ class Fleet:
                 case wm.DrainOnNode():
                     self._send_drain(worker)
                 case wm.WorkerEvent(kind, details):
-                    await self.record(kind, worker.node_id, dict(details))
+                    await self.record(kind, worker.node_id, dict(details), "")
                 case _:
                     raise TypeError(effect)
         if worker.state == wm.STOPPED:

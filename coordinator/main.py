@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 import sys
+import tomllib
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -13,10 +14,12 @@ from grpc_reflection.v1alpha import reflection
 
 from spotdrain import systemd
 from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port
+from spotdrain.coordinator.acquirer import acquirers_from_config, avoid_s_from_config
 from spotdrain.coordinator.service import (
     AdminServicer,
     AgentLinkServicer,
     Coordinator,
+    RentalsServicer,
     RoutesServicer,
 )
 from spotdrain.coordinator.store import Store, StoreError
@@ -52,6 +55,12 @@ def parser() -> ArgumentParser:
         default=15.0,
         help="a ready worker without a heartbeat this long is missing (default 15)",
     )
+    p.add_argument(
+        "--acquirers",
+        default="",
+        help="TOML file: replacement acquirers per node group and the avoidance window "
+        "(default: none; see README)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -75,20 +84,25 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
         raise UsageError("--heartbeat-ttl-s must be positive")
     if args.start_timeout_s <= 0:
         raise UsageError("--start-timeout-s must be positive")
+    acquirers, avoid_s = load_acquirers(args.acquirers)
     coord = Coordinator(
         store,
         insecure=args.insecure,
         heartbeat_ttl_s=args.heartbeat_ttl_s,
         start_timeout_s=args.start_timeout_s,
+        acquirers=acquirers,
+        avoid_s=avoid_s,
     )
     server = grpc.aio.server()
     pb_grpc.add_AgentLinkServicer_to_server(AgentLinkServicer(coord), server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(coord), server)
     pb_grpc.add_RoutesServicer_to_server(RoutesServicer(coord), server)
+    pb_grpc.add_RentalsServicer_to_server(RentalsServicer(coord), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = [
-        pb.DESCRIPTOR.services_by_name[name].full_name for name in ("AgentLink", "Admin", "Routes")
+        pb.DESCRIPTOR.services_by_name[name].full_name
+        for name in ("AgentLink", "Admin", "Routes", "Rentals")
     ]
     reflection.enable_server_reflection(
         [*services, health.SERVICE_NAME, reflection.SERVICE_NAME], server
@@ -151,6 +165,20 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
     await server.stop(grace=2.0)
     store.close()
     return 0
+
+
+def load_acquirers(path: str) -> tuple[dict, float]:
+    """The --acquirers file: (acquirer per node group, avoidance window seconds)."""
+    if not path:
+        return {}, avoid_s_from_config({})
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+        return acquirers_from_config(doc), avoid_s_from_config(doc)
+    except OSError as e:
+        raise UsageError(f"--acquirers {path}: {e.strerror}") from e
+    except (tomllib.TOMLDecodeError, ValueError) as e:
+        raise UsageError(f"--acquirers {path}: {e}") from e
 
 
 def _describe(coord: Coordinator, address: str) -> str:

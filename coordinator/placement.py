@@ -1,9 +1,10 @@
 """The one placement gate (shared/DESIGN.md invariant 4).
 
 Every path that can put a workload on a node calls `admit`: an operator's scheduling request, a
-worker restarted after a rental ends, the recovery loop replacing a missing worker, a node
-reporting its hardware after a reboot. The rules are the same for every path; the path is part
-of the request so that a refusal can be logged with it, never to relax a rule.
+rental's creation, a worker restarted after a rental ends, the recovery loop (a missing worker
+replaced, desired capacity kept), a node reporting its hardware after a reboot, an owner's
+resume. The rules are the same for every path; the path is part of the request so that a refusal
+can be logged with it, never to relax a rule.
 
 Pure and quick: a view of the node and a request in, a refusal reason (a stable code) or None.
 """
@@ -13,13 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KINDS = ("inference", "batch", "rental", "render")
-PATHS = ("operator", "rental_end_restart", "recovery", "reregistration", "resume")
+PATHS = ("operator", "rental", "rental_end_restart", "recovery", "reregistration", "resume")
 
 # Refusal reasons, checked in this order: the node's switches first (the owner's pause and a
 # provider's notice win over everything), then policy, then reachability, then capacity.
 WORKLOAD_DISABLED = "workload_disabled"
 TAINTED = "tainted"
 RENDER_ON_SPOT = "render_on_spot"
+GROUP_AVOIDED = "group_avoided"  # its group was reclaimed recently (acquirer.AvoidanceWindow)
 NOT_CONNECTED = "not_connected"
 NOT_ENOUGH_GPUS = "not_enough_gpus"
 
@@ -35,6 +37,7 @@ class NodeView:
     connected: bool
     gpus_total: int
     gpus_in_use: int  # includes GPUs promised to placements not yet started: no double booking
+    group_avoided: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ def admit(node: NodeView, request: PlacementRequest) -> str | None:
         return TAINTED
     if request.kind == "render" and node.spot:
         return RENDER_ON_SPOT
+    if node.group_avoided:
+        return GROUP_AVOIDED
     if not node.connected:
         return NOT_CONNECTED
     if request.gpus > max(0, node.gpus_total - node.gpus_in_use):

@@ -17,12 +17,23 @@ from typing import Any
 
 import grpc
 
+from spotdrain.coordinator import reputation
 from spotdrain.coordinator import workers as wm
-from spotdrain.coordinator.fleet import Fleet, PlacementRefused
+from spotdrain.coordinator.acquirer import DEFAULT_AVOID_S, Acquirer
+from spotdrain.coordinator.fleet import WORKER_KINDS, Fleet, PlacementRefused, SpotChangeRefused
+from spotdrain.coordinator.rentals import END_CALLERS, Rental
 from spotdrain.coordinator.routes import RouteEntry
-from spotdrain.coordinator.store import EventRow, Store
+from spotdrain.coordinator.store import EventRow, NodeRow, Store
 from spotdrain.metrics import CollectorRegistry, GaugeCollector, ReclamationMetrics
-from spotdrain.security import NODE, OPERATOR, ROUTER, Identity, parse_common_name
+from spotdrain.security import (
+    NODE,
+    OPERATOR,
+    PROVIDER,
+    RENTER,
+    ROUTER,
+    Identity,
+    parse_common_name,
+)
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
@@ -45,12 +56,22 @@ class Coordinator:
         clock: Callable[[], float] = time.time,
         heartbeat_ttl_s: float = 15.0,
         start_timeout_s: float = 300.0,
+        acquirers: dict[str, Acquirer] | None = None,
+        avoid_s: float = DEFAULT_AVOID_S,
     ):
         self.store = store
         self.insecure = insecure
         self.clock = clock
         self._new_event = asyncio.Condition()
-        self.fleet = Fleet(store, self._record_for_fleet, clock, heartbeat_ttl_s, start_timeout_s)
+        self.fleet = Fleet(
+            store,
+            self.record,
+            clock,
+            heartbeat_ttl_s,
+            start_timeout_s,
+            acquirers=acquirers,
+            avoid_s=avoid_s,
+        )
         self.registry = CollectorRegistry()
         self.metrics = ReclamationMetrics(self.registry)
         self.registry.register(
@@ -94,9 +115,6 @@ class Coordinator:
     @property
     def connected(self) -> dict[str, float]:
         return self.fleet.connected
-
-    async def _record_for_fleet(self, kind: str, node_id: str, details: dict[str, Any]) -> None:
-        await self.record(kind, node_id, details)
 
     # --- identity ----------------------------------------------------------------------------
 
@@ -153,15 +171,21 @@ class Coordinator:
 
     # --- events ------------------------------------------------------------------------------
 
-    async def record(self, kind: str, node_id: str, details: dict[str, Any]) -> None:
-        """An event the coordinator itself witnessed."""
+    async def record(
+        self, kind: str, node_id: str, details: dict[str, Any], reclaim_id: str = ""
+    ) -> None:
+        """An event the coordinator itself witnessed; in its reclamation's timeline when it
+        belongs to one (then with its offset from T0, once the agent's T0 is known)."""
+        now = self.clock()
+        record = self.store.reclamation(reclaim_id) if reclaim_id else None
+        t0 = record["t0"] if record else 0.0
         self.store.add_event(
             uid=f"coordinator-{uuid.uuid4()}",
             kind=kind,
             node_id=node_id,
-            reclaim_id="",
-            wall_time=self.clock(),
-            t_offset_s=None,
+            reclaim_id=reclaim_id,
+            wall_time=now,
+            t_offset_s=now - t0 if t0 else None,
             details=details,
         )
         await self._notify()
@@ -251,6 +275,7 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
         store = self.coord.store
         if request.remove:
             store.remove_taint(request.node_id, request.reclaim_id)
+            await self.coord.fleet.lift_reclaim(request.node_id, request.reclaim_id)
             # Remember the lift even for a reclamation never tainted here, so a Taint call
             # still in flight that lands after it is recognised as late.
             store.start_drain(
@@ -369,7 +394,17 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
                     }
                     for g in reg.gpus
                 ]
-                self.coord.store.upsert_node(node_id, reg.spot, reg.node_group, gpus)
+                refused_spot = self.coord.store.upsert_node(
+                    node_id, reg.spot, reg.node_group, gpus, reg.provider
+                )
+                if refused_spot is not None:
+                    # Invariant 9: a node cannot turn spot (or back) under a rental, not even
+                    # by restarting its agent with another setting.
+                    await self.coord.record(
+                        "spot_change_refused",
+                        node_id,
+                        {"spot": refused_spot, "via": "registration"},
+                    )
                 fleet.streams[node_id] = out
                 fleet.connected[node_id] = self.coord.clock()
                 log.info(
@@ -387,7 +422,7 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
                         )
                     )
                 )
-                await fleet.registered(node_id, list(reg.workers))
+                await fleet.registered(node_id, list(reg.workers), list(reg.rentals))
                 continue
             if not node_id:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "register before anything else")
@@ -398,6 +433,8 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
                 await fleet.slots(node_id, list(msg.slots.workers), heartbeat=False)
             elif which == "worker":
                 await fleet.worker_report(node_id, msg.worker)
+            elif which == "rental":
+                await fleet.rental_report(node_id, msg.rental)
             elif which == "events":
                 identity = self.coord.identity(context, node_id)
                 for ev in msg.events.events:
@@ -460,21 +497,119 @@ class AdminServicer(pb_grpc.AdminServicer):
         self, request: pb.ListNodesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListNodesReply:
         await self._operator(context)
-        nodes = []
-        for n in self.coord.store.nodes():
-            nodes.append(
-                pb.Node(
-                    node_id=n.node_id,
-                    spot=n.spot,
-                    node_group=n.node_group,
-                    gpus=[pb.Gpu(**g) for g in n.gpus],
-                    connected=n.node_id in self.coord.connected,
-                    last_seen=self.coord.connected.get(n.node_id, n.last_seen),
-                    taints=taints_pb(self.coord.store, n.node_id),
-                    workload_enabled=n.workload_enabled,
-                )
+        return pb.ListNodesReply(nodes=[self._node_pb(n) for n in self.coord.store.nodes()])
+
+    def _node_pb(self, n: NodeRow) -> pb.Node:
+        store, fleet = self.coord.store, self.coord.fleet
+        return pb.Node(
+            node_id=n.node_id,
+            spot=n.spot,
+            node_group=n.node_group,
+            gpus=[pb.Gpu(**g) for g in n.gpus],
+            connected=n.node_id in self.coord.connected,
+            last_seen=self.coord.connected.get(n.node_id, n.last_seen),
+            taints=taints_pb(store, n.node_id),
+            workload_enabled=n.workload_enabled,
+            provider=n.owner,
+            live_workers=len(fleet.live_workers(n.node_id)),
+            active_rentals=store.active_rental_count(n.node_id),
+            group_avoided_until=store.avoided_groups(self.coord.clock()).get(n.node_group, 0.0),
+        )
+
+    async def SetNodeSpot(  # noqa: N802
+        self, request: pb.SetNodeSpotRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Node:
+        await self._operator(context)
+        try:
+            node = await self.coord.fleet.set_spot(request.node_id, request.spot)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no node {request.node_id!r}")
+            raise AssertionError("unreachable") from None
+        except SpotChangeRefused as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            raise AssertionError("unreachable") from None
+        return self._node_pb(node)
+
+    async def GetReputation(  # noqa: N802
+        self, request: pb.GetReputationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Reputation:
+        await self._operator(context)
+        store = self.coord.store
+        outcomes = [
+            reputation.RentalOutcome(
+                d["rental_id"],
+                d["node_id"],
+                d["provider"],
+                d["started_on_spot"],
+                d["ended_by"] or None,
             )
-        return pb.ListNodesReply(nodes=nodes)
+            for d in store.rental_docs()
+        ]
+        which = request.WhichOneof("subject")
+        if which == "node_id":
+            if store.node(request.node_id) is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"no node {request.node_id!r}")
+            score = reputation.node_score(outcomes, request.node_id)
+        elif which == "provider":
+            known = {n.owner for n in store.nodes()} | {o.provider for o in outcomes}
+            if request.provider not in known:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"no provider {request.provider!r}")
+            score = reputation.provider_score(outcomes, request.provider)
+        else:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give a node_id or a provider")
+            raise AssertionError("unreachable")
+        return pb.Reputation(
+            node_id=request.node_id,
+            provider=request.provider,
+            score=score.value,
+            successes=score.successes,
+            failures=score.failures,
+            counted=score.counted,
+            excluded_spot=score.excluded_spot,
+            neutral_reclaims=score.neutral_reclaims,
+        )
+
+    async def SetModelReplicas(  # noqa: N802
+        self, request: pb.SetModelReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Model:
+        await self._operator(context)
+        store = self.coord.store
+        known = store.model(request.model)
+        image = request.image or (known.image if known else "")
+        if not request.model or not image:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a model name is needed, and an image the first time a model is set",
+            )
+        slots = request.slots or (known.slots if known else 4)
+        store.set_model(request.model, request.replicas, image, slots)
+        await self.coord.record(
+            "model_replicas_set", "", {"model": request.model, "replicas": request.replicas}
+        )
+        await self.coord.fleet.keep_capacity(path="operator")
+        return self._model_pb(request.model)
+
+    async def ListModels(  # noqa: N802
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsReply:
+        await self._operator(context)
+        return pb.ListModelsReply(
+            models=[self._model_pb(m.model) for m in self.coord.store.models()]
+        )
+
+    def _model_pb(self, model: str) -> pb.Model:
+        row = self.coord.store.model(model)
+        assert row is not None
+        states = [w.state for w in self.coord.fleet.live_workers() if w.model == model]
+        return pb.Model(
+            model=row.model,
+            replicas=row.replicas,
+            image=row.image,
+            slots=row.slots,
+            ready=states.count(wm.READY),
+            starting=states.count(wm.STARTING),
+            draining=states.count(wm.DRAINING),
+        )
 
     async def StartWorker(  # noqa: N802
         self, request: pb.StartWorkerRequest, context: grpc.aio.ServicerContext
@@ -482,6 +617,11 @@ class AdminServicer(pb_grpc.AdminServicer):
         await self._operator(context)
         if not request.node_id or not request.model or not request.image:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node, model and image needed")
+        kind = request.kind or "inference"
+        if kind not in WORKER_KINDS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"kind must be one of {WORKER_KINDS}"
+            )
         try:
             worker = await self.coord.fleet.place_worker(
                 request.node_id,
@@ -490,6 +630,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                 request.slots or 1,
                 request.port,
                 path="operator",
+                kind=kind,
             )
         except PlacementRefused as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -517,6 +658,7 @@ def worker_pb(w: wm.Worker) -> pb.WorkerInfo:
         gate_address=w.gate_address,
         slots_in_use=w.slots_in_use,
         drain_reason=w.drain_reason,
+        kind=w.kind,
     )
     if w.grace_deadline is not None:
         info.grace_deadline = w.grace_deadline
@@ -583,3 +725,137 @@ class RoutesServicer(pb_grpc.RoutesServicer):
             )
             raise AssertionError("unreachable")
         return route_pb(entry)
+
+
+def rental_pb(r: Rental) -> pb.Rental:
+    msg = pb.Rental(
+        rental_id=r.rental_id,
+        node_id=r.node_id,
+        provider=r.provider,
+        renter=r.renter,
+        image=r.image,
+        gpus=r.gpus,
+        state=r.state,
+        started_at=r.started_at,
+        ended_by=r.ended_by,
+        started_on_spot=r.started_on_spot,
+        reclaim_id=r.reclaim_id,
+        reclaim_reason=r.reclaim_reason,
+        detail=r.detail,
+    )
+    if r.ended_at is not None:
+        msg.ended_at = r.ended_at
+    if r.reclaim_at is not None:
+        msg.reclaim_at = r.reclaim_at
+    if r.exit_code is not None:
+        msg.exit_code = r.exit_code
+    return msg
+
+
+class RentalsServicer(pb_grpc.RentalsServicer):
+    """A renter sees and ends only its own rentals; an operator acts as the platform; a
+    provider may end (and see) rentals on its own nodes. Nodes and routers have no access."""
+
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+
+    async def _caller(self, context: grpc.aio.ServicerContext) -> Identity:
+        try:
+            identity = self.coord.identity(context)
+            if identity.role not in (OPERATOR, RENTER, PROVIDER):
+                raise Refused(
+                    grpc.StatusCode.PERMISSION_DENIED, f"{identity} may not use the rentals API"
+                )
+        except Refused as r:
+            await _abort(context, r)
+            raise AssertionError("unreachable") from None
+        return identity
+
+    def _may_see(self, identity: Identity, rental: Rental) -> bool:
+        if identity.role == RENTER:
+            return rental.renter == identity.name
+        if identity.role == PROVIDER:
+            return rental.provider == identity.name
+        return True
+
+    async def _rental(self, context: grpc.aio.ServicerContext, rental_id: str) -> Rental:
+        identity = await self._caller(context)
+        rental = self.coord.fleet.rental(rental_id)
+        # Someone else's rental is as unknown as a missing one: no probing for ids.
+        if rental is None or not self._may_see(identity, rental):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no rental {rental_id!r}")
+            raise AssertionError("unreachable")
+        return rental
+
+    async def CreateRental(  # noqa: N802
+        self, request: pb.CreateRentalRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Rental:
+        identity = await self._caller(context)
+        renter = request.renter
+        if identity.role == RENTER:
+            if renter and renter != identity.name:
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED, f"{identity} may not rent as {renter!r}"
+                )
+            renter = identity.name
+        elif identity.role != OPERATOR:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, f"{identity} may not create rentals"
+            )
+        if not request.node_id or not request.image or not renter:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "a rental needs a node, an image and a renter"
+            )
+        try:
+            rental = await self.coord.fleet.create_rental(
+                request.node_id, renter, request.image, request.gpus or 1
+            )
+        except PlacementRefused as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            raise AssertionError("unreachable") from None
+        return rental_pb(rental)
+
+    async def GetRental(  # noqa: N802
+        self, request: pb.GetRentalRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Rental:
+        return rental_pb(await self._rental(context, request.rental_id))
+
+    async def EndRental(  # noqa: N802
+        self, request: pb.EndRentalRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Rental:
+        rental = await self._rental(context, request.rental_id)
+        identity = self.coord.identity(context)
+        ended_by = {RENTER: "renter", PROVIDER: "provider"}.get(
+            identity.role, request.ended_by or "platform"
+        )
+        if ended_by not in END_CALLERS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"ended_by must be one of {END_CALLERS}"
+            )
+        return rental_pb(await self.coord.fleet.end_rental(rental, ended_by))
+
+    async def WatchRental(  # noqa: N802
+        self, request: pb.GetRentalRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.Rental]:
+        await self._rental(context, request.rental_id)
+        fleet = self.coord.fleet
+        # Subscribe before reading the current record: no change can fall between the two.
+        queue = fleet.watch_rental(request.rental_id)
+        try:
+            rental = fleet.rental(request.rental_id)
+            assert rental is not None
+            yield rental_pb(rental)
+            while rental.active:
+                rental = await queue.get()
+                yield rental_pb(rental)
+        finally:
+            fleet.unwatch_rental(request.rental_id, queue)
+
+    async def ListRentals(  # noqa: N802
+        self, request: pb.ListRentalsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListRentalsReply:
+        identity = await self._caller(context)
+        rentals = self.coord.fleet.rentals(request.node_id or None, request.active_only)
+        return pb.ListRentalsReply(
+            rentals=[rental_pb(r) for r in rentals if self._may_see(identity, r)]
+        )

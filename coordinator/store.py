@@ -1,4 +1,5 @@
-"""The coordinator's SQLite store: nodes, taints, lifecycle events and reclamation records.
+"""The coordinator's SQLite store: nodes, taints, lifecycle events, reclamation records, workers,
+rentals, desired capacity per model and avoided node groups.
 
 One file, WAL, schema versioned. Events are idempotent by the agent's uid (DESIGN.md invariant
 10): storing the same uid twice stores it once and says so. Ids only grow, so consumers resume
@@ -17,7 +18,7 @@ from typing import Any
 
 from spotdrain.coordinator import timeline
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -83,6 +84,30 @@ CREATE TABLE node_drains (
     PRIMARY KEY (node_id, reclaim_id)
 );
 """,
+    2: """
+-- The node's owner, whose reputation its rentals count for ('' until the agent says).
+ALTER TABLE nodes ADD COLUMN provider TEXT NOT NULL DEFAULT '';
+-- 1 once an operator set the spot flag: the agent's own claim no longer overrides it.
+ALTER TABLE nodes ADD COLUMN spot_pinned INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE rentals (
+    rental_id TEXT PRIMARY KEY,
+    node_id TEXT NOT NULL,
+    ended_at REAL,
+    doc_json TEXT NOT NULL
+);
+CREATE INDEX rentals_by_node ON rentals (node_id, ended_at);
+CREATE TABLE models (
+    model TEXT PRIMARY KEY,
+    replicas INTEGER NOT NULL,
+    image TEXT NOT NULL,
+    slots INTEGER NOT NULL
+);
+-- A reclaimed node group gets no new placements and no acquisitions until `until`.
+CREATE TABLE avoided_groups (
+    node_group TEXT PRIMARY KEY,
+    until REAL NOT NULL
+);
+""",
 }
 
 
@@ -122,6 +147,33 @@ class NodeRow:
     registered_at: float
     last_seen: float
     workload_enabled: bool = True
+    provider: str = ""
+    spot_pinned: bool = False
+
+    @property
+    def owner(self) -> str:
+        """The provider its rentals count for: the node itself when the agent names none."""
+        return self.provider or self.node_id
+
+
+@dataclass(frozen=True)
+class ModelRow:
+    model: str
+    replicas: int
+    image: str
+    slots: int
+
+
+_NODE_COLUMNS = (
+    "node_id, spot, node_group, gpus_json, registered_at, last_seen, workload_enabled, "
+    "provider, spot_pinned"
+)
+
+
+def _node_row(r: tuple[Any, ...]) -> NodeRow:
+    return NodeRow(
+        r[0], bool(r[1]), r[2], json.loads(r[3]), r[4], r[5], bool(r[6]), r[7], bool(r[8])
+    )
 
 
 @dataclass(frozen=True)
@@ -182,38 +234,53 @@ class Store:
     # --- nodes -------------------------------------------------------------------------------
 
     def upsert_node(
-        self, node_id: str, spot: bool, node_group: str, gpus: list[dict[str, Any]]
-    ) -> None:
+        self,
+        node_id: str,
+        spot: bool,
+        node_group: str,
+        gpus: list[dict[str, Any]],
+        provider: str = "",
+    ) -> bool | None:
+        """A node's registration. Its spot claim is taken unless an operator pinned the flag or
+        the node has an active rental (invariant 9); then the stored flag stays and the claim
+        it refused is returned, for the caller to record. None: the claim was taken."""
         now = self.clock()
+        with self._tx():
+            known = self.node(node_id)
+            keep = (
+                known is not None
+                and known.spot != spot
+                and (known.spot_pinned or self.active_rental_count(node_id) > 0)
+            )
+            stored_spot = known.spot if keep and known is not None else spot
+            self.db.execute(
+                "INSERT INTO nodes (node_id, spot, node_group, gpus_json, registered_at, "
+                "last_seen, provider) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(node_id) DO UPDATE "
+                "SET spot=excluded.spot, node_group=excluded.node_group, "
+                "gpus_json=excluded.gpus_json, last_seen=excluded.last_seen, "
+                "provider=excluded.provider",
+                (node_id, int(stored_spot), node_group, json.dumps(gpus), now, now, provider),
+            )
+        return spot if keep else None
+
+    def set_spot(self, node_id: str, spot: bool) -> None:
+        """An operator's setting of the flag; pinned from then on. The caller checks rentals."""
         self.db.execute(
-            "INSERT INTO nodes (node_id, spot, node_group, gpus_json, registered_at, last_seen) "
-            "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(node_id) DO UPDATE SET "
-            "spot=excluded.spot, node_group=excluded.node_group, gpus_json=excluded.gpus_json, "
-            "last_seen=excluded.last_seen",
-            (node_id, int(spot), node_group, json.dumps(gpus), now, now),
+            "UPDATE nodes SET spot=?, spot_pinned=1 WHERE node_id=?", (int(spot), node_id)
         )
 
     def touch_node(self, node_id: str) -> None:
         self.db.execute("UPDATE nodes SET last_seen=? WHERE node_id=?", (self.clock(), node_id))
 
     def nodes(self) -> list[NodeRow]:
-        rows = self.db.execute(
-            "SELECT node_id, spot, node_group, gpus_json, registered_at, last_seen, "
-            "workload_enabled FROM nodes ORDER BY node_id"
-        ).fetchall()
-        return [
-            NodeRow(r[0], bool(r[1]), r[2], json.loads(r[3]), r[4], r[5], bool(r[6])) for r in rows
-        ]
+        rows = self.db.execute(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node_id").fetchall()
+        return [_node_row(r) for r in rows]
 
     def node(self, node_id: str) -> NodeRow | None:
         r = self.db.execute(
-            "SELECT node_id, spot, node_group, gpus_json, registered_at, last_seen, "
-            "workload_enabled FROM nodes WHERE node_id=?",
-            (node_id,),
+            f"SELECT {_NODE_COLUMNS} FROM nodes WHERE node_id=?", (node_id,)
         ).fetchone()
-        return (
-            NodeRow(r[0], bool(r[1]), r[2], json.loads(r[3]), r[4], r[5], bool(r[6])) if r else None
-        )
+        return _node_row(r) if r else None
 
     def nodes_needing_recovery(self) -> list[str]:
         """Nodes whose workload is off or that have a drain in progress."""
@@ -301,6 +368,69 @@ class Store:
         if live_only:
             sql += " AND state!='stopped'"
         return [json.loads(r[0]) for r in self.db.execute(sql + " ORDER BY rowid", args)]
+
+    # --- rentals -----------------------------------------------------------------------------
+
+    def save_rental(self, rental_id: str, node_id: str, ended_at: float | None, doc: dict) -> None:
+        self.db.execute(
+            "INSERT INTO rentals VALUES (?, ?, ?, ?) ON CONFLICT(rental_id) DO UPDATE SET "
+            "ended_at=excluded.ended_at, doc_json=excluded.doc_json",
+            (rental_id, node_id, ended_at, json.dumps(doc, sort_keys=True)),
+        )
+
+    def rental_doc(self, rental_id: str) -> dict[str, Any] | None:
+        row = self.db.execute(
+            "SELECT doc_json FROM rentals WHERE rental_id=?", (rental_id,)
+        ).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def rental_docs(self, node_id: str | None = None, active_only: bool = False) -> list[dict]:
+        sql, args = "SELECT doc_json FROM rentals WHERE 1=1", []
+        if node_id is not None:
+            sql += " AND node_id=?"
+            args.append(node_id)
+        if active_only:
+            sql += " AND ended_at IS NULL"
+        return [json.loads(r[0]) for r in self.db.execute(sql + " ORDER BY rowid", args)]
+
+    def active_rental_count(self, node_id: str) -> int:
+        row = self.db.execute(
+            "SELECT COUNT(*) FROM rentals WHERE node_id=? AND ended_at IS NULL", (node_id,)
+        ).fetchone()
+        return int(row[0])
+
+    # --- desired capacity and avoided groups -------------------------------------------------
+
+    def set_model(self, model: str, replicas: int, image: str, slots: int) -> ModelRow:
+        self.db.execute(
+            "INSERT INTO models VALUES (?, ?, ?, ?) ON CONFLICT(model) DO UPDATE SET "
+            "replicas=excluded.replicas, image=excluded.image, slots=excluded.slots",
+            (model, replicas, image, slots),
+        )
+        return ModelRow(model, replicas, image, slots)
+
+    def models(self) -> list[ModelRow]:
+        return [ModelRow(*r) for r in self.db.execute("SELECT * FROM models ORDER BY model")]
+
+    def model(self, model: str) -> ModelRow | None:
+        r = self.db.execute("SELECT * FROM models WHERE model=?", (model,)).fetchone()
+        return ModelRow(*r) if r else None
+
+    def avoid_group(self, node_group: str, until: float) -> float:
+        """Avoid the group until `until`, or longer if it already is; never shortened."""
+        self.db.execute(
+            "INSERT INTO avoided_groups VALUES (?, ?) ON CONFLICT(node_group) DO UPDATE SET "
+            "until=max(until, excluded.until)",
+            (node_group, until),
+        )
+        return self.avoided_groups(0.0)[node_group]
+
+    def avoided_groups(self, now: float) -> dict[str, float]:
+        """Groups avoided at `now`, with when their window ends."""
+        rows = self.db.execute(
+            "SELECT node_group, until FROM avoided_groups WHERE until > ?", (now,)
+        )
+        return {g: t for g, t in rows}
 
     # --- taints ------------------------------------------------------------------------------
 

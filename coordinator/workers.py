@@ -102,9 +102,10 @@ class Started:
     gate_address: str
     capacity: int
     node_drain: NodeDrain | None = None
+    routed: bool = True  # an inference worker behind a gate; batch and render jobs have none
 
     def __post_init__(self) -> None:
-        if not self.gate_address:
+        if self.routed and not self.gate_address:
             raise ValueError("Started needs the slot gate's address")
         if self.capacity < 1:
             raise ValueError(f"capacity must be at least 1 slot, got {self.capacity}")
@@ -226,11 +227,11 @@ Effect = RouteAdded | RouteRemoved | DrainOnNode | WorkerEvent
 
 
 def _enter_ready(worker: Worker) -> list[Effect]:
-    return [RouteAdded(worker.route())]
+    return [RouteAdded(worker.route())] if worker.routed else []
 
 
 def _leave_ready(worker: Worker) -> list[Effect]:
-    return [RouteRemoved(worker.worker_id)]
+    return [RouteRemoved(worker.worker_id)] if worker.routed else []
 
 
 def _nothing(worker: Worker) -> list[Effect]:
@@ -273,6 +274,11 @@ class Worker:
     stopped_at: float | None = None
     exit_code: int | None = None
     story: list[StoryEntry] = field(default_factory=list)
+    kind: str = "inference"  # or "batch" / "render": a plain container, never routed
+
+    @property
+    def routed(self) -> bool:
+        return self.kind == "inference"
 
     # --- the one mutator -------------------------------------------------------------------
 
@@ -332,7 +338,7 @@ class Worker:
         if self.state == READY:
             # A re-registration (agent reconnect): publish the new address if it moved.
             self._record(ev.now, "Started(again)", READY, READY)
-            return [RouteAdded(self.route())] if address_changed else []
+            return [RouteAdded(self.route())] if address_changed and self.routed else []
         # Drained while it was starting (the drain won the race): the gate exists now, so ask
         # the agent again to drain it. Never ready (invariant 3).
         self._record(ev.now, "Started(draining)", DRAINING, DRAINING)
@@ -405,7 +411,7 @@ class Worker:
         """Check the worker's own invariants (dask's validate_state); tests call it often."""
         assert self.state in STATES, self.state
         assert len(self.story) <= STORY_LIMIT
-        if self.state == READY:
+        if self.state == READY and self.routed:
             assert self.gate_address, f"{self.worker_id} ready without a gate"
         if self.state == DRAINING:
             assert self.drain_reason in DRAIN_REASONS, self.drain_reason

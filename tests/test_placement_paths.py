@@ -6,104 +6,12 @@ test_pause.py; a worker restarted after a rental ends comes with rentals.)"""
 from __future__ import annotations
 
 import asyncio
-import time
-from pathlib import Path
 
 import grpc
 import pytest
 
+from fakenode import FakeNode, Ops
 from harness import start_coordinator
-from spotdrain.v1 import spotdrain_pb2 as pb
-from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
-
-
-def aio_channel(coordinator, who) -> grpc.aio.Channel:
-    creds = grpc.ssl_channel_credentials(
-        Path(who.ca).read_bytes(), Path(who.key).read_bytes(), Path(who.cert).read_bytes())
-    return grpc.aio.secure_channel(coordinator.address, creds)
-
-
-class FakeNode:
-    """An agent as the coordinator sees it: a stream that registers, reports and obeys."""
-
-    def __init__(self, coordinator, pki, node_id: str) -> None:
-        self.node_id = node_id
-        self.channel = aio_channel(coordinator, pki.issue(f"node:{node_id}"))
-        self.stub = pb_grpc.AgentLinkStub(self.channel)
-        self.stream = None
-
-    async def connect(self, running: list[pb.WorkerReport] = ()) -> None:
-        self.outgoing: asyncio.Queue[pb.AgentMessage] = asyncio.Queue()
-
-        async def messages():
-            while True:
-                yield await self.outgoing.get()
-
-        self.stream = self.stub.Connect(messages())
-        await self.outgoing.put(pb.AgentMessage(register=pb.Register(
-            node_id=self.node_id, gpus=[pb.Gpu(index=0), pb.Gpu(index=1)],
-            workers=list(running))))
-        assert (await self.stream.read()).WhichOneof("body") == "registered"
-
-    async def command(self, timeout: float = 10) -> pb.CoordinatorMessage:
-        return await asyncio.wait_for(self.stream.read(), timeout)
-
-    async def start_next(self) -> str:
-        """Obey the next start command; return the worker id."""
-        msg = await self.command()
-        assert msg.WhichOneof("body") == "start_worker", msg
-        wid = msg.start_worker.worker_id
-        await self.outgoing.put(pb.AgentMessage(worker=pb.WorkerReport(
-            worker_id=wid, state="started", gate_address=f"127.0.0.1:{msg.start_worker.port}",
-            capacity=msg.start_worker.capacity)))
-        return wid
-
-    async def heartbeat(self, worker_id: str) -> None:
-        await self.outgoing.put(pb.AgentMessage(heartbeat=pb.Heartbeat(
-            node_id=self.node_id, workers=[pb.WorkerSlots(worker_id=worker_id, capacity=1,
-                                                          claimed_state="ready")])))
-
-    async def pause(self, reason: str = "pause") -> None:
-        now = time.time()
-        await self.stub.Taint(pb.TaintRequest(node_id=self.node_id, reclaim_id=f"rcl-{reason}",
-                                              reason=reason, terminate_at=now + 120,
-                                              grace_deadline=now + 110))
-
-    async def disconnect(self) -> None:
-        self.stream.cancel()
-        await asyncio.sleep(0.2)
-
-    async def close(self) -> None:
-        if self.stream is not None:
-            self.stream.cancel()
-        await self.channel.close()
-
-
-class Ops:
-    def __init__(self, coordinator) -> None:
-        self.channel = aio_channel(coordinator, coordinator.operator)
-        self.admin = pb_grpc.AdminStub(self.channel)
-
-    async def start(self, node: str) -> pb.WorkerInfo:
-        return await self.admin.StartWorker(pb.StartWorkerRequest(
-            node_id=node, model="m", image="img", slots=1))
-
-    async def workers(self) -> dict[str, pb.WorkerInfo]:
-        reply = await self.admin.ListWorkers(pb.ListWorkersRequest())
-        return {w.worker_id: w for w in reply.workers}
-
-    async def events(self, kind: str) -> list[pb.StoredEvent]:
-        out = []
-        async for stored in self.admin.WatchEvents(pb.WatchEventsRequest(from_id=0)):
-            if stored.event.kind == kind:
-                out.append(stored)
-        return out
-
-    async def wait_state(self, worker_id: str, state: str, timeout: float = 10) -> None:
-        deadline = time.monotonic() + timeout
-        while (await self.workers())[worker_id].state != state:
-            assert time.monotonic() < deadline, f"{worker_id} never {state}"
-            await asyncio.sleep(0.05)
 
 
 @pytest.fixture

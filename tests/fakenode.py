@@ -1,0 +1,124 @@
+"""An agent as the coordinator sees it, for coordinator tests that need no Docker: a real gRPC
+stream that registers, reports and obeys, driven by the test. And `Ops`, an operator's client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import grpc
+
+from spotdrain.v1 import spotdrain_pb2 as pb
+from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
+
+
+def aio_channel(coordinator, who) -> grpc.aio.Channel:
+    creds = grpc.ssl_channel_credentials(
+        Path(who.ca).read_bytes(), Path(who.key).read_bytes(), Path(who.cert).read_bytes())
+    return grpc.aio.secure_channel(coordinator.address, creds)
+
+
+class FakeNode:
+    """An agent as the coordinator sees it: a stream that registers, reports and obeys."""
+
+    def __init__(self, coordinator, pki, node_id: str, spot: bool = True, group: str = "default",
+                 provider: str = "", gpus: int = 2) -> None:
+        self.node_id = node_id
+        self.spot, self.group, self.provider, self.gpus = spot, group, provider, gpus
+        self.channel = aio_channel(coordinator, pki.issue(f"node:{node_id}"))
+        self.stub = pb_grpc.AgentLinkStub(self.channel)
+        self.stream = None
+
+    async def connect(self, running: list[pb.WorkerReport] = (),
+                      rentals: list[pb.RentalReport] = ()) -> None:
+        self.outgoing: asyncio.Queue[pb.AgentMessage] = asyncio.Queue()
+
+        async def messages():
+            while True:
+                yield await self.outgoing.get()
+
+        self.stream = self.stub.Connect(messages())
+        await self.outgoing.put(pb.AgentMessage(register=pb.Register(
+            node_id=self.node_id, gpus=[pb.Gpu(index=i) for i in range(self.gpus)],
+            spot=self.spot, node_group=self.group, provider=self.provider,
+            workers=list(running), rentals=list(rentals))))
+        assert (await self.stream.read()).WhichOneof("body") == "registered"
+
+    async def command(self, timeout: float = 10) -> pb.CoordinatorMessage:
+        return await asyncio.wait_for(self.stream.read(), timeout)
+
+    async def start_next(self) -> str:
+        """Obey the next start command; return the worker id."""
+        msg = await self.command()
+        assert msg.WhichOneof("body") == "start_worker", msg
+        wid = msg.start_worker.worker_id
+        await self.outgoing.put(pb.AgentMessage(worker=pb.WorkerReport(
+            worker_id=wid, state="started", gate_address=f"127.0.0.1:{msg.start_worker.port}",
+            capacity=msg.start_worker.capacity)))
+        return wid
+
+    async def next_of(self, body: str, timeout: float = 10) -> pb.CoordinatorMessage:
+        """The next command of this kind; others (drains, stops) are skipped."""
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = await self.command(timeout=max(0.01, deadline - time.monotonic()))
+            if msg.WhichOneof("body") == body:
+                return msg
+
+    async def report_rental(self, rental_id: str, state: str, exit_code: int = 0) -> None:
+        await self.outgoing.put(pb.AgentMessage(rental=pb.RentalReport(
+            rental_id=rental_id, state=state, container=f"c-{rental_id}", exit_code=exit_code)))
+
+    async def heartbeat(self, worker_id: str) -> None:
+        await self.outgoing.put(pb.AgentMessage(heartbeat=pb.Heartbeat(
+            node_id=self.node_id, workers=[pb.WorkerSlots(worker_id=worker_id, capacity=1,
+                                                          claimed_state="ready")])))
+
+    async def pause(self, reason: str = "pause", grace_s: float = 110) -> pb.TaintRequest:
+        now = time.time()
+        request = pb.TaintRequest(node_id=self.node_id, reclaim_id=f"rcl-{reason}", reason=reason,
+                                  terminate_at=now + grace_s + 10, grace_deadline=now + grace_s)
+        await self.stub.Taint(request)
+        return request
+
+    async def resume(self) -> None:
+        await self.stub.SetWorkload(pb.SetWorkloadRequest(
+            node_id=self.node_id, enabled=True, reclaim_id="rcl-pause"))
+
+    async def disconnect(self) -> None:
+        self.stream.cancel()
+        await asyncio.sleep(0.2)
+
+    async def close(self) -> None:
+        if self.stream is not None:
+            self.stream.cancel()
+        await self.channel.close()
+
+
+class Ops:
+    def __init__(self, coordinator) -> None:
+        self.channel = aio_channel(coordinator, coordinator.operator)
+        self.admin = pb_grpc.AdminStub(self.channel)
+        self.rentals = pb_grpc.RentalsStub(self.channel)
+
+    async def start(self, node: str, kind: str = "inference") -> pb.WorkerInfo:
+        return await self.admin.StartWorker(pb.StartWorkerRequest(
+            node_id=node, model="m", image="img", slots=1, kind=kind))
+
+    async def workers(self) -> dict[str, pb.WorkerInfo]:
+        reply = await self.admin.ListWorkers(pb.ListWorkersRequest())
+        return {w.worker_id: w for w in reply.workers}
+
+    async def events(self, kind: str) -> list[pb.StoredEvent]:
+        out = []
+        async for stored in self.admin.WatchEvents(pb.WatchEventsRequest(from_id=0)):
+            if stored.event.kind == kind:
+                out.append(stored)
+        return out
+
+    async def wait_state(self, worker_id: str, state: str, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while (await self.workers())[worker_id].state != state:
+            assert time.monotonic() < deadline, f"{worker_id} never {state}"
+            await asyncio.sleep(0.05)

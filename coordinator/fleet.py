@@ -486,8 +486,7 @@ class Fleet:
                 await self._rental_changed(rental)
             return
         was_active = rental.active
-        detail = report.reason if report.state == "refused" else ""
-        if rental.stopped(self.clock(), report.exit_code, detail):
+        if rental.stopped(self.clock(), report.exit_code, report.reason):
             if was_active:
                 await self._rental_ended(rental)
             else:
@@ -509,16 +508,10 @@ class Fleet:
                 continue
             if rental.state == "starting":
                 self._send_start_rental(rental)  # the command may have been lost: it is idempotent
-            else:
-                await self.rental_report(
-                    node_id,
-                    pb.RentalReport(
-                        rental_id=rental.rental_id,
-                        state="stopped",
-                        exit_code=-1,
-                        reason="its container was gone when the node came back",
-                    ),
-                )
+            elif rental.stopped(
+                self.clock(), None, "its container was gone when the node came back", vanished=True
+            ):
+                await self._rental_ended(rental)
         for report in running:
             await self.rental_report(node_id, report)
 
@@ -690,6 +683,10 @@ class Fleet:
             return
         now = self.clock()
         if report.state == "started":
+            if worker.expires_at is None:
+                # Counted from the start: a node that vanishes before its first heartbeat
+                # must not leave a worker "ready" for good.
+                worker.expires_at = now + self.heartbeat_ttl_s
             await self.apply(
                 worker,
                 wm.Started(

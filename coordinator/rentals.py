@@ -11,7 +11,8 @@ Who ended it (`ended_by`) is what reputation counts (coordinator/reputation.py):
 
 - `renter`, `provider`, `platform`: whoever called EndRental (a renter's call is always
   `renter`). A container that exits on its own ends its rental as `renter`: the renter's
-  workload finished.
+  workload finished. One refused or gone without a trace (found missing when its node came
+  back) ends as `platform`: nobody can be blamed for it.
 - A pause or a notice sets `reclaim_at` (the grace deadline G; the agent stops the container
   then, not before). When the container stops under that reclaim, the rental ends as `reclaim`,
   except an owner's pause of a rental that started on an on-demand node: the provider took back
@@ -87,9 +88,12 @@ class Rental:
         self.container = container
         return True
 
-    def stopped(self, now: float, exit_code: int | None, detail: str = "") -> bool:
-        """Its container stopped (or was refused, or is gone). Ends the rental if it was not
-        ended already; otherwise only the exit code is filled in."""
+    def stopped(
+        self, now: float, exit_code: int | None, detail: str = "", vanished: bool = False
+    ) -> bool:
+        """Its container stopped (or was refused, or `vanished` while the node was away: why is
+        unknown, so nobody is blamed). Ends the rental if it was not ended already; otherwise
+        only the exit code is filled in."""
         if not self.active:
             if self.exit_code is None and exit_code is not None:
                 self.exit_code = exit_code
@@ -99,8 +103,8 @@ class Rental:
             ended_by = "reclaim"
             if self.reclaim_reason == "pause" and not self.started_on_spot:
                 ended_by = "provider"
-        elif self.state == STARTING:
-            ended_by = "platform"  # it never ran: refused or failed to start
+        elif self.state == STARTING or vanished:
+            ended_by = "platform"  # it never ran (refused, failed to start), or it is just gone
         else:
             ended_by = "renter"  # the renter's workload exited on its own
         self._end(now, ended_by)

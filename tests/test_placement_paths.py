@@ -1,7 +1,9 @@
 """Every path that can put a worker on a node goes through the one placement gate (DESIGN.md
 invariant 4), tested against the real coordinator with fake agents: an operator's request, a
-node coming back from a reboot, the recovery loop replacing a missing worker. (A resume is in
-test_pause.py; a worker restarted after a rental ends comes with rentals.)"""
+node coming back from a reboot, the recovery loop replacing a missing worker, and render never
+on spot through each of them. (A resume is in test_pause.py; a rental's creation and a worker
+restarted after a rental ends in test_rentals.py; every rule on every path, as a table, in
+test_worker_machine.py.)"""
 
 from __future__ import annotations
 
@@ -153,5 +155,53 @@ async def test_a_worker_that_never_starts_stops_holding_its_gpu(tmp_path, pki):
         assert third.state == "starting"
     finally:
         await node.close()
+        await ops.channel.close()
+        coordinator.proc.stop()
+
+
+async def test_render_is_refused_on_spot_through_every_path_that_can_carry_it(tmp_path, pki):
+    """Operator: refused outright. Recovery: a missing render job is replaced on the on-demand
+    node, never the emptier spot one. Re-registration: a render job's node comes back from a
+    reboot as spot, and the job is not placed there again."""
+    coordinator = start_coordinator(tmp_path / "c", tls=pki, extra=("--heartbeat-ttl-s", "1"))
+    ops = Ops(coordinator)
+    spot = FakeNode(coordinator, pki, "node-a-spot", spot=True)
+    od1 = FakeNode(coordinator, pki, "node-b-od", spot=False)
+    od2 = FakeNode(coordinator, pki, "node-c-od", spot=False)
+    try:
+        for n in (spot, od1, od2):
+            await n.connect()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await ops.start("node-a-spot", kind="render")
+        assert "render_on_spot" in err.value.details()
+
+        # Recovery: od1's job goes missing; the spot node (emptiest, first by name) is refused.
+        job = await ops.start("node-b-od", kind="render")
+        assert job.kind == "render"
+        await od1.start_next()
+        await ops.wait_state(job.worker_id, "ready")
+        await od1.heartbeat(job.worker_id)
+        await od1.disconnect()
+        replacement = await od2.start_next()
+        assert (await ops.workers())[replacement].kind == "render"
+        refused = [r.event for r in await ops.events("placement_refused")]
+        assert any(e.node_id == "node-a-spot" and '"path": "recovery"' in e.details_json
+                   and "render_on_spot" in e.details_json for e in refused)
+
+        # Re-registration: od2 reboots (its job gone) and comes back as a spot node.
+        await od2.disconnect()
+        od2.spot = True
+        await od2.connect(running=[])
+        refused = [r.event for r in await ops.events("placement_refused")]
+        assert any(e.node_id == "node-c-od" and '"path": "reregistration"' in e.details_json
+                   and "render_on_spot" in e.details_json for e in refused)
+        assert (await ops.workers())[replacement].state == "stopped"
+        with pytest.raises(asyncio.TimeoutError):
+            while True:  # anything but a start is fine
+                msg = await od2.command(timeout=1.0)
+                assert msg.WhichOneof("body") != "start_worker", msg
+    finally:
+        for n in (spot, od1, od2):
+            await n.close()
         await ops.channel.close()
         coordinator.proc.stop()

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from spotdrain.coordinator.placement import (
+    GROUP_AVOIDED,
     KINDS,
     NOT_CONNECTED,
     NOT_ENOUGH_GPUS,
@@ -611,6 +612,8 @@ ADMIT_CASES = [
     ("render is never placed on spot", node(), "render", 1, RENDER_ON_SPOT),
     ("render goes on on-demand", node(spot=False), "render", 1, None),
     ("the node's agent is not connected", node(connected=False), "inference", 1, NOT_CONNECTED),
+    ("its group was reclaimed a moment ago", node(group_avoided=True), "rental", 1, GROUP_AVOIDED),
+    ("render on spot says why first", node(group_avoided=True), "render", 1, RENDER_ON_SPOT),
     ("no double booking", node(), "inference", 3, NOT_ENOUGH_GPUS),
     ("a full node", node(gpus_in_use=8), "rental", 1, NOT_ENOUGH_GPUS),
     ("an over-booked node is full, not negative", node(gpus_in_use=9), "batch", 1, NOT_ENOUGH_GPUS),

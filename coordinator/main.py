@@ -73,6 +73,7 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
     if not args.insecure and not all(tls):
         raise UsageError("give --tls-cert, --tls-key and --client-ca, or --insecure")
     creds = None if args.insecure else server_credentials(*tls)  # type: ignore[arg-type]
+    acquirers, avoid_s = load_acquirers(args.acquirers)
     try:
         store = Store(args.db)
     except StoreError as e:
@@ -84,7 +85,6 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
         raise UsageError("--heartbeat-ttl-s must be positive")
     if args.start_timeout_s <= 0:
         raise UsageError("--start-timeout-s must be positive")
-    acquirers, avoid_s = load_acquirers(args.acquirers)
     coord = Coordinator(
         store,
         insecure=args.insecure,

@@ -44,6 +44,30 @@ def test_agent_bad_flags_give_one_line_and_exit_2(args, message):
     assert message in lines[0]
 
 
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (None, "--acquirers {path}: No such file"),
+        ("this is not toml", "--acquirers {path}: "),
+        ("[groups.b]\nexec = []", "exec must be a non-empty list"),
+        ("avoid_s = -5", "avoid_s must be positive"),
+        ("[groups.b]\nwebhook = 'ftp://x'", "http:// or https:// URL"),
+    ],
+)
+def test_coordinator_bad_acquirers_file_gives_one_line_and_exit_2(tmp_path, body, message):
+    """Nothing starts on a bad file: no store opened for serving, no port bound."""
+    path = tmp_path / "acquirers.toml"
+    if body is not None:
+        path.write_text(body)
+    result = run("spotdrain-coordinator", "--listen", "127.0.0.1:0", "--db",
+                 str(tmp_path / "c.sqlite"), "--insecure", "--acquirers", str(path))
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if "WARNING" not in line]
+    assert len(lines) == 1 and lines[0].startswith("spotdrain-coordinator: error: ")
+    assert message.format(path=path) in lines[0]
+    assert "listening" not in result.stdout
+
+
 def test_every_agent_flag_has_a_place_in_the_config_file(tmp_path):
     toml = tmp_path / "agent.toml"
     toml.write_text(

@@ -30,6 +30,9 @@ class AgentConfig:
     ca: str = ""
     node_group: str = "default"
     spot: bool = True
+    # Who owns this node: the provider its rentals count for in reputation (empty: the
+    # coordinator uses the node id).
+    provider: str = ""
     # Workloads read this (bind-mounted read-only; path in SPOTDRAIN_DEADLINE_FILE).
     # In a directory of its own: workloads bind-mount the directory, since a file mount would
     # keep showing the old inode after an atomic replace.
@@ -65,6 +68,7 @@ SETTINGS: dict[str, tuple[type, str]] = {
     "tls_key": (str, "its key"),
     "ca": (str, "the CA that signed the coordinator's certificate"),
     "node_group": (str, "node group (capacity pool) of this node"),
+    "provider": (str, "who owns this node, for rental reputation (default: the node id)"),
     "deadline_file": (Path, "deadline file that workloads read"),
     "docker_call_timeout_s": (float, "per-call Docker API timeout"),
     "nvml_timeout_s": (float, "per-call NVML timeout"),

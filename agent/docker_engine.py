@@ -33,6 +33,7 @@ log = logging.getLogger("spotdrain.agent.docker")
 API_VERSION = "1.41"
 NODE_LABEL = "spotdrain.node"
 KIND_LABEL = "spotdrain.kind"
+RENTAL_KIND = "rental"
 
 
 class DockerUnavailable(Exception):
@@ -235,18 +236,41 @@ class DockerEngine:
         return await self._signal_one(info, signal)
 
     async def run_container(
-        self, image: str, name: str, labels: dict[str, str], env: dict[str, str]
+        self,
+        image: str,
+        name: str,
+        labels: dict[str, str],
+        env: dict[str, str],
+        binds: dict[str, dict[str, str]] | None = None,
     ) -> tuple[str, str]:
-        """Create and start a workload container on the host network; (id, name)."""
+        """Create and start a workload container on the host network; (id, name).
+
+        `binds`: host path -> {"bind": path in the container, "mode": "ro" or "rw"}. A stopped
+        container of the same name (an earlier run of the same worker or rental) is removed
+        first; a running one is left alone and the start fails."""
         loop = asyncio.get_running_loop()
 
-        def create_and_start() -> str:
-            host_config = self._waits.create_host_config(network_mode="host")
+        def create() -> str:
+            host_config = self._waits.create_host_config(network_mode="host", binds=binds)
             created = self._waits.create_container(
                 image, name=name, labels=labels, environment=env, host_config=host_config
             )
-            self._waits.start(created["Id"])
             return str(created["Id"])
+
+        def create_and_start() -> str:
+            try:
+                container_id = create()
+            except docker.errors.APIError as e:
+                if e.status_code != 409:
+                    raise
+                old = self._waits.inspect_container(name)
+                labels_of_old = old["Config"].get("Labels") or {}
+                if old["State"].get("Running") or labels_of_old.get(NODE_LABEL) != self.node_id:
+                    raise
+                self._waits.remove_container(old["Id"], force=True)
+                container_id = create()
+            self._waits.start(container_id)
+            return container_id
 
         try:
             # Creating a container copies its image on some storage drivers: a longer timeout.

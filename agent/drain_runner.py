@@ -17,7 +17,7 @@ from typing import Any
 
 from spotdrain.agent import reclamation as r
 from spotdrain.agent.config import AgentConfig
-from spotdrain.agent.docker_engine import DockerEngine, DockerUnavailable
+from spotdrain.agent.docker_engine import RENTAL_KIND, DockerEngine, DockerUnavailable
 from spotdrain.agent.gpu import GpuError, Nvml
 from spotdrain.agent.link import CoordinatorLink, TaintError
 from spotdrain.agent.notice import Notice, NoticeInvalid
@@ -382,6 +382,7 @@ class DrainRunner:
         """Verification by observation: Docker and NVML must both answer, and both be empty."""
         errors = []
         running: tuple[str, ...] = ()
+        rentals: tuple[str, ...] = ()
         pids: tuple[int, ...] = ()
         docker_result, gpu_result = await asyncio.gather(
             self.docker.running(), self.nvml.processes(), return_exceptions=True
@@ -392,6 +393,7 @@ class DrainRunner:
             raise docker_result
         else:
             running = tuple(c.id for c in docker_result)
+            rentals = tuple(c.id for c in docker_result if c.kind == RENTAL_KIND)
         if isinstance(gpu_result, GpuError):
             errors.append(f"nvml: {gpu_result}")
         elif isinstance(gpu_result, BaseException):
@@ -406,4 +408,4 @@ class DrainRunner:
             pids,
             errors,
         )
-        self.feed(rid, r.Observed(self.clock(), running, pids, "; ".join(errors)))
+        self.feed(rid, r.Observed(self.clock(), running, pids, "; ".join(errors), rentals))

@@ -161,12 +161,18 @@ class CoordinatorLink:
                 await asyncio.sleep(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])
                 attempt += 1
 
-    # --- worker reports and slots (not durable: the latest state is what matters, and
-    # --- registration re-sends every running worker) ----------------------------------------
+    # --- worker and rental reports and slots (not durable: the latest state is what matters,
+    # --- and registration re-sends every running worker and rental) -------------------------
 
     def report_worker(self, worker_id: str, report: dict) -> None:
         msg = pb.WorkerReport(worker_id=worker_id, **report)
         self._reports.append(pb.AgentMessage(worker=msg))
+        self._outbox_changed.set()
+
+    def report_rental(self, rental_id: str, report: dict) -> None:
+        """A rental's container started, stopped or was refused (RentalReport fields)."""
+        msg = pb.RentalReport(rental_id=rental_id, **report)
+        self._reports.append(pb.AgentMessage(rental=msg))
         self._outbox_changed.set()
 
     def report_slots(self, worker_id: str, in_use: int, capacity: int, state: str) -> None:
@@ -273,5 +279,5 @@ class CoordinatorLink:
             if which == "ack":
                 self.outbox.acknowledge(msg.ack.uids)
                 in_flight.difference_update(msg.ack.uids)
-            elif which in ("start_worker", "drain_worker"):
+            elif which in ("start_worker", "drain_worker", "start_rental", "stop_rental"):
                 self.on_command(msg)

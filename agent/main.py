@@ -26,6 +26,7 @@ from spotdrain.agent.gpu import GpuError, Nvml
 from spotdrain.agent.link import CoordinatorLink
 from spotdrain.agent.notice_watcher import watch
 from spotdrain.agent.outbox import Outbox
+from spotdrain.agent.rentals import JOB_KINDS, PlainWorkloads
 from spotdrain.agent.slot_gate import Interrupted
 from spotdrain.agent.workers import WorkerManager
 from spotdrain.cli import UsageError, fail_usage
@@ -79,6 +80,15 @@ class Agent:
             on_interrupted=self.stream_interrupted,
             metrics=self.metrics,
         )
+        # Rentals and batch/render jobs: plain containers, no gate (agent/rentals.py).
+        self.plain = PlainWorkloads(
+            cfg.node_id,
+            self.docker,
+            cfg.deadline_file,
+            refuse_start=lambda: self.drains.refuse_start(),
+            report_rental=self.link.report_rental,
+            report_worker=self.link.report_worker,
+        )
         self.drains = DrainRunner(
             cfg,
             self.outbox,
@@ -89,7 +99,7 @@ class Agent:
             metrics=self.metrics,
         )
         self.link.on_command = self.command
-        self.link.heartbeat_slots = self.workers.slots
+        self.link.heartbeat_slots = lambda: self.workers.slots() + self.plain.job_slots()
         self.control = ControlSocket(cfg.socket, cfg.socket_group, self.control_request)
         self.watching = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -113,6 +123,14 @@ class Agent:
             )
             for w in self.workers.workers.values()
         ]
+        running += [
+            pb.WorkerReport(worker_id=j.key, state="started", capacity=0)
+            for j in self.plain.jobs.values()
+        ]
+        rentals = [
+            pb.RentalReport(rental_id=r.key, state="started", container=r.container_id)
+            for r in self.plain.rentals.values()
+        ]
         return pb.Register(
             node_id=self.cfg.node_id,
             gpus=gpus,
@@ -120,22 +138,39 @@ class Agent:
             node_group=self.cfg.node_group,
             agent_version=VERSION,
             workers=running,
+            provider=self.cfg.provider,
+            rentals=rentals,
         )
 
-    # --- inference workers -------------------------------------------------------------------
+    # --- commands: workers, jobs, rentals ------------------------------------------------------
 
     def command(self, msg: pb.CoordinatorMessage) -> None:
         """A command from the coordinator. Starts go through the agent's own refusal check."""
         which = msg.WhichOneof("body")
         if which == "start_worker":
             c = msg.start_worker
-            gate_port = c.port + int(self.cfg.gate_port_offset)
-            self._spawn(
-                self.workers.start(c.worker_id, c.model, c.image, c.port, c.capacity, gate_port)
-            )
+            if c.kind in JOB_KINDS:
+                self._spawn(self.plain.start_job(c.worker_id, c.kind, c.image, c.model, c.port))
+            elif c.kind in ("", "inference"):
+                gate_port = c.port + int(self.cfg.gate_port_offset)
+                self._spawn(
+                    self.workers.start(c.worker_id, c.model, c.image, c.port, c.capacity, gate_port)
+                )
+            else:
+                self.link.report_worker(
+                    c.worker_id, {"state": "refused", "reason": f"unknown worker kind {c.kind!r}"}
+                )
         elif which == "drain_worker":
             c = msg.drain_worker
+            if self.plain.drain_job(c.worker_id):
+                return  # a batch or render job: the reclamation's signal rounds stop it
             self.workers.drain(c.worker_id, c.grace_deadline or time.time(), c.reclaim_id)
+        elif which == "start_rental":
+            c = msg.start_rental
+            self._spawn(self.plain.start_rental(c.rental_id, c.image, c.gpus, c.renter))
+        elif which == "stop_rental":
+            c = msg.stop_rental
+            self._spawn(self.plain.stop_rental(c.rental_id, c.reason))
 
     def _workers_by_state(self) -> list[tuple[list[str], float]]:
         counts = {"ready": 0, "draining": 0}
@@ -225,7 +260,16 @@ class Agent:
                 await self.docker.refresh_inventory()
             except DockerUnavailable as e:
                 log.warning("node %s: container inventory: %s", self.cfg.node_id, e)
+            else:
+                if not self.plain.adopted:
+                    await self._adopt_plain()  # the engine was away when the agent started
             await asyncio.sleep(self.cfg.inventory_every_s)
+
+    async def _adopt_plain(self) -> None:
+        try:
+            await self.plain.adopt_running()
+        except DockerUnavailable as e:
+            log.warning("node %s: cannot adopt rentals and jobs yet: %s", self.cfg.node_id, e)
 
     async def run(self) -> None:
         """The supervisor: named tasks, the first failure stops them all and is re-raised."""
@@ -242,6 +286,7 @@ class Agent:
             await self.workers.adopt_running()
         except DockerUnavailable as e:
             log.warning("node %s: cannot adopt running workers yet: %s", self.cfg.node_id, e)
+        await self._adopt_plain()
         tasks: dict[str, Coroutine[Any, Any, None]] = {
             "drains": self.drains.run(),
             "notices": self.watch_notices(),
@@ -339,6 +384,7 @@ class Agent:
             task.cancel()
         await self.drains.close()
         await self.workers.close()
+        await self.plain.close()
         await self.link.close()
         self.docker.close()
         self.nvml.close()

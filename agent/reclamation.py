@@ -18,6 +18,8 @@ from spotdrain.agent.notice import Notice
 
 SIGTERM = "SIGTERM"
 SIGKILL = "SIGKILL"
+# Drain kinds the SIGTERM round leaves alone (see SignalContainers).
+SIGTERM_SKIPS_KINDS = frozenset({"inference", "rental"})
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,9 @@ class Observed:
     running: tuple[str, ...] = ()  # ids of running containers labelled with this node
     gpu_processes: tuple[int, ...] = ()  # pids NVML lists on any GPU
     error: str = ""
+    # The rentals among `running`: they run until G (reclaim_at), so before the SIGKILL round
+    # they are work still there, not strays to signal.
+    rentals: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -177,14 +182,16 @@ class WriteDeadlineFile:
 class SignalContainers:
     """Signal every running container with this node's label, concurrently, except `skip`.
 
-    SIGTERM rounds leave inference workers alone: they drain through their slot gates."""
+    SIGTERM rounds leave inference workers alone (they drain through their slot gates) and
+    rentals (the renter keeps the machine until reclaim_at = G, DESIGN.md "Four drain paths");
+    the SIGKILL round at G takes every kind."""
 
     signal: str
     skip: frozenset[str] = frozenset()
 
     @property
     def skip_kinds(self) -> frozenset[str]:
-        return frozenset({"inference"}) if self.signal == SIGTERM else frozenset()
+        return SIGTERM_SKIPS_KINDS if self.signal == SIGTERM else frozenset()
 
 
 @dataclass(frozen=True)
@@ -546,8 +553,8 @@ class Reclamation:
         return commands
 
     def _observe(self, now: float) -> list[Command]:
-        if self.verified_at is not None or self.outcome == "cancelled":
-            return []
+        if self.verified_at is not None or self.lifted:
+            return []  # verified, cancelled or resumed: nothing left to look for
         if self.observing:
             self.observe_again = True  # look again as soon as this observation returns
             return []
@@ -570,7 +577,7 @@ class Reclamation:
             self.last_failure = ev.error
         elif ev.running or ev.gpu_processes:
             self.last_failure = ""
-            commands += self._strays(ev.running)
+            commands += self._strays(ev.running, ev.rentals)
         else:
             self.verified_at = ev.now
             self.phase = "done"
@@ -582,9 +589,10 @@ class Reclamation:
         self.next_observe_at = ev.now + (0.0 if self.observe_again else self.observe_every_s)
         return commands + self._tick(ev.now)
 
-    def _strays(self, running: tuple[str, ...]) -> list[Command]:
+    def _strays(self, running: tuple[str, ...], rentals: tuple[str, ...] = ()) -> list[Command]:
         """Running containers that lack the signal they are due: never signalled (started by
-        hand, missed by a round that died with the agent), or not yet killed after G."""
+        hand, missed by a round that died with the agent), or not yet killed after G. Before G
+        a rental is due nothing."""
         if self.rounds_in_flight or not self.sigterm_round_done:
             return []  # a round still under way may reach them: no second SIGTERM
         if self.sigkill_round:
@@ -592,7 +600,7 @@ class Reclamation:
             done = frozenset(c for c, sig in self.signalled.items() if sig == SIGKILL)
         else:
             signal = SIGTERM
-            done = frozenset(self.signalled) | frozenset(self.gated)
+            done = frozenset(self.signalled) | frozenset(self.gated) | frozenset(rentals)
         if not frozenset(running) - done:
             return []
         return [self._signal(signal, skip=done)]

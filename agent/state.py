@@ -87,6 +87,8 @@ def write_deadline_file(
     path: Path, reclaim_id: str, terminate_at: float, grace_deadline: float, reason: str
 ) -> None:
     # Readable by workloads (bind-mounted read-only); the times as ISO 8601 UTC and as epoch.
+    # `reclaim_at` is when a rental's container is stopped: the grace deadline G, not before
+    # (DESIGN.md "Four drain paths"); the same time the coordinator's Rental API gives.
     def iso(t: float) -> str:
         return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
 
@@ -98,6 +100,8 @@ def write_deadline_file(
             "grace_deadline": iso(grace_deadline),
             "terminate_at_epoch": terminate_at,
             "grace_deadline_epoch": grace_deadline,
+            "reclaim_at": iso(grace_deadline),
+            "reclaim_at_epoch": grace_deadline,
             "reason": reason,
         },
     )

@@ -274,7 +274,7 @@ class Fleet:
             await self.record(
                 "placement_refused",
                 other,
-                {"model": worker.model, "kind": worker.kind, "path": "recovery", "reason": why},
+                {"model": worker.model, "workload": worker.kind, "path": "recovery", "reason": why},
                 "",
             )
         if node_id is None:
@@ -615,7 +615,7 @@ class Fleet:
             await self.record(
                 "placement_refused",
                 node_id,
-                {**what, "kind": request.kind, "path": request.path, "reason": why},
+                {**what, "workload": request.kind, "path": request.path, "reason": why},
                 "",
             )
             raise PlacementRefused(node_id, why)
@@ -654,7 +654,7 @@ class Fleet:
         await self.record(
             "worker_starting",
             node_id,
-            {"worker_id": worker.worker_id, "model": model, "path": path, "kind": kind},
+            {"worker_id": worker.worker_id, "model": model, "path": path, "workload": kind},
             "",
         )
         self.send(

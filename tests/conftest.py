@@ -10,7 +10,13 @@ from typing import NoReturn
 
 import pytest
 
-from dockerenv import DockerEngine, ensure_engine, ensure_images, remove_test_containers
+from dockerenv import (
+    DockerEngine,
+    ensure_engine,
+    ensure_images,
+    ensure_rental_image,
+    remove_test_containers,
+)
 from fakenvml import FakeGpus, build
 from harness import start_coordinator
 from pki import Pki
@@ -45,6 +51,12 @@ def docker_images(docker_engine: DockerEngine) -> dict[str, str]:
         return ensure_images(docker_engine.client)
     except Exception as e:
         _no_docker("could not build the test images", e)
+
+
+@pytest.fixture(scope="session")
+def rental_image(docker_engine: DockerEngine, docker_images: dict[str, str]) -> str:
+    """A renter's image (dockerenv.RENTAL_SCRIPT): runs until signalled, by its rental id."""
+    return ensure_rental_image(docker_engine.client, docker_images["base"])
 
 
 # --- spotdrain's own parts: fake GPUs, a PKI, a coordinator process, test containers ----------

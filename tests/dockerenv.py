@@ -877,3 +877,41 @@ class SignalProbe:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+RENTAL_IMAGE = "spotdrain-test/rental:1"
+# The renter's program. Its behaviour comes from its id (RENTAL_ID, or WORKER_ID for a job),
+# since a rental carries no command: "exits-7" ends by itself with code 7, "ignores-term" only
+# dies by SIGKILL, anything else exits 3 on SIGTERM.
+RENTAL_SCRIPT = r"""
+id="$RENTAL_ID$WORKER_ID"
+trap 'exit 3' TERM
+case "$id" in
+  *exits-7*) sleep 0.5; exit 7 ;;
+  *ignores-term*) trap '' TERM ;;
+esac
+while :; do sleep 3600 & wait $!; done
+"""
+
+def ensure_rental_image(client: docker.DockerClient, base: str) -> str:
+    """A renter's image: busybox with RENTAL_SCRIPT as its command, rebuilt when the recipe
+    (the base image and the script) changes."""
+    recipe = hashlib.sha256((client.images.get(base).id + RENTAL_SCRIPT).encode()).hexdigest()[:16]
+    with contextlib.suppress(docker.errors.ImageNotFound):
+        if (client.images.get(RENTAL_IMAGE).labels or {}).get(_RECIPE_LABEL) == recipe:
+            return RENTAL_IMAGE
+    builder = client.containers.create(base, command=["true"], network_mode="none")
+    try:
+        repository, tag = RENTAL_IMAGE.split(":")
+        builder.commit(
+            repository,
+            tag,
+            changes=[
+                f"CMD {json.dumps(['sh', '-c', RENTAL_SCRIPT])}",
+                f"LABEL {_RECIPE_LABEL}={recipe}",
+            ],
+            pause=False,
+        )
+    finally:
+        builder.remove(force=True)
+    return RENTAL_IMAGE

@@ -45,7 +45,12 @@ def test_whole_timeline_on_one_node(
              "source": "aws-imds"}
         )
         drained = admin.wait_for("drained", node="node-a", timeout=30)
-        events = admin.events(node="node-a", reclaim_id=drained["reclaim_id"])
+        everything = admin.events(node="node-a", reclaim_id=drained["reclaim_id"])
+        # The coordinator's own part of the timeline (step 6: no other node group to ask, in
+        # this test) lands whenever its Taint ran; the agent's part is checked in order.
+        ours = [e["kind"] for e in everything if e["uid"].startswith("coordinator-")]
+        assert ours == ["replacement_unavailable"]
+        events = [e for e in everything if not e["uid"].startswith("coordinator-")]
         kinds = [e["kind"] for e in events]
         # Invariant 1: tainted before the first SIGTERM.
         assert kinds.index("tainted") < kinds.index("sigterm_sent")

@@ -1060,9 +1060,62 @@ def test_inference_workers_drain_at_their_gates_and_are_never_sigtermed(story: S
     assert story(Observed(G + 0.2)) == [emit("verified_empty"), emit("drained")]
 
 
-def test_the_sigterm_round_of_a_notice_skips_inference_workers() -> None:
-    assert SignalContainers(SIGTERM).skip_kinds == frozenset({"inference"})
+def test_the_sigterm_round_of_a_notice_skips_inference_workers_and_rentals() -> None:
+    assert SignalContainers(SIGTERM).skip_kinds == frozenset({"inference", "rental"})
     assert SignalContainers(SIGKILL).skip_kinds == frozenset()
+
+
+def test_a_rental_runs_until_the_grace_deadline_and_is_killed_there(story: Story) -> None:
+    """A batch job and a rental are on the node when the notice lands. The SIGTERM round after
+    the taint passes the rental by: its renter has the machine until reclaim_at = G, which the
+    deadline file names. Looks that see it running do not take it for a stray. At G the SIGKILL
+    round, which skips no kind, takes it; its exit lets the node verify empty."""
+    tainted_with(story, "batch")
+    [sigterm] = [c for _, c in story.log if isinstance(c, SignalContainers)]
+    assert "rental" in sigterm.skip_kinds
+    assert story(Observed(T0 + 0.1, running=("batch", "rental"), rentals=("rental",))) == []
+    assert story(exited("batch", T0 + 1)) == [emit("container_exited"), Observe()]
+    assert story(Observed(T0 + 1.1, running=("rental",), rentals=("rental",))) == []
+    assert story(Tick(T0 + 1.6)) == [Observe()]
+    assert story(Observed(T0 + 1.7, running=("rental",), rentals=("rental",))) == []
+    commands = story(Tick(G))
+    assert commands == [match(CutWorkers), SignalContainers(SIGKILL), Observe()]
+    assert commands[1].skip_kinds == frozenset()
+    assert story(signalled("rental", G + 0.01, SIGKILL)) == [
+        emit("sigkill_sent", container="rental"),
+        WatchExits(("rental",)),
+    ]
+    story(SignalRoundDone(G + 0.02, SIGKILL))
+    assert story(exited("rental", G + 0.1, code=137)) == [
+        emit("container_exited", container="rental", exit_code=137)
+    ]
+    story(Observed(G + 0.2))
+    assert story.kinds[-2:] == ["verified_empty", "drained"]
+
+
+def test_a_rental_the_sigterm_round_did_not_see_is_still_no_stray_before_g(story: Story) -> None:
+    """Without the rentals marked, a running rental would be a stray owed a SIGTERM."""
+    tainted_with(story)
+    assert story(Observed(T0 + 0.1, running=("rental",), rentals=("rental",))) == []
+    assert story(Tick(T0 + 0.6)) == [Observe()]
+    assert story(Observed(T0 + 0.7, running=("rental", "by-hand"), rentals=("rental",))) == [
+        SignalContainers(SIGTERM, skip=frozenset({"rental"}))
+    ]
+
+
+def test_an_owner_resume_before_g_leaves_the_rental_running() -> None:
+    """The owner pauses while a rental runs, then resumes before G: the pause ends, and the
+    SIGKILL round that would have ended the rental at G never comes."""
+    story = Story()
+    story.begin(notice(terminate_at=T0 + 120), reason="pause")
+    story(TaintAnswered(T0 + 0.05))
+    story(SignalRoundDone(T0 + 0.07, SIGTERM))
+    story(Observed(T0 + 0.1, running=("rental",), rentals=("rental",)))
+    assert story(Resumed(T0 + 30)) == [emit("pause_resumed"), LiftTaints(story.rec.reclaim_id)]
+    assert story.rec.next_wakeup() is None
+    assert story(Tick(T0 + 110)) == []  # G of the pause
+    assert not any(isinstance(c, SignalContainers) and c.signal == SIGKILL for _, c in story.log)
+    story.check()
 
 
 def test_a_resume_mid_drain_ends_the_pause_and_lifts_its_taints() -> None:

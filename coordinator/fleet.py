@@ -38,6 +38,7 @@ HEARTBEAT_TTL_S = 15.0  # three missed heartbeats
 START_TIMEOUT_S = 300.0  # image pull and model load included
 RECOVERY_EVERY_S = 2.0
 FIRST_WORKER_PORT = 20000
+WORKER_PORTS = 1000  # a worker's slot gate listens on its port + the agent's gate offset
 PAUSE_TAINT_KEY = "spotdrain.io/paused"
 # A worker drained because its model has more than its desired count: its open requests get
 # this long to finish before its gate cuts them.
@@ -634,11 +635,8 @@ class Fleet:
         if kind not in WORKER_KINDS:
             raise ValueError(f"worker kind must be one of {WORKER_KINDS}, got {kind!r}")
         await self._admit(node_id, PlacementRequest(kind=kind, gpus=1, path=path), {"model": model})
-        used = {w.port for w in self.live_workers(node_id)}
         if not port:
-            port = next(
-                p for p in range(FIRST_WORKER_PORT, FIRST_WORKER_PORT + 1000) if p not in used
-            )
+            port = self._free_port(node_id)
         worker = wm.Worker(
             worker_id=f"w-{uuid.uuid4().hex[:10]}",
             node_id=node_id,
@@ -671,6 +669,20 @@ class Fleet:
             ),
         )
         return worker
+
+    def _free_port(self, node_id: str) -> int:
+        """A worker port free on the node. Ports unused anywhere in the fleet come first, so
+        several agents sharing one host (a lab, the demo) never collide while the range lasts;
+        only a port in use on this node itself is ruled out."""
+        ports = range(FIRST_WORKER_PORT, FIRST_WORKER_PORT + WORKER_PORTS)
+        on_node = {w.port for w in self.live_workers(node_id)}
+        in_fleet = {w.port for w in self.live_workers()}
+        free = next((p for p in ports if p not in in_fleet), None)
+        if free is None:
+            free = next((p for p in ports if p not in on_node), None)
+        if free is None:
+            raise PlacementRefused(node_id, "no_free_port")
+        return free
 
     # --- what agents report ------------------------------------------------------------------
 

@@ -1,17 +1,23 @@
-"""The demo: a coordinator, two agents on fake GPUs, real containers, live inference traffic
-through the reference router, an owner's pause and a provider's notice, and the timelines. Run
-it with tests/demo.sh (README.md); everything it starts, it cleans up.
+"""The demo: a coordinator, three agents on fake GPUs, real containers, live inference traffic
+through the reference router, a renter's container, an owner's pause and a provider's notice,
+and the timelines. Run it with tests/demo.sh (README.md); everything it starts, it cleans up.
 
-    node-a and node-b each run a fake-model inference worker behind its slot gate, and batch
-    jobs each "holding" a GPU on node-a:
+    node-a and node-b are spot nodes of group spot-a; node-c is an on-demand node of group
+    ondemand-b, free at first. The model fake-model is wanted twice (desired capacity): its
+    workers land on node-a and node-b, behind their slot gates. Alice rents a GPU on node-a.
+    Batch jobs each "hold" a GPU on node-a:
       quick     exits at once on SIGTERM
       ckpt      checkpoints for a few seconds, then exits
       stubborn  ignores SIGTERM (killed at the grace deadline G)
     Clients stream short answers through the router the whole time; one long answer is on
     node-a when its owner pauses it.
 
-    Act 1: node-a's owner pauses it mid-traffic (D = pause + --deadline).
-    Act 2: the provider sends node-b a hard notice (terminate at notice + --deadline).
+    Act 1: node-a's owner pauses it mid-traffic (D = pause + --deadline). Alice's rental gets
+    reclaim_at = G and runs until then; the model's lost worker is replaced on node-c while
+    node-a still drains.
+    Act 2: the provider sends node-b a hard notice (terminate at notice + --deadline). The
+    coordinator asks group ondemand-b's acquirer for capacity at once, avoids group spot-a, and
+    replaces node-b's worker on node-c: the clients never run out of workers.
 """
 
 from __future__ import annotations
@@ -30,7 +36,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from dockerenv import ensure_engine, ensure_images, remove_test_containers, run_workload  # noqa: E402
+from dockerenv import (  # noqa: E402
+    ensure_engine,
+    ensure_images,
+    ensure_rental_image,
+    remove_test_containers,
+    run_workload,
+)
 from fakenvml import FakeGpus, build  # noqa: E402
 from harness import (  # noqa: E402
     BIN,
@@ -99,6 +111,15 @@ def stream(url: str, tokens: int, pace: float) -> tuple[str, str]:
     return "failed", worker
 
 
+ACQUIRE = """
+import json, sys, time
+request = json.load(sys.stdin)
+with open(sys.argv[1], "a") as log:
+    log.write(json.dumps({"at": time.time(), "request": request}) + "\\n")
+print(json.dumps({"accepted": True, "instances": ["i-ondemand-new"]}))
+"""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description="spotdrain demo: a pause and a notice, end to end")
     ap.add_argument("--deadline", type=float, default=30.0,
@@ -122,31 +143,42 @@ def main() -> int:
         say(f"work dir {work}")
         engine = ensure_engine(work / "docker")
         say(f"Docker engine at {engine.host} ({'private' if engine.owned else 'system'})")
-        ensure_images(engine.client)
+        images = ensure_images(engine.client)
+        rental_image = ensure_rental_image(engine.client, images["base"])
         say("building the fake model image (first run on a machine: about a minute)")
         image = ensure_model_image(engine.client)
-        remove_test_containers(engine.client, PREFIX)
-        remove_test_containers(engine.client, "spotdrain-w-")
+        for prefix in (PREFIX, "spotdrain-w-", "spotdrain-rental-"):
+            remove_test_containers(engine.client, prefix)
         lib = build(work / "nvml")
         pki = Pki(work / "pki")
-        coord = start_coordinator(work / "coordinator", tls=pki)
+        acquired = work / "acquired.jsonl"
+        (work / "acquire.py").write_text(ACQUIRE)
+        (work / "acquirers.toml").write_text(
+            "avoid_s = 300\n[groups.ondemand-b]\n"
+            f'exec = ["{sys.executable}", "{work / "acquire.py"}", "{acquired}"]\n')
+        coord = start_coordinator(work / "coordinator", tls=pki,
+                                  extra=("--acquirers", str(work / "acquirers.toml")))
         started.append(coord.proc)
         say(f"coordinator on {coord.address} (mutual TLS), SQLite at {coord.db}")
 
-        options = AgentOptions(
-            grace_s=grace, overrun_s=overrun, observe_every_s=0.25,
-            default_notice_s=args.deadline,
-            extra=["--pause-notice-s", str(args.deadline)],
-        )
         agents, gpus = {}, {}
-        for node in ("node-a", "node-b"):
+        nodes = {"node-a": ("spot-a", True), "node-b": ("spot-a", True),
+                 "node-c": ("ondemand-b", False)}
+        for node, (group, spot) in nodes.items():
+            options = AgentOptions(
+                grace_s=grace, overrun_s=overrun, observe_every_s=0.25,
+                default_notice_s=args.deadline,
+                extra=["--pause-notice-s", str(args.deadline), "--node-group", group,
+                       "--spot", str(spot).lower(), "--provider", f"owner-of-{node}"],
+            )
             gpus[node] = FakeGpus(work / f"{node}.gpus")
             gpus[node].set(gpus=2)
             agents[node] = start_agent(work, node, coord, engine.host, gpus[node], lib, options)
             started.append(agents[node].proc)
         admin = coord.admin()
-        wait_until(lambda: sum(n.connected for n in admin.nodes()) == 2, 20, "both nodes")
-        say("agents up on node-a and node-b, each with 2 fake GPUs (real pynvml)")
+        wait_until(lambda: sum(n.connected for n in admin.nodes()) == 3, 20, "all three nodes")
+        say("agents up: node-a and node-b (spot, group spot-a), node-c (on-demand, group "
+            "ondemand-b), each with 2 fake GPUs (real pynvml)")
 
         client = engine.client
         jobs = {
@@ -166,26 +198,31 @@ def main() -> int:
         ops = pb_grpc.AdminStub(coord.channel())
         router = start_router(work / "router", coord)
         started.append(router.proc)
-        workers = {}
+        spotctl = [str(BIN / "spotctl"), *coord.cli_args()]
         long_answer: list = []
-        for i, node in enumerate(("node-a", "node-b")):
-            info = ops.StartWorker(pb.StartWorkerRequest(
-                node_id=node, model="fake-model", image=image, slots=8, port=23000 + i),
-                timeout=30)
-            workers[node] = info.worker_id
-            wait_until(lambda wid=info.worker_id: any(
-                w.worker_id == wid and w.state == "ready"
-                for w in ops.ListWorkers(pb.ListWorkersRequest(), timeout=10).workers),
-                90, f"{node}'s worker to be ready", every=0.2)
-            if node == "node-a":
-                # One long answer, started while node-a's worker is the only one: it is still
-                # streaming when the owner pauses, and is cut at the grace deadline.
-                threading.Thread(target=lambda: long_answer.append(  # noqa: B023 (once)
-                    stream(router.url + "/v1/chat/completions", tokens=10_000, pace=20)),
-                    daemon=True).start()
-                time.sleep(0.5)
-        say(f"inference workers ready: {workers['node-a']} on node-a, {workers['node-b']} on "
-            f"node-b; the router is at {router.url}")
+
+        def ready(count: int) -> bool:
+            return ops.ListModels(pb.ListModelsRequest(), timeout=10).models[0].ready >= count
+
+        # One worker first, so the long answer lands on node-a; then the second one.
+        subprocess_text([*spotctl, "models", "set-replicas", "fake-model", "1", "--image", image,
+                         "--slots", "8"])
+        wait_until(lambda: ready(1), 90, "the first worker to be ready", every=0.2)
+        threading.Thread(target=lambda: long_answer.append(
+            stream(router.url + "/v1/chat/completions", tokens=10_000, pace=20)),
+            daemon=True).start()
+        time.sleep(0.5)
+        subprocess_text([*spotctl, "models", "set-replicas", "fake-model", "2"])
+        wait_until(lambda: ready(2), 90, "the second worker to be ready", every=0.2)
+        say("`spotctl models set-replicas fake-model 2`: workers on the least-loaded nodes")
+        print(subprocess_text([*spotctl, "workers", "list"]))
+
+        renter = pb_grpc.RentalsStub(coord.channel(pki.issue("renter:alice")))
+        rental = renter.CreateRental(pb.CreateRentalRequest(node_id="node-a", image=rental_image),
+                                     timeout=30)
+        wait_until(lambda: renter.GetRental(pb.GetRentalRequest(rental_id=rental.rental_id))
+                   .state == "running", 30, "alice's rental to run")
+        say(f"alice rents a GPU on node-a: rental {rental.rental_id}, through the placement gate")
 
         traffic = Traffic(router.url)
         time.sleep(3)
@@ -199,45 +236,65 @@ def main() -> int:
                                   "pause", "--json"])
         say(f"pause accepted: reclamation {answer.get('reclaim_id')}, "
             f"D in {args.deadline:.0f} s")
+        told = wait_until(lambda: (r := renter.GetRental(pb.GetRentalRequest(
+            rental_id=rental.rental_id))).HasField("reclaim_at") and r, 10, "reclaim_at")
+        say(f"alice is told reclaim_at = pause + {told.reclaim_at - paused_at:.1f} s "
+            "(the grace deadline G), in the API, her watch stream and her deadline file")
+        replaced = admin.wait_for("worker_starting", node="node-c", timeout=20)
+        say(f"the lost worker's replacement {replaced['worker_id']} starts on node-c "
+            f"{replaced['wall_time'] - paused_at:.2f} s after the pause, while node-a drains")
         result_a = wait_until(lambda: outcome(admin, "node-a"), args.deadline + 15,
                               "node-a's outcome", 0.2)
         empty_after = next(e["wall_time"] for e in admin.events(node="node-a")
                            if e["kind"] == "verified_empty") - paused_at
         print()
-        print(subprocess_text([str(BIN / "spotctl"), *coord.cli_args(), "timeline",
-                               answer.get("reclaim_id", "")]))
+        print(subprocess_text([*spotctl, "timeline", answer.get("reclaim_id", "")]))
         print()
         for name, c in containers.items():
             c.reload()
             say(f"node-a {name}: {c.status}, exit code {c.attrs['State']['ExitCode']}")
         say(f"the long answer on node-a: {long_answer[0][0] if long_answer else 'still open'}")
+        ended = renter.GetRental(pb.GetRentalRequest(rental_id=rental.rental_id))
+        say(f"alice's rental: {ended.state}, ended by {ended.ended_by or '-'}, "
+            f"{(ended.ended_at or 0) - told.reclaim_at:+.2f} s from reclaim_at")
         say(f"node-a verified empty {empty_after:.1f} s after the pause; outcome {result_a}")
+        print(subprocess_text([*spotctl, "reputation", "node-a"]))
         act1 = (traffic.completed, traffic.interrupted, traffic.refused, traffic.failed)
 
         # --- act 2: the provider reclaims node-b ------------------------------------------
         print()
         say("ACT 2: the provider gives node-b a hard notice")
-        terminate_at = time.time() + args.deadline
+        noticed = time.time()
+        terminate_at = noticed + args.deadline
         agents["node-b"].write_notice({
             "id": f"i-demo-{int(terminate_at)}", "action": "terminate",
             "terminate_at": terminate_at, "source": "demo-relay",
         })
+        wait_until(acquired.exists, 10, "the acquirer to be asked")
+        asked = json.loads(acquired.read_text().splitlines()[0])
+        say(f"group {asked['request']['target_group']}'s acquirer asked "
+            f"{asked['at'] - noticed:.2f} s after the notice, for {asked['request']['models']}; "
+            f"group spot-a is avoided for new placements")
         result_b = wait_until(lambda: outcome(admin, "node-b"), args.deadline + 15,
                               "node-b's outcome", 0.2)
-        time.sleep(1.0)  # clients now find no worker anywhere
+        wait_until(lambda: ready(2), 60, "the model back at two ready workers", every=0.2)
+        time.sleep(1.0)
         traffic.close()
         print()
-        print(subprocess_text([str(BIN / "spotctl"), *coord.cli_args(), "timeline"]))
+        print(subprocess_text([*spotctl, "timeline"]))
         print()
+        print(subprocess_text([*spotctl, "nodes"]))
+        print(subprocess_text([*spotctl, "models", "list"]))
         stats = json.loads(urllib.request.urlopen(router.url + "/stats", timeout=10).read())
         say(f"clients, act 1 (pause of node-a): {act1[0]} completed, {act1[1]} interrupted, "
             f"{act1[2]} refused, {act1[3]} failed")
         say(f"clients, in all: {traffic.completed} completed, {traffic.interrupted} "
-            f"interrupted, {traffic.refused} refused (no worker left), {traffic.failed} failed")
+            f"interrupted, {traffic.refused} refused (no worker), {traffic.failed} failed")
         say(f"router: {stats}")
-        say(f"outcomes: node-a {result_a}, node-b {result_b}")
+        say(f"outcomes: node-a {result_a}, node-b {result_b}; alice's rental ended by "
+            f"{ended.ended_by}")
         ok = (result_a == "drained" and result_b == "drained" and act1[1] == 0
-              and act1[3] == 0 and traffic.failed == 0)
+              and act1[3] == 0 and traffic.failed == 0 and ended.ended_by == "reclaim")
         return 0 if ok else 1
     finally:
         if traffic is not None:
@@ -245,8 +302,8 @@ def main() -> int:
         for proc in reversed(started):
             proc.stop()
         if engine is not None:
-            remove_test_containers(engine.client, PREFIX)
-            remove_test_containers(engine.client, "spotdrain-w-")
+            for prefix in (PREFIX, "spotdrain-w-", "spotdrain-rental-"):
+                remove_test_containers(engine.client, prefix)
             engine.stop()
         if args.keep:
             say(f"kept {work}")

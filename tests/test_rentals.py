@@ -5,12 +5,14 @@ what, reputation, the spot flag under a rental, and GPUs never double-booked."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import grpc
 import pytest
 
 from fakenode import FakeNode, Ops, aio_channel
+from harness import BIN
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
@@ -248,5 +250,44 @@ async def test_a_node_back_without_its_rental_container_ends_the_rental(
         assert stop.stop_rental.rental_id == stale.rental_id
         ended = await wait_until(lambda: alice.get(gone.rental_id), lambda r: r.state == "ended")
         assert ended.ended_by == "platform" and "gone" in ended.detail
+    finally:
+        await node.close()
+
+
+async def spotctl(coordinator, *args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        str(BIN / "spotctl"), *coordinator.cli_args(), *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_spotctl_against_the_real_coordinator(coordinator, pki, ops):
+    """What an operator types: rent, look at the node, try to flip its flag, read reputation."""
+    node = FakeNode(coordinator, pki, "node-a", spot=False, provider="acme")
+    try:
+        await node.connect()
+        code, out, _ = await spotctl(coordinator, "rentals", "create", "node-a", "--image",
+                                     "renter/job:1", "--renter", "alice", "--json")
+        assert code == 0
+        rental = json.loads(out)
+        await node.next_of("start_rental")
+        await node.report_rental(rental["rental_id"], "started")
+        code, out, _ = await spotctl(coordinator, "nodes", "--json")
+        [shown] = [json.loads(line) for line in out.splitlines()]
+        assert (shown["node_id"], shown["spot"], shown["active_rentals"]) == ("node-a", False, 1)
+        assert shown["provider"] == "acme"
+        code, _, err = await spotctl(coordinator, "node", "set-spot", "node-a", "true")
+        assert code == 1 and "FAILED_PRECONDITION" in err and rental["rental_id"] in err
+        code, out, _ = await spotctl(coordinator, "rentals", "end", rental["rental_id"],
+                                     "--ended-by", "provider", "--json")
+        assert code == 0 and json.loads(out)["ended_by"] == "provider"
+        code, out, _ = await spotctl(coordinator, "reputation", "--provider", "acme", "--json")
+        score = json.loads(out)
+        assert (score["failures"], round(score["score"], 3)) == (1, round(4 / 6, 3))
+        code, out, _ = await spotctl(coordinator, "node", "set-spot", "node-a", "true", "--json")
+        assert code == 0 and json.loads(out)["spot"] is True
+        code, out, _ = await spotctl(coordinator, "rentals", "--json")
+        assert json.loads(out)["started_on_spot"] is False
     finally:
         await node.close()

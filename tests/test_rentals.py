@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from fakenode import FakeNode, Ops, aio_channel
-from harness import BIN
+from harness import BIN, start_coordinator
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
@@ -291,3 +291,37 @@ async def test_spotctl_against_the_real_coordinator(coordinator, pki, ops):
         assert json.loads(out)["started_on_spot"] is False
     finally:
         await node.close()
+
+
+async def test_a_killed_coordinator_keeps_rentals_reclaims_and_avoided_groups(tmp_path, pki):
+    """SIGKILL mid-reclaim; the restarted coordinator rebuilds it all from its SQLite file."""
+    first = start_coordinator(tmp_path / "c", tls=pki)
+    node = FakeNode(first, pki, "node-a", group="group-a")
+    alice = Renter(first, pki, "alice")
+    try:
+        await node.connect()
+        rental = await running_rental(node, alice)
+        taint = await node.pause("notice")
+        await wait_until(lambda: alice.get(rental.rental_id), lambda r: r.HasField("reclaim_at"))
+    finally:
+        await node.close()
+        await alice.channel.close()
+    port = first.address.rsplit(":", 1)[1]
+    first.proc.kill()
+    again = start_coordinator(tmp_path / "c", tls=pki, db=first.db, port=int(port))
+    ops, alice, node = Ops(again), Renter(again, pki, "alice"), FakeNode(again, pki, "node-a",
+                                                                         group="group-a")
+    try:
+        kept = await alice.get(rental.rental_id)
+        assert (kept.state, kept.reclaim_at) == ("running", taint.grace_deadline)
+        await node.connect(rentals=[pb.RentalReport(rental_id=rental.rental_id, state="started")])
+        [shown] = (await ops.admin.ListNodes(pb.ListNodesRequest())).nodes
+        assert shown.group_avoided_until > time.time() + 200  # still avoided (300 s)
+        await node.report_rental(rental.rental_id, "stopped", exit_code=137)
+        ended = await wait_until(lambda: alice.get(rental.rental_id), lambda r: r.state == "ended")
+        assert ended.ended_by == "reclaim"
+    finally:
+        await node.close()
+        await alice.channel.close()
+        await ops.channel.close()
+        again.proc.stop()

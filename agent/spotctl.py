@@ -339,24 +339,35 @@ async def workers(stub: pb_grpc.AdminStub, args: Any) -> int:
 
 
 def render_nodes(nodes: Iterable[pb.Node], now: float) -> str:
-    lines = [
-        f"{'node':<14} {'mode':<9} {'group':<12} {'provider':<12} {'workload':<8} "
-        f"{'workers':>7} {'rentals':>7} {'connected':<9} taints"
-    ]
+    header = ("node", "mode", "group", "provider", "workload", "workers", "rentals", "connected")
+    rows, tails = [], []
     for n in nodes:
+        rows.append(
+            (
+                n.node_id,
+                _mode(n.spot),
+                n.node_group or "-",
+                n.provider or "-",
+                "enabled" if n.workload_enabled else "disabled",
+                str(n.live_workers),
+                str(n.active_rentals),
+                "yes" if n.connected else "no",
+            )
+        )
         taints = ",".join(t.reason or t.key for t in n.taints) or "-"
         avoided = (
             f"  group avoided until {_when(n.group_avoided_until, now)}"
             if n.group_avoided_until
             else ""
         )
-        lines.append(
-            f"{n.node_id:<14} {_mode(n.spot):<9} {n.node_group or '-':<12} "
-            f"{n.provider or '-':<12} {'enabled' if n.workload_enabled else 'disabled':<8} "
-            f"{n.live_workers:>7} {n.active_rentals:>7} {'yes' if n.connected else 'no':<9} "
-            f"{taints}{avoided}"
-        )
-    return "\n".join(lines)
+        tails.append(taints + avoided)
+    # Columns as wide as their longest value (ids and group names vary by fleet).
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: tuple[str, ...], tail: str) -> str:
+        return " ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " " + tail
+
+    return "\n".join([line(header, "taints"), *map(line, rows, tails)])
 
 
 async def nodes(stub: pb_grpc.AdminStub, args: Any) -> int:

@@ -24,6 +24,7 @@ from spotdrain.agent.notice import Notice, NoticeInvalid
 from spotdrain.agent.outbox import Outbox
 from spotdrain.agent.state import BundleStore, LocalTaints, write_deadline_file
 from spotdrain.agent.workers import WorkerManager
+from spotdrain.background import Background
 from spotdrain.metrics import ReclamationMetrics
 
 log = logging.getLogger("spotdrain.agent.drain")
@@ -53,7 +54,8 @@ class DrainRunner:
         self.local_taints = LocalTaints(cfg.state_dir)
         self.live: dict[str, r.Reclamation] = {}
         self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        # An adapter bug must not silently stop a drain: a failed task fails the supervisor.
+        self._tasks = Background(lambda e: self._queue.put_nowait(("crash", e)))
         # Signal rounds run one after another, in the order the machines asked for them, so a
         # SIGKILL round never overtakes the SIGTERM round before it.
         self._signal_lock = asyncio.Lock()
@@ -308,21 +310,10 @@ class DrainRunner:
         )
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            # An adapter bug must not silently stop a drain: fail the supervisor.
-            self._queue.put_nowait(("crash", task.exception()))
+        return self._tasks.spawn(coro)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.close()
 
     # --- adapters, reporting back as events --------------------------------------------------
 

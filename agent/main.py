@@ -29,6 +29,7 @@ from spotdrain.agent.outbox import Outbox
 from spotdrain.agent.rentals import JOB_KINDS, PlainWorkloads
 from spotdrain.agent.slot_gate import Interrupted
 from spotdrain.agent.workers import WorkerManager
+from spotdrain.background import Background
 from spotdrain.cli import UsageError, fail_usage
 from spotdrain.metrics import CollectorRegistry, GaugeCollector, ReclamationMetrics
 from spotdrain.metrics import serve as metrics_serve
@@ -102,7 +103,7 @@ class Agent:
         self.link.heartbeat_slots = lambda: self.workers.slots() + self.plain.job_slots()
         self.control = ControlSocket(cfg.socket, cfg.socket_group, self.control_request)
         self.watching = asyncio.Event()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = Background()
         self._supervised: dict[asyncio.Task[Any], str] = {}
 
     async def registration(self) -> pb.Register:
@@ -198,9 +199,7 @@ class Agent:
         self.metrics.observe_event("stream_interrupted", reclaim_id, None, {})
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro)
 
     # --- the owner's switch ------------------------------------------------------------------
 
@@ -380,8 +379,7 @@ class Agent:
 
     async def shutdown(self) -> None:
         await self.control.close()
-        for task in list(self._tasks):
-            task.cancel()
+        await self._tasks.close()
         await self.drains.close()
         await self.workers.close()
         await self.plain.close()

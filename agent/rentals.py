@@ -32,6 +32,7 @@ from spotdrain.agent.docker_engine import (
 )
 from spotdrain.agent.reclamation import SIGKILL, SIGTERM
 from spotdrain.agent.workers import MODEL_LABEL, WORKER_LABEL
+from spotdrain.background import Background
 
 log = logging.getLogger("spotdrain.agent.rentals")
 
@@ -101,7 +102,7 @@ class PlainWorkloads:
         self.adopted = False  # adopt_running() has listed the engine once
         self._starting: set[tuple[str, str]] = set()  # (table, key) while its start runs
         self._stop_asked: dict[str, str] = {}  # StopRental for a rental still starting
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = Background()
 
     # --- rentals -----------------------------------------------------------------------------
 
@@ -331,12 +332,8 @@ class PlainWorkloads:
         self.adopted = True
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro)
 
     async def close(self) -> None:
         """The agent stops: stop watching. The containers run on (a restart adopts them)."""
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.close()

@@ -21,6 +21,7 @@ import aiohttp
 
 from spotdrain.agent.docker_engine import DockerEngine, DockerUnavailable
 from spotdrain.agent.slot_gate import Interrupted, SlotGate
+from spotdrain.background import Background
 from spotdrain.metrics import ReclamationMetrics
 
 log = logging.getLogger("spotdrain.agent.workers")
@@ -76,7 +77,7 @@ class WorkerManager:
         self.clock = clock
         self.metrics = metrics
         self.workers: dict[str, LocalWorker] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = Background()
 
     # --- starting ----------------------------------------------------------------------------
 
@@ -302,13 +303,9 @@ class WorkerManager:
         ]
 
     def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.close()
         for worker in list(self.workers.values()):
             await worker.gate.close()

@@ -15,9 +15,10 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
+from spotdrain.background import Background
 from spotdrain.coordinator import capacity
 from spotdrain.coordinator import workers as wm
 from spotdrain.coordinator.acquirer import (
@@ -99,8 +100,8 @@ class Fleet:
         self._replace_on_stop: dict[str, wm.Worker] = {}
         # Each rental's watchers (WatchRental streams): a queue of snapshots each.
         self.rental_watchers: dict[str, set[asyncio.Queue[Rental]]] = {}
-        # Acquisitions in flight: nothing waits for them, but they are not garbage.
-        self._background: set[asyncio.Task[None]] = set()
+        # Acquisitions in flight: nothing waits for them; a failure is logged.
+        self._background = Background()
         self._short: set[str] = set()  # models whose desired capacity could not be met
         # One capacity pass at a time: two passes that both saw a shortage would both fill it.
         self._capacity_lock = asyncio.Lock()
@@ -405,16 +406,8 @@ class Fleet:
             reclaim_id,
         )
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        async def run() -> None:
-            try:
-                await coro
-            except Exception:  # noqa: BLE001 (a background step must not vanish silently)
-                log.exception("background step failed")
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        self._background.spawn(coro)
 
     # --- rentals -----------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from spotdrain.background import Background
 from spotdrain.metrics import ReclamationMetrics
 
 log = logging.getLogger("spotdrain.agent.drain")
+RECENT_KEPT = 8  # finished reclamations kept in memory (see DrainRunner.recent)
 
 
 class DrainRunner:
@@ -53,6 +54,9 @@ class DrainRunner:
         self.bundles = BundleStore(cfg.state_dir)
         self.local_taints = LocalTaints(cfg.state_dir)
         self.live: dict[str, r.Reclamation] = {}
+        # The last few finished ones: a rental's exit at G may be reported just after its
+        # reclamation has verified the node empty and finished.
+        self.recent: dict[str, r.Reclamation] = {}
         self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         # An adapter bug must not silently stop a drain: a failed task fails the supervisor.
         self._tasks = Background(lambda e: self._queue.put_nowait(("crash", e)))
@@ -248,6 +252,19 @@ class DrainRunner:
         self._execute(rec, commands)
         if rec.finished:
             self.live.pop(rec.reclaim_id, None)
+            self.recent[rec.reclaim_id] = rec
+            while len(self.recent) > RECENT_KEPT:
+                del self.recent[next(iter(self.recent))]
+
+    def past_grace(self, now: float) -> r.Reclamation | None:
+        """The reclamation whose grace deadline has passed (its SIGKILL round took whatever
+        still ran), if any: what a container stopping now was stopped by."""
+        due = [
+            rec
+            for rec in (*self.live.values(), *self.recent.values())
+            if not rec.lifted and rec.grace_deadline <= now
+        ]
+        return min(due, key=lambda rec: rec.grace_deadline, default=None)
 
     # --- commands ----------------------------------------------------------------------------
 

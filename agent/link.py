@@ -169,6 +169,14 @@ class CoordinatorLink:
         self._reports.append(pb.AgentMessage(worker=msg))
         self._outbox_changed.set()
 
+    def register_again(self, registration: pb.Register) -> None:
+        """A fuller registration on the open stream (the inventory was incomplete at the
+        session's start); the coordinator reconciles again. Without a stream, the next
+        session registers anyway."""
+        if self.connected.is_set():
+            self._reports.append(pb.AgentMessage(register=registration))
+            self._outbox_changed.set()
+
     def report_rental(self, rental_id: str, report: dict) -> None:
         """A rental's container started, stopped or was refused (RentalReport fields)."""
         msg = pb.RentalReport(rental_id=rental_id, **report)

@@ -87,7 +87,7 @@ class Agent:
             self.docker,
             cfg.deadline_file,
             refuse_start=lambda: self.drains.refuse_start(),
-            report_rental=self.link.report_rental,
+            report_rental=self._report_rental,
             report_worker=self.link.report_worker,
         )
         self.drains = DrainRunner(
@@ -141,6 +141,7 @@ class Agent:
             workers=running,
             provider=self.cfg.provider,
             rentals=rentals,
+            inventory_incomplete=not self.inventory_complete,
         )
 
     # --- commands: workers, jobs, rentals ------------------------------------------------------
@@ -260,15 +261,42 @@ class Agent:
             except DockerUnavailable as e:
                 log.warning("node %s: container inventory: %s", self.cfg.node_id, e)
             else:
-                if not self.plain.adopted:
-                    await self._adopt_plain()  # the engine was away when the agent started
+                if not self.inventory_complete:
+                    await self._adopt()  # the engine was away when the agent started
             await asyncio.sleep(self.cfg.inventory_every_s)
 
-    async def _adopt_plain(self) -> None:
+    @property
+    def inventory_complete(self) -> bool:
+        return self.workers.adopted and self.plain.adopted
+
+    async def _adopt(self) -> None:
+        """Take over the containers a previous agent started: gates in front of inference
+        workers, exit watches on rentals and jobs. Until it has worked once, registrations say
+        the inventory is incomplete, so the coordinator takes nothing missing as gone."""
         try:
-            await self.plain.adopt_running()
+            if not self.workers.adopted:
+                await self.workers.adopt_running()
+            if not self.plain.adopted:
+                await self.plain.adopt_running()
         except DockerUnavailable as e:
-            log.warning("node %s: cannot adopt rentals and jobs yet: %s", self.cfg.node_id, e)
+            log.warning("node %s: cannot adopt running containers yet: %s", self.cfg.node_id, e)
+            return
+        if self.link.connected.is_set():
+            self.link.register_again(await self.registration())  # the whole inventory now
+
+    def _report_rental(self, rental_id: str, report: dict[str, Any]) -> None:
+        """A rental's report; a stop past a reclamation's G names that reclamation, so the
+        coordinator attributes the end right even if it never got the Taint."""
+        if report.get("state") == "stopped":
+            rec = self.drains.past_grace(time.time())
+            if rec is not None:
+                report = {
+                    **report,
+                    "reclaim_id": rec.reclaim_id,
+                    "reclaim_reason": rec.reason,
+                    "reclaim_at": rec.grace_deadline,
+                }
+        self.link.report_rental(rental_id, report)
 
     async def run(self) -> None:
         """The supervisor: named tasks, the first failure stops them all and is re-raised."""
@@ -281,11 +309,7 @@ class Agent:
                 self.cfg.metrics_listen.rpartition(":")[0],
                 port,
             )
-        try:
-            await self.workers.adopt_running()
-        except DockerUnavailable as e:
-            log.warning("node %s: cannot adopt running workers yet: %s", self.cfg.node_id, e)
-        await self._adopt_plain()
+        await self._adopt()
         tasks: dict[str, Coroutine[Any, Any, None]] = {
             "drains": self.drains.run(),
             "notices": self.watch_notices(),

@@ -78,6 +78,7 @@ class WorkerManager:
         self.metrics = metrics
         self.workers: dict[str, LocalWorker] = {}
         self._tasks = Background()
+        self.adopted = False  # adopt_running() has listed the engine once
 
     # --- starting ----------------------------------------------------------------------------
 
@@ -128,10 +129,13 @@ class WorkerManager:
         self._report_started(worker)
 
     async def adopt_running(self) -> None:
-        """Agent restart: put gates back in front of this node's running workers."""
+        """Agent restart: put gates back in front of this node's running workers. May be
+        called again (the engine was away the first time); a worker already fronted is kept."""
         for info in await self.docker.running(with_labels=True):
             labels = info.labels
             if labels.get("spotdrain.kind") != "inference" or WORKER_LABEL not in labels:
+                continue
+            if labels[WORKER_LABEL] in self.workers:
                 continue
             worker = await self._attach(
                 labels[WORKER_LABEL],
@@ -144,6 +148,7 @@ class WorkerManager:
             )
             log.info("node %s: adopted worker %s", self.node_id, worker.worker_id)
             self._report_started(worker)
+        self.adopted = True
 
     async def _attach(
         self,

@@ -44,6 +44,12 @@ PAUSE_TAINT_KEY = "spotdrain.io/paused"
 # A worker drained because its model has more than its desired count: its open requests get
 # this long to finish before its gate cuts them.
 SCALE_DOWN_GRACE_S = 60.0
+# A running rental the node did not list when it registered: its stop report (queued on the
+# agent, sent right after the registration) gets this long to arrive and say how it ended.
+MISSING_RENTAL_GRACE_S = 5.0
+# A model whose workers keep failing to start (a wrong image): the next try waits 5 s, 10 s,
+# ... up to this, so a broken setting does not place a new worker every recovery pass.
+START_BACKOFF_MAX_S = 300.0
 
 WORKER_KINDS = ("inference", "batch", "render")
 
@@ -56,10 +62,14 @@ def _worker(doc: dict[str, Any]) -> wm.Worker:
 
 
 class SpotChangeRefused(Exception):
-    def __init__(self, node_id: str, rentals: list[str]) -> None:
+    def __init__(self, node_id: str, rentals: Sequence[str], render: Sequence[str] = ()) -> None:
+        held = []
+        if rentals:
+            held.append(f"{len(rentals)} active rental(s) ({', '.join(rentals)})")
+        if render:
+            held.append(f"{len(render)} render job(s) ({', '.join(render)}), never run on spot")
         super().__init__(
-            f"node {node_id} has {len(rentals)} active rental(s) ({', '.join(rentals)}): its "
-            "spot flag cannot change until they end"
+            f"node {node_id} has {' and '.join(held)}: its spot flag cannot change until they end"
         )
         self.node_id = node_id
         self.rentals = rentals
@@ -105,6 +115,10 @@ class Fleet:
         self._short: set[str] = set()  # models whose desired capacity could not be met
         # One capacity pass at a time: two passes that both saw a shortage would both fill it.
         self._capacity_lock = asyncio.Lock()
+        # Rentals a (re)registered node did not list, since when (see MISSING_RENTAL_GRACE_S).
+        self._missing_rentals: dict[str, float] = {}
+        # model -> (failed starts in a row, no new start before). Lost on restart: harmless.
+        self._start_backoff: dict[str, tuple[int, float]] = {}
 
     # --- rebuild and recovery ----------------------------------------------------------------
 
@@ -157,7 +171,26 @@ class Fleet:
                         worker,
                         wm.Drain(now, drain.reason, drain.grace_deadline, drain.terminate_at),
                     )
+        await self._recover_rentals(now)
         await self.keep_capacity(path="recovery")
+
+    async def _recover_rentals(self, now: float) -> None:
+        """A rental never reported started is given up, like a worker; one its node no longer
+        runs (and reported no stop for) has ended without a trace."""
+        for rental in self.rentals(active_only=True):
+            if rental.state == "starting" and now - rental.started_at > self.start_timeout_s:
+                why = f"never reported started within {self.start_timeout_s:.0f} s"
+                if rental.stopped(now, None, why):
+                    await self._rental_ended(rental)
+                    self._send_stop_rental(rental, "start timeout")
+        for rental_id, since in list(self._missing_rentals.items()):
+            if now - since < MISSING_RENTAL_GRACE_S:
+                continue
+            del self._missing_rentals[rental_id]
+            rental = self.rental(rental_id)
+            why = "its container was gone when the node came back"
+            if rental is not None and rental.stopped(now, None, why, vanished=True):
+                await self._rental_ended(rental)
 
     async def recovery_loop(self) -> None:
         while True:
@@ -221,8 +254,9 @@ class Fleet:
         if first and reason == "notice":
             self._request_replacement(node_id, drain.reclaim_id, drain.terminate_at, lost, now)
         # Replacements start now, elsewhere, in parallel with this drain: the node is already
-        # unschedulable (tainted or disabled), so the gate sends them to other nodes.
-        await self.keep_capacity(path="recovery")
+        # unschedulable (tainted or disabled), so the gate sends them to other nodes. In the
+        # background: the Taint answer, which the agent waits for before signalling, does not.
+        self._spawn(self.keep_capacity(path="recovery"))
 
     async def end_pause(self, node_id: str, reclaim_id: str) -> None:
         """The owner's resume: flag on, pause drains ended, paused workers placed again."""
@@ -331,7 +365,11 @@ class Fleet:
         now = self.clock()
         for model in self.store.models():
             serving = self._serving(model.model)
-            for _ in range(model.replicas - len(serving)):
+            failures, retry_at = self._start_backoff.get(model.model, (0, 0.0))
+            missing = model.replicas - len(serving)
+            if failures and now < retry_at:
+                missing = 0  # its last start failed: wait before the next try
+            for _ in range(missing):
                 request = PlacementRequest(kind="inference", path=path)
                 node_id, refused = self._pick_node(request, prefer)
                 if node_id is None:
@@ -358,6 +396,26 @@ class Fleet:
                 grace = now + SCALE_DOWN_GRACE_S
                 await self.apply(worker, wm.Drain(now, "operator", grace, grace + 10))
 
+    async def _start_failed(self, worker: wm.Worker) -> None:
+        """A worker of a model with a desired count stopped before it ever served: back off
+        before that model's next start (5 s, doubling, at most START_BACKOFF_MAX_S)."""
+        if worker.kind != "inference" or self.store.model(worker.model) is None:
+            return
+        failures = self._start_backoff.get(worker.model, (0, 0.0))[0] + 1
+        delay = min(START_BACKOFF_MAX_S, 5.0 * 2 ** (failures - 1))
+        self._start_backoff[worker.model] = (failures, self.clock() + delay)
+        await self.record(
+            "capacity_start_failed",
+            worker.node_id,
+            {
+                "model": worker.model,
+                "worker_id": worker.worker_id,
+                "failures": failures,
+                "retry_in_s": delay,
+            },
+            "",
+        )
+
     def _request_replacement(
         self, node_id: str, reclaim_id: str, terminate_at: float, lost: list[wm.Worker], now: float
     ) -> None:
@@ -366,7 +424,9 @@ class Fleet:
         node (or the Taint answer) waits for it (DESIGN.md step 6)."""
         node = self.store.node(node_id)
         group = node.node_group if node is not None else ""
-        until = self.store.avoid_group(group, now + self.avoid_s)
+        elsewhere = ({n.node_group for n in self.store.nodes()} | set(self.acquirers)) - {group}
+        # Avoiding the only group there is would stop every placement, replacements included.
+        until = self.store.avoid_group(group, now + self.avoid_s) if elsewhere else None
         target = choose_target_group(
             group, list(self.acquirers), self.store.avoided_groups(now), now
         )
@@ -412,9 +472,13 @@ class Fleet:
     # --- rentals -----------------------------------------------------------------------------
 
     def rentals(self, node_id: str | None = None, active_only: bool = False) -> list[Rental]:
-        return [
-            Rental.from_json(d) for d in self.store.rental_docs(node_id, active_only=active_only)
-        ]
+        docs = self.store.rental_docs(node_id, holding_only=active_only)
+        rentals = [Rental.from_json(d) for d in docs]
+        return [r for r in rentals if r.active] if active_only else rentals
+
+    def holding_rentals(self, node_id: str) -> list[Rental]:
+        """Rentals whose GPUs are taken: active, or ended with their container still there."""
+        return [Rental.from_json(d) for d in self.store.rental_docs(node_id, holding_only=True)]
 
     def rental(self, rental_id: str) -> Rental | None:
         doc = self.store.rental_doc(rental_id)
@@ -448,13 +512,16 @@ class Fleet:
     async def end_rental(self, rental: Rental, ended_by: str) -> Rental:
         if rental.end(self.clock(), ended_by):
             await self._rental_ended(rental)
-            self.send(
-                rental.node_id,
-                pb.CoordinatorMessage(
-                    stop_rental=pb.StopRental(rental_id=rental.rental_id, reason=ended_by)
-                ),
-            )
+            self._send_stop_rental(rental, ended_by)
         return rental
+
+    def _send_stop_rental(self, rental: Rental, reason: str) -> None:
+        self.send(
+            rental.node_id,
+            pb.CoordinatorMessage(
+                stop_rental=pb.StopRental(rental_id=rental.rental_id, reason=reason)
+            ),
+        )
 
     async def rental_report(self, node_id: str, report: pb.RentalReport) -> None:
         rental = self.rental(report.rental_id)
@@ -468,44 +535,48 @@ class Fleet:
                     ),
                 )
             return
+        self._missing_rentals.pop(rental.rental_id, None)
         if report.state == "started":
             if not rental.active:  # ended while the agent was away: stop what still runs
-                self.send(
-                    node_id,
-                    pb.CoordinatorMessage(
-                        stop_rental=pb.StopRental(rental_id=rental.rental_id, reason="ended")
-                    ),
-                )
+                self._send_stop_rental(rental, "ended")
             elif rental.started(report.container):
                 await self._rental_changed(rental)
             return
-        was_active = rental.active
+        if report.reclaim_id and rental.active:
+            # Stopped by a reclamation this coordinator may never have heard of (a pause the
+            # agent applied on its own): the end is that reclamation's.
+            rental.reclaim(report.reclaim_id, report.reclaim_reason or "notice", report.reclaim_at)
+        was_active, was_releasing = rental.active, rental.releasing
         if rental.stopped(self.clock(), report.exit_code, report.reason):
             if was_active:
                 await self._rental_ended(rental)
             else:
                 await self._rental_changed(rental)
+                if was_releasing:  # its container is gone: the GPUs are free now
+                    await self.keep_capacity(path="rental_end_restart", prefer=rental.node_id)
 
     async def lift_reclaim(self, node_id: str, reclaim_id: str) -> None:
         """A pause resumed or a notice cancelled before G: its rentals go on."""
         for rental in self.rentals(node_id, active_only=True):
-            if rental.reclaim_lifted(reclaim_id):
+            if rental.reclaim_lifted(reclaim_id, self.clock()):
                 await self._rental_changed(rental)
                 await self.record(
                     "rental_reclaim_lifted", node_id, {"rental_id": rental.rental_id}, reclaim_id
                 )
 
-    async def _reconcile_rentals(self, node_id: str, running: list[pb.RentalReport]) -> None:
+    async def _reconcile_rentals(
+        self, node_id: str, running: list[pb.RentalReport], complete: bool
+    ) -> None:
         seen = {r.rental_id for r in running}
         for rental in self.rentals(node_id, active_only=True):
             if rental.rental_id in seen:
                 continue
             if rental.state == "starting":
                 self._send_start_rental(rental)  # the command may have been lost: it is idempotent
-            elif rental.stopped(
-                self.clock(), None, "its container was gone when the node came back", vanished=True
-            ):
-                await self._rental_ended(rental)
+            elif complete:
+                # Not ended yet: the agent's stop report, queued while it was away, comes
+                # right after its registration and says how (recover() waits for it).
+                self._missing_rentals.setdefault(rental.rental_id, self.clock())
         for report in running:
             await self.rental_report(node_id, report)
 
@@ -523,11 +594,18 @@ class Fleet:
             },
             rental.reclaim_id,
         )
-        # Its GPUs are free: a worker the fleet wants goes back there first.
-        await self.keep_capacity(path="rental_end_restart", prefer=rental.node_id)
+        if not rental.releasing:
+            # Its GPUs are free: a worker the fleet wants goes back there first. (One still
+            # releasing frees them when the agent reports its container stopped.)
+            await self.keep_capacity(path="rental_end_restart", prefer=rental.node_id)
 
     async def _rental_changed(self, rental: Rental) -> None:
-        self.store.save_rental(rental.rental_id, rental.node_id, rental.ended_at, rental.to_json())
+        self.store.save_rental(
+            rental.rental_id,
+            rental.node_id,
+            None if rental.holds_gpus else rental.ended_at,
+            rental.to_json(),
+        )
         for queue in self.rental_watchers.get(rental.rental_id, ()):
             queue.put_nowait(Rental.from_json(rental.to_json()))
 
@@ -563,21 +641,26 @@ class Fleet:
         node = self.store.node(node_id)
         if node is None:
             raise KeyError(node_id)
-        active = self.rentals(node_id, active_only=True)
-        if active and node.spot != spot:
+        active = [r.rental_id for r in self.rentals(node_id, active_only=True)]
+        # Render is never on spot: a node with render jobs cannot become one under them.
+        render = [w.worker_id for w in self.render_jobs(node_id)] if spot else []
+        if (active or render) and node.spot != spot:
             await self.record(
                 "spot_change_refused",
                 node_id,
-                {"spot": spot, "active_rentals": [r.rental_id for r in active]},
+                {"spot": spot, "active_rentals": active, "render_jobs": render},
                 "",
             )
-            raise SpotChangeRefused(node_id, [r.rental_id for r in active])
+            raise SpotChangeRefused(node_id, active, render)
         self.store.set_spot(node_id, spot)
         if node.spot != spot:
             await self.record("node_spot_changed", node_id, {"spot": spot, "was": node.spot}, "")
         changed = self.store.node(node_id)
         assert changed is not None
         return changed
+
+    def render_jobs(self, node_id: str) -> list[wm.Worker]:
+        return [w for w in self.live_workers(node_id) if w.kind == "render"]
 
     # --- the one placement gate --------------------------------------------------------------
 
@@ -587,9 +670,7 @@ class Fleet:
             return None
         # One GPU per worker and a rental's own count: promised GPUs are in use from the
         # moment of placement, so nothing is double-booked.
-        busy = len(self.live_workers(node_id)) + sum(
-            r.gpus for r in self.rentals(node_id, active_only=True)
-        )
+        busy = len(self.live_workers(node_id)) + sum(r.gpus for r in self.holding_rentals(node_id))
         return NodeView(
             node_id=node_id,
             workload_enabled=node.workload_enabled,
@@ -733,13 +814,16 @@ class Fleet:
         node_id: str,
         running: list[pb.WorkerReport],
         rentals: Sequence[pb.RentalReport] = (),
+        complete: bool = True,
     ) -> None:
-        """A node (re)connected: reconcile its workers with what it says is running."""
+        """A node (re)connected: reconcile its workers with what it says is running. With an
+        incomplete inventory (Docker was down at the agent's start) nothing missing from the
+        lists counts as gone: it is the list that is short."""
         seen = {r.worker_id for r in running}
         now = self.clock()
         lost = []
         for worker in self.live_workers(node_id):
-            if worker.worker_id not in seen and worker.state != wm.STARTING:
+            if complete and worker.worker_id not in seen and worker.state != wm.STARTING:
                 # Gone while we were apart (reboot, crash): only a stop ends draining, and
                 # this is one.
                 if worker.state == wm.READY:
@@ -764,7 +848,7 @@ class Fleet:
         for worker in self.live_workers(node_id):
             if worker.state == wm.DRAINING:
                 self._send_drain(worker)
-        await self._reconcile_rentals(node_id, list(rentals))
+        await self._reconcile_rentals(node_id, list(rentals), complete)
 
     # --- effects -----------------------------------------------------------------------------
 
@@ -784,7 +868,11 @@ class Fleet:
                     await self.record(kind, worker.node_id, dict(details), "")
                 case _:
                     raise TypeError(effect)
+        if worker.state == wm.READY:
+            self._start_backoff.pop(worker.model, None)
         if worker.state == wm.STOPPED:
+            if worker.story and worker.story[-1][2:] == (wm.STARTING, wm.STOPPED):
+                await self._start_failed(worker)
             self.workers.pop(worker.worker_id, None)
             waiting = self._replace_on_stop.pop(worker.worker_id, None)
             if waiting is not None:

@@ -394,17 +394,24 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
                     }
                     for g in reg.gpus
                 ]
-                refused_spot = self.coord.store.upsert_node(
-                    node_id, reg.spot, reg.node_group, gpus, reg.provider
+                refused = self.coord.store.upsert_node(
+                    node_id,
+                    reg.spot,
+                    reg.node_group,
+                    gpus,
+                    reg.provider,
+                    spot_locked=bool(self._render_still_running(node_id, reg)),
                 )
-                if refused_spot is not None:
-                    # Invariant 9: a node cannot turn spot (or back) under a rental, not even
-                    # by restarting its agent with another setting.
-                    await self.coord.record(
-                        "spot_change_refused",
-                        node_id,
-                        {"spot": refused_spot, "via": "registration"},
-                    )
+                # Invariant 9: a node cannot turn spot (or back), nor change hands, under a
+                # rental, not even by restarting its agent with other settings.
+                for field_name, kind in (
+                    ("spot", "spot_change_refused"),
+                    ("provider", "provider_change_refused"),
+                ):
+                    if field_name in refused:
+                        await self.coord.record(
+                            kind, node_id, {field_name: refused[field_name], "via": "registration"}
+                        )
                 fleet.streams[node_id] = out
                 fleet.connected[node_id] = self.coord.clock()
                 log.info(
@@ -422,7 +429,12 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
                         )
                     )
                 )
-                await fleet.registered(node_id, list(reg.workers), list(reg.rentals))
+                await fleet.registered(
+                    node_id,
+                    list(reg.workers),
+                    list(reg.rentals),
+                    complete=not reg.inventory_incomplete,
+                )
                 continue
             if not node_id:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "register before anything else")
@@ -441,6 +453,17 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
                     await self.coord.refuse_foreign(identity, ev.node_id, "Event", context.peer())
                 uids = await self.coord.accept_events(node_id, list(msg.events.events))
                 out.put_nowait(pb.CoordinatorMessage(ack=pb.EventAck(uids=uids)))
+
+
+    def _render_still_running(self, node_id: str, reg: pb.Register) -> list[str]:
+        """Render jobs the node still runs (all it had, if it cannot tell): they hold its
+        spot flag, since render never runs on spot."""
+        running = {w.worker_id for w in reg.workers}
+        return [
+            w.worker_id
+            for w in self.coord.fleet.render_jobs(node_id)
+            if reg.inventory_incomplete or w.worker_id in running
+        ]
 
 
 class AdminServicer(pb_grpc.AdminServicer):
@@ -512,7 +535,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             workload_enabled=n.workload_enabled,
             provider=n.owner,
             live_workers=len(fleet.live_workers(n.node_id)),
-            active_rentals=store.active_rental_count(n.node_id),
+            active_rentals=len(fleet.rentals(n.node_id, active_only=True)),
             group_avoided_until=store.avoided_groups(self.coord.clock()).get(n.node_group, 0.0),
         )
 

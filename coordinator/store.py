@@ -89,6 +89,8 @@ CREATE TABLE node_drains (
 ALTER TABLE nodes ADD COLUMN provider TEXT NOT NULL DEFAULT '';
 -- 1 once an operator set the spot flag: the agent's own claim no longer overrides it.
 ALTER TABLE nodes ADD COLUMN spot_pinned INTEGER NOT NULL DEFAULT 0;
+-- ended_at stays NULL while the rental holds its GPUs (active, or ended with its container not
+-- yet reported stopped): the index finds what a node has booked.
 CREATE TABLE rentals (
     rental_id TEXT PRIMARY KEY,
     node_id TEXT NOT NULL,
@@ -240,28 +242,36 @@ class Store:
         node_group: str,
         gpus: list[dict[str, Any]],
         provider: str = "",
-    ) -> bool | None:
-        """A node's registration. Its spot claim is taken unless an operator pinned the flag or
-        the node has an active rental (invariant 9); then the stored flag stays and the claim
-        it refused is returned, for the caller to record. None: the claim was taken."""
+        spot_locked: bool = False,
+    ) -> dict[str, Any]:
+        """A node's registration. Its spot and provider claims are taken unless something holds
+        them: the spot flag when an operator pinned it, the node is rented (invariant 9) or
+        `spot_locked` (render jobs on it); the provider while the node is rented (its rentals'
+        reputation is that provider's). Returns the claims refused, for the caller to record."""
         now = self.clock()
         with self._tx():
             known = self.node(node_id)
-            keep = (
+            rented = self.active_rental_count(node_id) > 0
+            refused: dict[str, Any] = {}
+            if (
                 known is not None
                 and known.spot != spot
-                and (known.spot_pinned or self.active_rental_count(node_id) > 0)
-            )
-            stored_spot = known.spot if keep and known is not None else spot
+                and (known.spot_pinned or rented or spot_locked)
+            ):
+                refused["spot"] = spot
+                spot = known.spot
+            if known is not None and known.provider != provider and rented:
+                refused["provider"] = provider
+                provider = known.provider
             self.db.execute(
                 "INSERT INTO nodes (node_id, spot, node_group, gpus_json, registered_at, "
                 "last_seen, provider) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(node_id) DO UPDATE "
                 "SET spot=excluded.spot, node_group=excluded.node_group, "
                 "gpus_json=excluded.gpus_json, last_seen=excluded.last_seen, "
                 "provider=excluded.provider",
-                (node_id, int(stored_spot), node_group, json.dumps(gpus), now, now, provider),
+                (node_id, int(spot), node_group, json.dumps(gpus), now, now, provider),
             )
-        return spot if keep else None
+        return refused
 
     def set_spot(self, node_id: str, spot: bool) -> None:
         """An operator's setting of the flag; pinned from then on. The caller checks rentals."""
@@ -384,16 +394,18 @@ class Store:
         ).fetchone()
         return json.loads(row[0]) if row else None
 
-    def rental_docs(self, node_id: str | None = None, active_only: bool = False) -> list[dict]:
+    def rental_docs(self, node_id: str | None = None, holding_only: bool = False) -> list[dict]:
+        """Rentals, oldest first; `holding_only`: those holding their node's GPUs."""
         sql, args = "SELECT doc_json FROM rentals WHERE 1=1", []
         if node_id is not None:
             sql += " AND node_id=?"
             args.append(node_id)
-        if active_only:
+        if holding_only:
             sql += " AND ended_at IS NULL"
         return [json.loads(r[0]) for r in self.db.execute(sql + " ORDER BY rowid", args)]
 
     def active_rental_count(self, node_id: str) -> int:
+        """Rentals holding the node (an ended one counts until its container has stopped)."""
         row = self.db.execute(
             "SELECT COUNT(*) FROM rentals WHERE node_id=? AND ended_at IS NULL", (node_id,)
         ).fetchone()

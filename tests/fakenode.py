@@ -31,7 +31,7 @@ class FakeNode:
         self.stream = None
 
     async def connect(self, running: list[pb.WorkerReport] = (),
-                      rentals: list[pb.RentalReport] = ()) -> None:
+                      rentals: list[pb.RentalReport] = (), incomplete: bool = False) -> None:
         self.outgoing: asyncio.Queue[pb.AgentMessage] = asyncio.Queue()
 
         async def messages():
@@ -42,7 +42,7 @@ class FakeNode:
         await self.outgoing.put(pb.AgentMessage(register=pb.Register(
             node_id=self.node_id, gpus=[pb.Gpu(index=i) for i in range(self.gpus)],
             spot=self.spot, node_group=self.group, provider=self.provider,
-            workers=list(running), rentals=list(rentals))))
+            workers=list(running), rentals=list(rentals), inventory_incomplete=incomplete)))
         assert (await self.stream.read()).WhichOneof("body") == "registered"
 
     async def command(self, timeout: float = 10) -> pb.CoordinatorMessage:

@@ -297,14 +297,17 @@ async def test_a_killed_coordinator_keeps_rentals_reclaims_and_avoided_groups(tm
     """SIGKILL mid-reclaim; the restarted coordinator rebuilds it all from its SQLite file."""
     first = start_coordinator(tmp_path / "c", tls=pki)
     node = FakeNode(first, pki, "node-a", group="group-a")
+    elsewhere = FakeNode(first, pki, "node-b", group="group-b")  # so group-a gets avoided
     alice = Renter(first, pki, "alice")
     try:
+        await elsewhere.connect()
         await node.connect()
         rental = await running_rental(node, alice)
         taint = await node.pause("notice")
         await wait_until(lambda: alice.get(rental.rental_id), lambda r: r.HasField("reclaim_at"))
     finally:
         await node.close()
+        await elsewhere.close()
         await alice.channel.close()
     port = first.address.rsplit(":", 1)[1]
     first.proc.kill()
@@ -315,8 +318,8 @@ async def test_a_killed_coordinator_keeps_rentals_reclaims_and_avoided_groups(tm
         kept = await alice.get(rental.rental_id)
         assert (kept.state, kept.reclaim_at) == ("running", taint.grace_deadline)
         await node.connect(rentals=[pb.RentalReport(rental_id=rental.rental_id, state="started")])
-        [shown] = (await ops.admin.ListNodes(pb.ListNodesRequest())).nodes
-        assert shown.group_avoided_until > time.time() + 200  # still avoided (300 s)
+        shown = {n.node_id: n for n in (await ops.admin.ListNodes(pb.ListNodesRequest())).nodes}
+        assert shown["node-a"].group_avoided_until > time.time() + 200  # still avoided (300 s)
         await node.report_rental(rental.rental_id, "stopped", exit_code=137)
         ended = await wait_until(lambda: alice.get(rental.rental_id), lambda r: r.state == "ended")
         assert ended.ended_by == "reclaim"
@@ -325,3 +328,119 @@ async def test_a_killed_coordinator_keeps_rentals_reclaims_and_avoided_groups(tm
         await alice.channel.close()
         await ops.channel.close()
         again.proc.stop()
+
+
+async def test_a_resume_during_a_notice_leaves_the_notices_reclaim_at(coordinator, pki, alice):
+    node = FakeNode(coordinator, pki, "node-a")
+    try:
+        await node.connect()
+        rental = await running_rental(node, alice)
+        await node.pause("pause", grace_s=100)
+        notice = await node.pause("notice", grace_s=200)
+        told = await wait_until(lambda: alice.get(rental.rental_id),
+                                lambda r: r.HasField("reclaim_at"))
+        assert told.reclaim_reason == "pause"
+        await node.resume()
+        after = await wait_until(lambda: alice.get(rental.rental_id),
+                                 lambda r: r.reclaim_reason == "notice")
+        assert (after.reclaim_at, after.reclaim_id) == (notice.grace_deadline, notice.reclaim_id)
+    finally:
+        await node.close()
+
+
+async def test_an_ended_rentals_gpus_stay_booked_until_its_container_stopped(
+    coordinator, pki, ops, alice
+):
+    node = FakeNode(coordinator, pki, "node-a", gpus=1)
+    try:
+        await node.connect()
+        rental = await running_rental(node, alice)
+        await alice.rentals.EndRental(pb.EndRentalRequest(rental_id=rental.rental_id))
+        await node.next_of("stop_rental")
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # its container still runs
+            await ops.start("node-a")
+        assert "not_enough_gpus" in err.value.details()
+        await node.report_rental(rental.rental_id, "stopped", exit_code=143)
+        ended = await wait_until(lambda: alice.get(rental.rental_id),
+                                 lambda r: r.HasField("exit_code"))
+        assert (ended.ended_by, ended.exit_code) == ("renter", 143)
+        assert (await ops.start("node-a")).node_id == "node-a"
+    finally:
+        await node.close()
+
+
+async def test_a_node_that_cannot_list_its_containers_loses_no_rental(
+    coordinator, pki, ops, alice
+):
+    """The agent restarted while Docker was down: its registration says the inventory is
+    incomplete, and nothing missing from it is taken as gone. Once complete, a rental still
+    missing waits for its stop report, which says how it ended (here: the owner's pause the
+    agent applied on its own, past G, on an on-demand node); one with no report at all ends
+    as platform after a few seconds."""
+    node = FakeNode(coordinator, pki, "node-a", spot=False, gpus=4)
+    try:
+        await node.connect()
+        paused = await running_rental(node, alice)
+        gone = await running_rental(node, alice)
+        await node.disconnect()
+        await node.connect(incomplete=True)
+        await asyncio.sleep(0.5)
+        for r in (paused, gone):
+            assert (await alice.get(r.rental_id)).state == "running"
+        await node.disconnect()
+        await node.connect()
+        now = time.time()
+        await node.outgoing.put(pb.AgentMessage(rental=pb.RentalReport(
+            rental_id=paused.rental_id, state="stopped", exit_code=137,
+            reclaim_id="rcl-local-pause", reclaim_reason="pause", reclaim_at=now - 1)))
+        ended = await wait_until(lambda: alice.get(paused.rental_id),
+                                 lambda r: r.state == "ended")
+        assert (ended.ended_by, ended.reclaim_id) == ("provider", "rcl-local-pause")
+        assert (await alice.get(gone.rental_id)).state == "running"  # its report may come
+        vanished = await wait_until(lambda: alice.get(gone.rental_id),
+                                    lambda r: r.state == "ended", timeout=15)
+        assert vanished.ended_by == "platform" and "gone" in vanished.detail
+    finally:
+        await node.close()
+
+
+async def test_a_rental_never_started_is_given_up(tmp_path, pki):
+    coordinator = start_coordinator(tmp_path / "c", tls=pki, extra=("--start-timeout-s", "1"))
+    node = FakeNode(coordinator, pki, "node-a")
+    alice = Renter(coordinator, pki, "alice")
+    try:
+        await node.connect()
+        rental = await alice.rent("node-a")
+        await node.next_of("start_rental")  # and never answers
+        ended = await wait_until(lambda: alice.get(rental.rental_id),
+                                 lambda r: r.state == "ended")
+        assert ended.ended_by == "platform" and "never reported started" in ended.detail
+        assert (await node.next_of("stop_rental")).stop_rental.rental_id == rental.rental_id
+    finally:
+        await node.close()
+        await alice.channel.close()
+        coordinator.proc.stop()
+
+
+async def test_no_provider_change_and_no_spot_under_render_jobs(coordinator, pki, ops, alice):
+    node = FakeNode(coordinator, pki, "node-a", spot=False, provider="acme")
+    try:
+        await node.connect()
+        rental = await running_rental(node, alice)
+        await node.disconnect()
+        node.provider = "someone-else"
+        await node.connect(rentals=[pb.RentalReport(rental_id=rental.rental_id, state="started")])
+        [shown] = (await ops.admin.ListNodes(pb.ListNodesRequest())).nodes
+        assert shown.provider == "acme"
+        assert await ops.events("provider_change_refused")
+        await alice.rentals.EndRental(pb.EndRentalRequest(rental_id=rental.rental_id))
+        await node.report_rental(rental.rental_id, "stopped", exit_code=0)
+
+        job = await ops.start("node-a", kind="render")
+        await node.next_of("start_worker")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await ops.admin.SetNodeSpot(pb.SetNodeSpotRequest(node_id="node-a", spot=True))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert job.worker_id in err.value.details() and "render" in err.value.details()
+    finally:
+        await node.close()

@@ -156,16 +156,28 @@ async def test_an_acquirer_that_hangs_or_fails_is_recorded_and_delays_nothing(
         coordinator.proc.stop()
 
 
-async def test_no_acquirer_for_another_group_is_recorded_not_raised(coordinator, pki):
+async def test_one_group_only_is_not_avoided_and_the_replacement_goes_beside(coordinator, pki):
+    """Every node in one group, no acquirer: avoiding the group would stop every placement,
+    the notice's own replacement included. The lack of an acquirer is recorded, not raised."""
     ops = Ops(coordinator)
     a1 = FakeNode(coordinator, pki, "a1", group="group-a")
+    a2 = FakeNode(coordinator, pki, "a2", group="group-a")
     try:
         await a1.connect()
+        await a2.connect()
+        await ops.admin.SetModelReplicas(pb.SetModelReplicasRequest(
+            model="m", replicas=1, image="img", slots=4))
+        await a1.start_next()
         await a1.pause("notice")
         [unavailable] = await wait_for(lambda: events(ops, "replacement_unavailable"), bool)
         assert unavailable["reclaimed_group"] == "group-a"
+        assert unavailable["avoided_until"] is None
+        assert (await a2.next_of("start_worker")).start_worker.model == "m"
+        nodes = (await ops.admin.ListNodes(pb.ListNodesRequest())).nodes
+        assert [n.group_avoided_until for n in nodes] == [0, 0]
     finally:
         await a1.close()
+        await a2.close()
         await ops.channel.close()
 
 
@@ -238,4 +250,34 @@ async def test_desired_capacity_needs_an_image_and_a_known_node(coordinator, pki
             await ops.admin.GetReputation(pb.GetReputationRequest(node_id="nope"))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
+        await ops.channel.close()
+
+
+async def test_a_model_whose_workers_fail_to_start_is_retried_with_backoff(coordinator, pki):
+    """A wrong image: each start fails at once. The next try waits 5 s, then 10 s: a broken
+    setting does not place a new worker every recovery pass."""
+    ops = Ops(coordinator)
+    node = FakeNode(coordinator, pki, "a")
+    try:
+        await node.connect()
+        await ops.admin.SetModelReplicas(pb.SetModelReplicasRequest(
+            model="m", replicas=1, image="no-such-image", slots=4))
+        first = await node.next_of("start_worker")
+        failed_at = time.monotonic()
+        await node.outgoing.put(pb.AgentMessage(worker=pb.WorkerReport(
+            worker_id=first.start_worker.worker_id, state="stopped", exit_code=-1,
+            reason="image not found")))
+        [failed] = await wait_for(lambda: events(ops, "capacity_start_failed"), bool)
+        assert (failed["failures"], failed["retry_in_s"]) == (1, 5.0)
+        second = await node.next_of("start_worker", timeout=15)
+        assert time.monotonic() - failed_at >= 4.5  # not before the backoff ran out
+        assert second.start_worker.worker_id != first.start_worker.worker_id
+        # This one starts: the backoff is forgotten.
+        await node.outgoing.put(pb.AgentMessage(worker=pb.WorkerReport(
+            worker_id=second.start_worker.worker_id, state="started",
+            gate_address="127.0.0.1:20001", capacity=4)))
+        await wait_for(lambda: ops.admin.ListModels(pb.ListModelsRequest()),
+                       lambda r: r.models[0].ready == 1)
+    finally:
+        await node.close()
         await ops.channel.close()

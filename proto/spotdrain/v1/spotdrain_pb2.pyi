@@ -19,7 +19,7 @@ class Gpu(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node_id", "gpus", "spot", "node_group", "agent_version", "workers", "provider", "rentals")
+    __slots__ = ("node_id", "gpus", "spot", "node_group", "agent_version", "workers", "provider", "rentals", "inventory_incomplete")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     SPOT_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class Register(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     PROVIDER_FIELD_NUMBER: _ClassVar[int]
     RENTALS_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     spot: bool
@@ -36,7 +37,8 @@ class Register(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerReport]
     provider: str
     rentals: _containers.RepeatedCompositeFieldContainer[RentalReport]
-    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., agent_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerReport, _Mapping]]] = ..., provider: _Optional[str] = ..., rentals: _Optional[_Iterable[_Union[RentalReport, _Mapping]]] = ...) -> None: ...
+    inventory_incomplete: bool
+    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., agent_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerReport, _Mapping]]] = ..., provider: _Optional[str] = ..., rentals: _Optional[_Iterable[_Union[RentalReport, _Mapping]]] = ..., inventory_incomplete: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("node_id", "workers")
@@ -121,18 +123,24 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., events: _Optional[_Union[EventBatch, _Mapping]] = ..., worker: _Optional[_Union[WorkerReport, _Mapping]] = ..., slots: _Optional[_Union[SlotReport, _Mapping]] = ..., rental: _Optional[_Union[RentalReport, _Mapping]] = ...) -> None: ...
 
 class RentalReport(_message.Message):
-    __slots__ = ("rental_id", "state", "container", "exit_code", "reason")
+    __slots__ = ("rental_id", "state", "container", "exit_code", "reason", "reclaim_id", "reclaim_reason", "reclaim_at")
     RENTAL_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_REASON_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_AT_FIELD_NUMBER: _ClassVar[int]
     rental_id: str
     state: str
     container: str
     exit_code: int
     reason: str
-    def __init__(self, rental_id: _Optional[str] = ..., state: _Optional[str] = ..., container: _Optional[str] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    reclaim_id: str
+    reclaim_reason: str
+    reclaim_at: float
+    def __init__(self, rental_id: _Optional[str] = ..., state: _Optional[str] = ..., container: _Optional[str] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ..., reclaim_id: _Optional[str] = ..., reclaim_reason: _Optional[str] = ..., reclaim_at: _Optional[float] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("node_id", "taints")

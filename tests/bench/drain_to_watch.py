@@ -51,13 +51,13 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
+from benchnode import WAIT_S, FakeNode, channel, until  # noqa: E402
 from benchutil import (  # noqa: E402
     base_environment,
     print_environment,
@@ -68,129 +68,15 @@ from benchutil import (  # noqa: E402
 )
 
 from harness import Coordinator, start_coordinator  # noqa: E402
-from pki import CertFiles, Pki  # noqa: E402
+from pki import Pki  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2 as pb  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc  # noqa: E402
 
 MODEL = "bench-model"
 TARGET_P99_MS = 20.0
-WAIT_S = 10.0  # bound on any one wait: only stops a broken run from hanging
-
-
-def channel(coord: Coordinator, who: CertFiles | None) -> grpc.aio.Channel:
-    if coord.tls is None:
-        return grpc.aio.insecure_channel(coord.address)
-    assert who is not None
-    creds = grpc.ssl_channel_credentials(
-        Path(who.ca).read_bytes(), Path(who.key).read_bytes(), Path(who.cert).read_bytes()
-    )
-    return grpc.aio.secure_channel(coord.address, creds)
-
-
-async def until(predicate: Any, what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.002)
 
 
 # --- a node, as the coordinator sees it --------------------------------------------------------
-
-
-class FakeNode:
-    def __init__(self, coord: Coordinator, pki: Pki | None, node_id: str, gpus: int) -> None:
-        self.node_id = node_id
-        self.gpus = gpus
-        self.channel = channel(coord, pki.issue(f"node:{node_id}") if pki else None)
-        self.link = pb_grpc.AgentLinkStub(self.channel)
-        self.live: set[str] = set()  # workers started here and not reported stopped
-        self.drained: set[str] = set()  # drain_worker received, not yet reported stopped
-        self._outbox: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
-        self._registered = asyncio.Event()
-        self._reader: asyncio.Task[None] | None = None
-        self._next_port = 30000
-
-    async def connect(self) -> None:
-        self._outbox.put_nowait(
-            pb.AgentMessage(
-                register=pb.Register(
-                    node_id=self.node_id,
-                    gpus=[
-                        pb.Gpu(index=i, uuid=f"GPU-{self.node_id}-{i}", name="fake")
-                        for i in range(self.gpus)
-                    ],
-                    spot=True,
-                    node_group="bench",
-                )
-            )
-        )
-        call = self.link.Connect(self._outgoing())
-        self._reader = asyncio.create_task(self._read(call))
-        async with asyncio.timeout(WAIT_S):
-            await self._registered.wait()
-
-    async def _outgoing(self) -> AsyncIterator[pb.AgentMessage]:
-        while (message := await self._outbox.get()) is not None:
-            yield message
-
-    async def _read(self, call: Any) -> None:
-        async for message in call:
-            which = message.WhichOneof("body")
-            if which == "registered":
-                self._registered.set()
-            elif which == "start_worker":
-                c = message.start_worker
-                self._next_port += 1
-                self.live.add(c.worker_id)
-                self._outbox.put_nowait(
-                    pb.AgentMessage(
-                        worker=pb.WorkerReport(
-                            worker_id=c.worker_id,
-                            state="started",
-                            gate_address=f"127.0.0.1:{self._next_port}",
-                            capacity=c.capacity,
-                        )
-                    )
-                )
-            elif which == "drain_worker":
-                self.drained.add(message.drain_worker.worker_id)
-
-    async def taint(self, reclaim_id: str) -> pb.TaintReply:
-        now = time.time()
-        return await self.link.Taint(
-            pb.TaintRequest(
-                node_id=self.node_id,
-                reclaim_id=reclaim_id,
-                reason="pause",
-                terminate_at=now + 120,
-                grace_deadline=now + 110,
-            ),
-            timeout=WAIT_S,
-        )
-
-    def report_stopped(self, worker_ids: set[str]) -> None:
-        for worker_id in sorted(worker_ids):
-            self.live.discard(worker_id)
-            self.drained.discard(worker_id)
-            self._outbox.put_nowait(
-                pb.AgentMessage(
-                    worker=pb.WorkerReport(worker_id=worker_id, state="stopped", exit_code=0)
-                )
-            )
-
-    async def resume(self, reclaim_id: str) -> None:
-        await self.link.SetWorkload(
-            pb.SetWorkloadRequest(node_id=self.node_id, enabled=True, reclaim_id=reclaim_id),
-            timeout=WAIT_S,
-        )
-
-    async def close(self) -> None:
-        self._outbox.put_nowait(None)
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-        await self.channel.close()
 
 
 # --- a router's watch ---------------------------------------------------------------------------

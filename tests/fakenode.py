@@ -13,6 +13,17 @@ from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
 
+async def eventually(fetch, ok, timeout: float = 10):
+    """Await fetch() until ok(value); the bound only stops a broken test from hanging."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await fetch()
+        if ok(value):
+            return value
+        assert time.monotonic() < deadline, f"never true: {value}"
+        await asyncio.sleep(0.05)
+
+
 def aio_channel(coordinator, who) -> grpc.aio.Channel:
     creds = grpc.ssl_channel_credentials(
         Path(who.ca).read_bytes(), Path(who.key).read_bytes(), Path(who.cert).read_bytes())

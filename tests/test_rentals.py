@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from fakenode import FakeNode, Ops, aio_channel
+from fakenode import FakeNode, Ops, aio_channel, eventually
 from harness import BIN, start_coordinator
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
@@ -50,18 +50,8 @@ async def running_rental(node: FakeNode, renter: Renter) -> pb.Rental:
     assert msg.start_rental.rental_id == rental.rental_id
     assert msg.start_rental.renter == "alice"
     await node.report_rental(rental.rental_id, "started")
-    await wait_until(lambda: renter.get(rental.rental_id), lambda r: r.state == "running")
+    await eventually(lambda: renter.get(rental.rental_id), lambda r: r.state == "running")
     return rental
-
-
-async def wait_until(fetch, ok, timeout: float = 10):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await fetch()
-        if ok(value):
-            return value
-        assert time.monotonic() < deadline, f"never true: {value}"
-        await asyncio.sleep(0.05)
 
 
 async def reputation(ops: Ops, **subject) -> pb.Reputation:
@@ -150,9 +140,9 @@ async def test_a_resume_before_reclaim_at_lets_the_rental_go_on(coordinator, pki
         await node.connect()
         rental = await running_rental(node, alice)
         await node.pause("pause")
-        await wait_until(lambda: alice.get(rental.rental_id), lambda r: r.HasField("reclaim_at"))
+        await eventually(lambda: alice.get(rental.rental_id), lambda r: r.HasField("reclaim_at"))
         await node.resume()
-        back = await wait_until(lambda: alice.get(rental.rental_id),
+        back = await eventually(lambda: alice.get(rental.rental_id),
                                 lambda r: not r.HasField("reclaim_at"))
         assert back.state == "running" and back.reclaim_id == ""
     finally:
@@ -179,7 +169,7 @@ async def test_the_spot_flag_cannot_change_under_a_rental(coordinator, pki, ops,
         # The owner pauses: on-demand, so it is the provider's doing.
         await node.pause("pause")
         await node.report_rental(rental.rental_id, "stopped", exit_code=137)
-        ended = await wait_until(lambda: alice.get(rental.rental_id), lambda r: r.state == "ended")
+        ended = await eventually(lambda: alice.get(rental.rental_id), lambda r: r.state == "ended")
         assert ended.ended_by == "provider"
 
         changed = await ops.admin.SetNodeSpot(pb.SetNodeSpotRequest(node_id="node-a", spot=True))
@@ -248,7 +238,7 @@ async def test_a_node_back_without_its_rental_container_ends_the_rental(
         await node.connect(rentals=[pb.RentalReport(rental_id=stale.rental_id, state="started")])
         stop = await node.next_of("stop_rental")
         assert stop.stop_rental.rental_id == stale.rental_id
-        ended = await wait_until(lambda: alice.get(gone.rental_id), lambda r: r.state == "ended")
+        ended = await eventually(lambda: alice.get(gone.rental_id), lambda r: r.state == "ended")
         assert ended.ended_by == "platform" and "gone" in ended.detail
     finally:
         await node.close()
@@ -304,7 +294,7 @@ async def test_a_killed_coordinator_keeps_rentals_reclaims_and_avoided_groups(tm
         await node.connect()
         rental = await running_rental(node, alice)
         taint = await node.pause("notice")
-        await wait_until(lambda: alice.get(rental.rental_id), lambda r: r.HasField("reclaim_at"))
+        await eventually(lambda: alice.get(rental.rental_id), lambda r: r.HasField("reclaim_at"))
     finally:
         await node.close()
         await elsewhere.close()
@@ -321,7 +311,7 @@ async def test_a_killed_coordinator_keeps_rentals_reclaims_and_avoided_groups(tm
         shown = {n.node_id: n for n in (await ops.admin.ListNodes(pb.ListNodesRequest())).nodes}
         assert shown["node-a"].group_avoided_until > time.time() + 200  # still avoided (300 s)
         await node.report_rental(rental.rental_id, "stopped", exit_code=137)
-        ended = await wait_until(lambda: alice.get(rental.rental_id), lambda r: r.state == "ended")
+        ended = await eventually(lambda: alice.get(rental.rental_id), lambda r: r.state == "ended")
         assert ended.ended_by == "reclaim"
     finally:
         await node.close()
@@ -337,11 +327,11 @@ async def test_a_resume_during_a_notice_leaves_the_notices_reclaim_at(coordinato
         rental = await running_rental(node, alice)
         await node.pause("pause", grace_s=100)
         notice = await node.pause("notice", grace_s=200)
-        told = await wait_until(lambda: alice.get(rental.rental_id),
+        told = await eventually(lambda: alice.get(rental.rental_id),
                                 lambda r: r.HasField("reclaim_at"))
         assert told.reclaim_reason == "pause"
         await node.resume()
-        after = await wait_until(lambda: alice.get(rental.rental_id),
+        after = await eventually(lambda: alice.get(rental.rental_id),
                                  lambda r: r.reclaim_reason == "notice")
         assert (after.reclaim_at, after.reclaim_id) == (notice.grace_deadline, notice.reclaim_id)
     finally:
@@ -361,7 +351,7 @@ async def test_an_ended_rentals_gpus_stay_booked_until_its_container_stopped(
             await ops.start("node-a")
         assert "not_enough_gpus" in err.value.details()
         await node.report_rental(rental.rental_id, "stopped", exit_code=143)
-        ended = await wait_until(lambda: alice.get(rental.rental_id),
+        ended = await eventually(lambda: alice.get(rental.rental_id),
                                  lambda r: r.HasField("exit_code"))
         assert (ended.ended_by, ended.exit_code) == ("renter", 143)
         assert (await ops.start("node-a")).node_id == "node-a"
@@ -393,11 +383,11 @@ async def test_a_node_that_cannot_list_its_containers_loses_no_rental(
         await node.outgoing.put(pb.AgentMessage(rental=pb.RentalReport(
             rental_id=paused.rental_id, state="stopped", exit_code=137,
             reclaim_id="rcl-local-pause", reclaim_reason="pause", reclaim_at=now - 1)))
-        ended = await wait_until(lambda: alice.get(paused.rental_id),
+        ended = await eventually(lambda: alice.get(paused.rental_id),
                                  lambda r: r.state == "ended")
         assert (ended.ended_by, ended.reclaim_id) == ("provider", "rcl-local-pause")
         assert (await alice.get(gone.rental_id)).state == "running"  # its report may come
-        vanished = await wait_until(lambda: alice.get(gone.rental_id),
+        vanished = await eventually(lambda: alice.get(gone.rental_id),
                                     lambda r: r.state == "ended", timeout=15)
         assert vanished.ended_by == "platform" and "gone" in vanished.detail
     finally:
@@ -412,7 +402,7 @@ async def test_a_rental_never_started_is_given_up(tmp_path, pki):
         await node.connect()
         rental = await alice.rent("node-a")
         await node.next_of("start_rental")  # and never answers
-        ended = await wait_until(lambda: alice.get(rental.rental_id),
+        ended = await eventually(lambda: alice.get(rental.rental_id),
                                  lambda r: r.state == "ended")
         assert ended.ended_by == "platform" and "never reported started" in ended.detail
         assert (await node.next_of("stop_rental")).stop_rental.rental_id == rental.rental_id

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fakenode import FakeNode, Ops
+from fakenode import FakeNode, Ops, eventually
 from harness import start_coordinator
 from spotdrain.v1 import spotdrain_pb2 as pb
 
@@ -66,16 +66,6 @@ async def events(ops: Ops, kind: str) -> list[dict]:
             for e in await ops.events(kind)]
 
 
-async def wait_for(fetch, ok, timeout: float = 10):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await fetch()
-        if ok(value):
-            return value
-        assert time.monotonic() < deadline, f"never true: {value}"
-        await asyncio.sleep(0.05)
-
-
 async def test_a_hard_notice_asks_another_group_and_avoids_its_own(tmp_path, pki):
     config, out = acquirers_file(tmp_path, "ok")
     coordinator = start_coordinator(tmp_path / "c", tls=pki, extra=("--acquirers", str(config)))
@@ -92,7 +82,7 @@ async def test_a_hard_notice_asks_another_group_and_avoids_its_own(tmp_path, pki
 
         taint = await a1.pause("notice")
         noticed = time.time()
-        await wait_for(lambda: asyncio.sleep(0, out.exists()), bool, timeout=5)
+        await eventually(lambda: asyncio.sleep(0, out.exists()), bool, timeout=5)
         called = json.loads(out.read_text())
         assert called["at"] - noticed < 1.0  # asked within a second of the notice
         request = called["request"]
@@ -105,7 +95,7 @@ async def test_a_hard_notice_asks_another_group_and_avoids_its_own(tmp_path, pki
 
         [asked] = await events(ops, "replacement_requested")
         assert asked["reclaim_id"] == taint.reclaim_id and asked["target_group"] == "group-b"
-        [result] = await wait_for(lambda: events(ops, "replacement_result"), bool)
+        [result] = await eventually(lambda: events(ops, "replacement_result"), bool)
         assert result["ok"] is True and result["response"] == {"instances": ["i-new"]}
         timeline = await ops.admin.GetTimeline(pb.GetTimelineRequest(reclaim_id=taint.reclaim_id))
         assert "replacement_requested" in timeline.reclamation.steps
@@ -147,7 +137,7 @@ async def test_an_acquirer_that_hangs_or_fails_is_recorded_and_delays_nothing(
         drain = await a1.next_of("drain_worker", timeout=2)
         assert drain.drain_worker.worker_id == worker.worker_id
         assert not await events(ops, "replacement_result")
-        [result] = await wait_for(lambda: events(ops, "replacement_result"), bool, timeout=10)
+        [result] = await eventually(lambda: events(ops, "replacement_result"), bool, timeout=10)
         assert result["ok"] is False and detail in result["detail"]
         assert out.exists()  # it was asked
     finally:
@@ -169,7 +159,7 @@ async def test_one_group_only_is_not_avoided_and_the_replacement_goes_beside(coo
             model="m", replicas=1, image="img", slots=4))
         await a1.start_next()
         await a1.pause("notice")
-        [unavailable] = await wait_for(lambda: events(ops, "replacement_unavailable"), bool)
+        [unavailable] = await eventually(lambda: events(ops, "replacement_unavailable"), bool)
         assert unavailable["reclaimed_group"] == "group-a"
         assert unavailable["avoided_until"] is None
         assert (await a2.next_of("start_worker")).start_worker.model == "m"
@@ -203,17 +193,17 @@ async def test_a_paused_nodes_workers_are_replaced_while_it_drains(coordinator, 
             obeying.append(asyncio.create_task(obey_starts(node, started[name])))
         await ops.admin.SetModelReplicas(pb.SetModelReplicasRequest(
             model="m", replicas=2, image="img", slots=4))
-        await wait_for(lambda: ops.admin.ListModels(pb.ListModelsRequest()),
+        await eventually(lambda: ops.admin.ListModels(pb.ListModelsRequest()),
                        lambda r: r.models[0].ready == 2)
         assert [len(started[n]) for n in "abc"] == [1, 1, 0]  # least loaded first
         watcher = asyncio.create_task(watch_ready())
         await asyncio.sleep(0.1)
 
         await nodes["a"].pause("pause")
-        await wait_for(lambda: asyncio.sleep(0, started["c"]), bool, timeout=5)
+        await eventually(lambda: asyncio.sleep(0, started["c"]), bool, timeout=5)
         paused_worker = started["a"][0]
         assert (await ops.workers())[paused_worker].state == "draining"  # still draining
-        await wait_for(lambda: ops.admin.ListModels(pb.ListModelsRequest()),
+        await eventually(lambda: ops.admin.ListModels(pb.ListModelsRequest()),
                        lambda r: (r.models[0].ready, r.models[0].draining) == (2, 1))
         # a's worker finishes its requests and stops.
         await nodes["a"].outgoing.put(pb.AgentMessage(worker=pb.WorkerReport(
@@ -267,7 +257,7 @@ async def test_a_model_whose_workers_fail_to_start_is_retried_with_backoff(coord
         await node.outgoing.put(pb.AgentMessage(worker=pb.WorkerReport(
             worker_id=first.start_worker.worker_id, state="stopped", exit_code=-1,
             reason="image not found")))
-        [failed] = await wait_for(lambda: events(ops, "capacity_start_failed"), bool)
+        [failed] = await eventually(lambda: events(ops, "capacity_start_failed"), bool)
         assert (failed["failures"], failed["retry_in_s"]) == (1, 5.0)
         second = await node.next_of("start_worker", timeout=15)
         assert time.monotonic() - failed_at >= 4.5  # not before the backoff ran out
@@ -276,7 +266,7 @@ async def test_a_model_whose_workers_fail_to_start_is_retried_with_backoff(coord
         await node.outgoing.put(pb.AgentMessage(worker=pb.WorkerReport(
             worker_id=second.start_worker.worker_id, state="started",
             gate_address="127.0.0.1:20001", capacity=4)))
-        await wait_for(lambda: ops.admin.ListModels(pb.ListModelsRequest()),
+        await eventually(lambda: ops.admin.ListModels(pb.ListModelsRequest()),
                        lambda r: r.models[0].ready == 1)
     finally:
         await node.close()

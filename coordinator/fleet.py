@@ -50,6 +50,9 @@ MISSING_RENTAL_GRACE_S = 5.0
 # A model whose workers keep failing to start (a wrong image): the next try waits 5 s, 10 s,
 # ... up to this, so a broken setting does not place a new worker every recovery pass.
 START_BACKOFF_MAX_S = 300.0
+# A node gone (no stream) this long has lost its rentals for good: they end as `platform`, so
+# the renter is not told "running" about a machine that is not coming back.
+NODE_GONE_S = 600.0
 
 WORKER_KINDS = ("inference", "batch", "render")
 
@@ -92,8 +95,12 @@ class Fleet:
         start_timeout_s: float = START_TIMEOUT_S,
         acquirers: dict[str, Acquirer] | None = None,
         avoid_s: float = DEFAULT_AVOID_S,
+        node_gone_s: float = NODE_GONE_S,
     ):
         self.store = store
+        self.node_gone_s = node_gone_s
+        # Silence before this coordinator started is its own absence, not the nodes'.
+        self.started_at = clock()
         # Replacement capacity per node group, in the operator's order of preference.
         self.acquirers = dict(acquirers or {})
         self.avoid_s = avoid_s
@@ -175,14 +182,23 @@ class Fleet:
         await self.keep_capacity(path="recovery")
 
     async def _recover_rentals(self, now: float) -> None:
-        """A rental never reported started is given up, like a worker; one its node no longer
-        runs (and reported no stop for) has ended without a trace."""
+        """A rental never reported started is given up, like a worker; one whose node has been
+        gone for `node_gone_s`, or that its node no longer runs (and reported no stop for), has
+        ended without a trace."""
         for rental in self.rentals(active_only=True):
             if rental.state == "starting" and now - rental.started_at > self.start_timeout_s:
                 why = f"never reported started within {self.start_timeout_s:.0f} s"
                 if rental.stopped(now, None, why):
                     await self._rental_ended(rental)
                     self._send_stop_rental(rental, "start timeout")
+        for rental in self.rentals(active_only=True):
+            node = self.store.node(rental.node_id)
+            if rental.node_id in self.streams or node is None:
+                continue
+            gone_for = now - max(node.last_seen, self.started_at)
+            why = f"its node has been gone for {gone_for:.0f} s"
+            if gone_for > self.node_gone_s and rental.stopped(now, None, why, vanished=True):
+                await self._rental_ended(rental)
         for rental_id, since in list(self._missing_rentals.items()):
             if now - since < MISSING_RENTAL_GRACE_S:
                 continue

@@ -56,6 +56,12 @@ def parser() -> ArgumentParser:
         help="a ready worker without a heartbeat this long is missing (default 15)",
     )
     p.add_argument(
+        "--node-gone-s",
+        type=float,
+        default=600.0,
+        help="rentals on a node gone (disconnected) this long end as platform (default 600)",
+    )
+    p.add_argument(
         "--acquirers",
         default="",
         help="TOML file: replacement acquirers per node group and the avoidance window "
@@ -85,11 +91,14 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
         raise UsageError("--heartbeat-ttl-s must be positive")
     if args.start_timeout_s <= 0:
         raise UsageError("--start-timeout-s must be positive")
+    if args.node_gone_s <= 0:
+        raise UsageError("--node-gone-s must be positive")
     coord = Coordinator(
         store,
         insecure=args.insecure,
         heartbeat_ttl_s=args.heartbeat_ttl_s,
         start_timeout_s=args.start_timeout_s,
+        node_gone_s=args.node_gone_s,
         acquirers=acquirers,
         avoid_s=avoid_s,
     )

@@ -58,6 +58,7 @@ class Coordinator:
         start_timeout_s: float = 300.0,
         acquirers: dict[str, Acquirer] | None = None,
         avoid_s: float = DEFAULT_AVOID_S,
+        node_gone_s: float = 600.0,
     ):
         self.store = store
         self.insecure = insecure
@@ -71,6 +72,7 @@ class Coordinator:
             start_timeout_s,
             acquirers=acquirers,
             avoid_s=avoid_s,
+            node_gone_s=node_gone_s,
         )
         self.registry = CollectorRegistry()
         self.metrics = ReclamationMetrics(self.registry)
@@ -453,7 +455,6 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
                     await self.coord.refuse_foreign(identity, ev.node_id, "Event", context.peer())
                 uids = await self.coord.accept_events(node_id, list(msg.events.events))
                 out.put_nowait(pb.CoordinatorMessage(ack=pb.EventAck(uids=uids)))
-
 
     def _render_still_running(self, node_id: str, reg: pb.Register) -> list[str]:
         """Render jobs the node still runs (all it had, if it cannot tell): they hold its

@@ -434,3 +434,22 @@ async def test_no_provider_change_and_no_spot_under_render_jobs(coordinator, pki
         assert job.worker_id in err.value.details() and "render" in err.value.details()
     finally:
         await node.close()
+
+
+async def test_a_rental_on_a_node_gone_for_good_ends_as_platform(tmp_path, pki):
+    coordinator = start_coordinator(tmp_path / "c", tls=pki, extra=("--node-gone-s", "1"))
+    node = FakeNode(coordinator, pki, "node-a")
+    alice = Renter(coordinator, pki, "alice")
+    try:
+        await node.connect()
+        rental = await running_rental(node, alice)
+        await asyncio.sleep(1.5)
+        assert (await alice.get(rental.rental_id)).state == "running"  # connected: not gone
+        await node.disconnect()
+        ended = await eventually(lambda: alice.get(rental.rental_id),
+                                 lambda r: r.state == "ended")
+        assert ended.ended_by == "platform" and "gone for" in ended.detail
+    finally:
+        await node.close()
+        await alice.channel.close()
+        coordinator.proc.stop()

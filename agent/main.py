@@ -248,6 +248,19 @@ class Agent:
                 {"worker_id": w, "slots_in_use": used, "capacity": cap, "state": st}
                 for w, used, cap, st in self.workers.slots()
             ],
+            # A rental runs until the drain's grace deadline (its reclaim_at), if one is on.
+            "rentals": [
+                {
+                    "rental_id": r.key,
+                    "container": r.name,
+                    "reclaim_at": drain["grace_deadline"] if drain else None,
+                }
+                for r in self.plain.rentals.values()
+            ],
+            "jobs": [
+                {"worker_id": j.key, "kind": j.kind, "container": j.name, "draining": j.draining}
+                for j in self.plain.jobs.values()
+            ],
         }
 
     async def watch_notices(self) -> None:

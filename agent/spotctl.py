@@ -539,6 +539,13 @@ def render_status(doc: dict[str, Any]) -> str:
         lines.append(
             f"  worker {w['worker_id']}: {w['state']}, slots {w['slots_in_use']}/{w['capacity']}"
         )
+    for r in doc.get("rentals", []):
+        until = f", reclaim at {_iso(r['reclaim_at'])}" if r.get("reclaim_at") else ""
+        lines.append(f"  rental {r['rental_id']}: running{until}")
+    for j in doc.get("jobs", []):
+        lines.append(
+            f"  {j['kind']} job {j['worker_id']}: {'draining' if j['draining'] else 'running'}"
+        )
     return "\n".join(lines)
 
 

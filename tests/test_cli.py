@@ -238,3 +238,18 @@ def test_spotctl_status_without_an_agent_says_so(tmp_path):
     result = run("spotctl", "--socket", str(tmp_path / "none.sock"), "status")
     assert result.returncode == 1
     assert "cannot reach the agent" in result.stderr
+
+
+def test_spotctl_status_shows_rentals_and_jobs():
+    from spotdrain.agent.spotctl import render_status
+
+    text = render_status({
+        "node": "node-a", "state": "draining", "paused": True,
+        "drain": {"reclaim_id": "rcl-1", "reason": "pause", "phase": "draining",
+                  "grace_in_s": 5.0, "deadline_in_s": 8.0},
+        "workers": [],
+        "rentals": [{"rental_id": "r-1", "container": "c", "reclaim_at": 1795990000.0}],
+        "jobs": [{"worker_id": "w-1", "kind": "render", "container": "c2", "draining": True}],
+    })
+    assert "rental r-1: running, reclaim at 2026-11-29T" in text
+    assert "render job w-1: draining" in text

@@ -72,6 +72,10 @@ def test_a_paused_nodes_rental_runs_until_reclaim_at_and_no_longer(
             .state == "running" and r, 30, "the rental to run")
         assert rental.started_on_spot is spot and rental.provider == "acme"
         container = docker_engine.client.containers.get(f"spotdrain-rental-{rental.rental_id}")
+        status = json.loads(subprocess.run(
+            [str(BIN / "spotctl"), "--socket", str(agent.socket), "status", "--json"],
+            capture_output=True, text=True, timeout=30).stdout)
+        assert [r["rental_id"] for r in status["rentals"]] == [rental.rental_id]
         before = [admin.GetReputation(pb.GetReputationRequest(node_id="node-a")),
                   admin.GetReputation(pb.GetReputationRequest(provider="acme"))]
         watch = Watch(renter, rental.rental_id)

@@ -126,6 +126,8 @@ class Fleet:
         self._missing_rentals: dict[str, float] = {}
         # model -> (failed starts in a row, no new start before). Lost on restart: harmless.
         self._start_backoff: dict[str, tuple[int, float]] = {}
+        # Notices whose replacement was never asked for (rebuild() finds them).
+        self._unasked: list[tuple[str, str, float]] = []
 
     # --- rebuild and recovery ----------------------------------------------------------------
 
@@ -140,12 +142,30 @@ class Fleet:
             self.workers[worker.worker_id] = worker
             if worker.state == wm.READY:
                 self._publish(worker)
+        self._unasked = self._notices_never_asked(now)
+
+    def _notices_never_asked(self, now: float) -> list[tuple[str, str, float]]:
+        """Hard notices still in progress with no replacement request recorded: a coordinator
+        that died between storing the drain and asking. (node, reclaim id, D) to ask for now."""
+        handled = {"replacement_requested", "replacement_unavailable"}
+        return [
+            (d.node_id, d.reclaim_id, d.terminate_at)
+            for d in self.store.active_drains()
+            if d.reason == "notice"
+            and now < d.terminate_at
+            and not handled & {e.kind for e in self.store.events_of(d.reclaim_id)}
+        ]
 
     async def recover(self) -> None:
         """Nodes whose workload is off (or that are draining) but still have workers: drain
         them again; ready workers whose node went silent: replace them. Run at start and every
         few seconds (DESIGN.md invariant 8)."""
         now = self.clock()
+        while self._unasked:
+            node_id, reclaim_id, terminate_at = self._unasked.pop()
+            lost = [w for w in self.live_workers(node_id)]
+            log.info("recovery: asking for %s's replacement (notice %s)", node_id, reclaim_id)
+            self._request_replacement(node_id, reclaim_id, terminate_at, lost, now)
         for worker in self.live_workers():
             if worker.state == wm.STARTING and now - worker.created_at > self.start_timeout_s:
                 # A start command lost with a broken stream, or an agent that never answered:

@@ -271,3 +271,36 @@ async def test_a_model_whose_workers_fail_to_start_is_retried_with_backoff(coord
     finally:
         await node.close()
         await ops.channel.close()
+
+
+async def test_a_coordinator_that_died_before_asking_asks_when_it_is_back(tmp_path, pki):
+    """The store as a crash left it: a hard notice's drain stored, no replacement request
+    recorded. The restarted coordinator asks once; a second restart does not ask again."""
+    from spotdrain.coordinator.store import Store
+
+    config, out = acquirers_file(tmp_path, "ok")
+    db = tmp_path / "c" / "coordinator.sqlite"
+    db.parent.mkdir(parents=True)
+    store = Store(db)
+    store.upsert_node("a1", True, "group-a", [{"index": 0}])
+    store.upsert_node("b1", True, "group-b", [{"index": 0}])
+    now = time.time()
+    store.start_drain("a1", "rcl-crashed", "notice", now + 60, now + 50)
+    store.close()
+    for attempt in range(2):
+        coordinator = start_coordinator(tmp_path / "c", tls=pki, db=db,
+                                        extra=("--acquirers", str(config)))
+        ops = Ops(coordinator)
+        try:
+            [asked] = await eventually(lambda: events(ops, "replacement_requested"), bool)
+            assert (asked["reclaim_id"], asked["target_group"]) == ("rcl-crashed", "group-b")
+            await eventually(lambda: events(ops, "replacement_result"), bool)
+            if attempt == 0:
+                assert json.loads(out.read_text())["request"]["reclaimed_node"] == "a1"
+                out.unlink()
+            else:
+                await asyncio.sleep(0.5)
+                assert not out.exists()  # asked once, not again
+        finally:
+            await ops.channel.close()
+            coordinator.proc.stop()

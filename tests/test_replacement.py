@@ -292,9 +292,9 @@ async def test_a_coordinator_that_died_before_asking_asks_when_it_is_back(tmp_pa
                                         extra=("--acquirers", str(config)))
         ops = Ops(coordinator)
         try:
-            [asked] = await eventually(lambda: events(ops, "replacement_requested"), bool)
+            [asked] = await eventually(lambda ops=ops: events(ops, "replacement_requested"), bool)
             assert (asked["reclaim_id"], asked["target_group"]) == ("rcl-crashed", "group-b")
-            await eventually(lambda: events(ops, "replacement_result"), bool)
+            await eventually(lambda ops=ops: events(ops, "replacement_result"), bool)
             if attempt == 0:
                 assert json.loads(out.read_text())["request"]["reclaimed_node"] == "a1"
                 out.unlink()

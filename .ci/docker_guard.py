@@ -1,8 +1,11 @@
-"""pytest plugin for CI: Docker-backed tests must run, never be skipped (shared/DESIGN.md).
+"""pytest plugin for CI: Docker- and PostgreSQL-backed tests must run, never be skipped
+(shared/DESIGN.md).
 
-Loaded by .ci/run with `-p docker_guard`. Tests marked `docker` that were skipped, or no such
-test running at all, fail the session. The tally is written as JSON to $SPOTDRAIN_CI_REPORT so
-.ci/run can check it independently of pytest's exit code.
+Loaded by .ci/run with `-p docker_guard`. Tests marked `docker` or `postgres` (tests/conftest.py
+marks every test that uses the `postgres` fixture or the postgresql param of `store_url` or
+`coordinator_db`) that were skipped, or no such test of either kind running at all, fail the
+session. The tally is written as JSON to $SPOTDRAIN_CI_REPORT so .ci/run can check it
+independently of pytest's exit code.
 """
 
 from __future__ import annotations
@@ -12,24 +15,36 @@ import os
 
 import pytest
 
-_ran: set[str] = set()
-_skipped: dict[str, str] = {}
+# marker -> what its tests are backed by, for the messages
+_GUARDED = {"docker": "Docker", "postgres": "PostgreSQL"}
+
+_ran: dict[str, set[str]] = {marker: set() for marker in _GUARDED}
+_skipped: dict[str, dict[str, str]] = {marker: {} for marker in _GUARDED}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if "docker" not in report.keywords or hasattr(report, "wasxfail"):
+    if hasattr(report, "wasxfail"):
         return
-    if report.skipped:
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        _skipped[report.nodeid] = reason
-    elif report.when == "call":
-        _ran.add(report.nodeid)
+    for marker in _GUARDED:
+        if marker not in report.keywords:
+            continue
+        if report.skipped:
+            longrepr = report.longrepr
+            reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+            _skipped[marker][report.nodeid] = reason
+        elif report.when == "call":
+            _ran[marker].add(report.nodeid)
 
 
 def _problems() -> list[str]:
-    problems = [f"docker test skipped: {nodeid}: {reason}" for nodeid, reason in _skipped.items()]
-    if not _ran:
-        problems.append("no Docker-backed test ran")
+    problems = []
+    for marker, backend in _GUARDED.items():
+        problems += [
+            f"{backend.lower()} test skipped: {nodeid}: {reason}"
+            for nodeid, reason in _skipped[marker].items()
+        ]
+        if not _ran[marker]:
+            problems.append(f"no {backend}-backed test ran")
     return problems
 
 
@@ -38,14 +53,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     problems = _problems()
     path = os.environ.get("SPOTDRAIN_CI_REPORT")
     if path:
+        report = {
+            marker: {"ran": sorted(_ran[marker]), "skipped": _skipped[marker]}
+            for marker in _GUARDED
+        }
         with open(path, "w") as f:
-            json.dump({"ran": sorted(_ran), "skipped": _skipped, "problems": problems}, f)
+            json.dump({**report, "problems": problems}, f)
     if problems and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    tally = f"docker-backed tests: {len(_ran)} ran, {len(_skipped)} skipped"
-    terminalreporter.write_sep("-", tally)
+    for marker, backend in _GUARDED.items():
+        tally = f"{backend}-backed tests: {len(_ran[marker])} ran, {len(_skipped[marker])} skipped"
+        terminalreporter.write_sep("-", tally)
     for problem in _problems():
         terminalreporter.write_line(f"CI FAILURE: {problem}", red=True)

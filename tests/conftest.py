@@ -1,7 +1,9 @@
-"""Shared fixtures. The Docker engine and test images come from tests/dockerenv.py."""
+"""Shared fixtures. The Docker engine and test images come from tests/dockerenv.py, the
+PostgreSQL server from tests/pgserver.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -9,6 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
+from pgserver import PgServer, database_name, fresh_database, start_postgres
 
 from dockerenv import (
     DockerEngine,
@@ -21,6 +24,9 @@ from fakenvml import FakeGpus, build
 from harness import start_coordinator
 from pki import Pki
 
+# The two store backends every store-level and end-to-end test runs against.
+STORE_BACKENDS = ["sqlite", "postgresql"]
+
 
 def _no_docker(what: str, error: BaseException) -> NoReturn:
     # Never a skip: Docker-backed tests must run, in CI above all (shared/DESIGN.md).
@@ -30,6 +36,33 @@ def _no_docker(what: str, error: BaseException) -> NoReturn:
         else "Docker-backed tests need an engine; tests/setup.sh installs one"
     )
     raise pytest.fail.Exception(f"{what}: {error}\n({where})", pytrace=False) from None
+
+
+def _no_postgres(error: BaseException) -> NoReturn:
+    # Never a skip, as for Docker: PostgreSQL-backed tests must run, in CI above all.
+    where = (
+        "CI must run the PostgreSQL-backed tests"
+        if os.environ.get("CI") == "true"
+        else "PostgreSQL-backed tests need Debian's postgresql package; tests/setup.sh installs it"
+    )
+    raise pytest.fail.Exception(
+        f"could not start PostgreSQL: {error}\n({where})", pytrace=False
+    ) from None
+
+
+def _uses_postgres(item: pytest.Item) -> bool:
+    if "postgres" in getattr(item, "fixturenames", ()):
+        return True
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params if callspec is not None else {}
+    return any(params.get(name) == "postgresql" for name in ("store_url", "coordinator_db"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The `postgres` marker is what .ci/docker_guard.py counts: such tests must run in CI.
+    for item in items:
+        if _uses_postgres(item):
+            item.add_marker(pytest.mark.postgres)
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +90,48 @@ def docker_images(docker_engine: DockerEngine) -> dict[str, str]:
 def rental_image(docker_engine: DockerEngine, docker_images: dict[str, str]) -> str:
     """A renter's image (dockerenv.RENTAL_SCRIPT): runs until signalled, by its rental id."""
     return ensure_rental_image(docker_engine.client, docker_images["base"])
+
+
+# --- PostgreSQL: one server for the session, a fresh database for each test ---------------------
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PgServer]:
+    """A private PostgreSQL server for the whole session (tests/pgserver.py)."""
+    try:
+        server = start_postgres()
+    except Exception as e:
+        _no_postgres(e)
+    yield server
+    server.stop()
+
+
+def _fresh_database(request: pytest.FixtureRequest) -> Iterator[str]:
+    server: PgServer = request.getfixturevalue("postgres")
+    url = fresh_database(server, request.node.name)
+    yield url
+    # Best effort: stopping the server at session end removes every database anyway.
+    with contextlib.suppress(Exception):
+        server.drop_database(database_name(url))
+
+
+@pytest.fixture(params=STORE_BACKENDS, ids=STORE_BACKENDS)
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """What a store opens: a SQLite file's path, or a fresh PostgreSQL database's URL."""
+    if request.param == "sqlite":
+        yield str(tmp_path / "coordinator.sqlite")
+    else:
+        yield from _fresh_database(request)
+
+
+@pytest.fixture(params=STORE_BACKENDS, ids=STORE_BACKENDS)
+def coordinator_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path | str]:
+    """`db=` for harness.start_coordinator: a SQLite file (Path) kept across coordinator
+    restarts in the test's work dir, or a fresh PostgreSQL database's URL."""
+    if request.param == "sqlite":
+        yield tmp_path / "coordinator.sqlite"
+    else:
+        yield from _fresh_database(request)
 
 
 # --- spotdrain's own parts: fake GPUs, a PKI, a coordinator process, test containers ----------

@@ -3,7 +3,8 @@ and an admin client that reads what the coordinator stored.
 
 Everything here is a real thing a user runs: `spotdrain-coordinator` and `spotdrain-agent` as
 subprocesses (so they can be SIGSTOPped and SIGKILLed), gRPC on a free loopback port, SQLite
-files, and the real pynvml loading the fake libnvidia-ml.so.1 through LD_LIBRARY_PATH.
+files or PostgreSQL databases (tests/pgserver.py), and the real pynvml loading the fake
+libnvidia-ml.so.1 through LD_LIBRARY_PATH.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class Proc:
 class Coordinator:
     proc: Proc
     address: str
-    db: Path
+    db: Path | str  # --db as given: a SQLite path, or a sqlite:/// or postgresql:// URL
     tls: Pki | None
     operator: CertFiles | None = None
 
@@ -111,9 +112,11 @@ class Coordinator:
 
 
 def start_coordinator(
-    work: Path, tls: Pki | None = None, db: Path | None = None, port: int = 0,
+    work: Path, tls: Pki | None = None, db: Path | str | None = None, port: int = 0,
     extra: tuple[str, ...] = (),
 ) -> Coordinator:
+    """db: a SQLite file (default <work>/coordinator.sqlite) or a URL (`sqlite:///PATH`,
+    `postgresql://...`), passed to --db unchanged."""
     work.mkdir(parents=True, exist_ok=True)
     db = db or work / "coordinator.sqlite"
     argv = [str(BIN / "spotdrain-coordinator"), "--listen", f"127.0.0.1:{port}", "--db", str(db),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepares this machine to run the tests. Idempotent; needs root only when it has to install.
 #   - Debian packages: Docker (the engine the tests start themselves), busybox-static (the test
-#     images' userland), python3-venv, a C compiler (the fake NVML library).
+#     images' userland), python3-venv, a C compiler (the fake NVML library), PostgreSQL (the
+#     server the store tests start themselves, tests/pgserver.py).
 #   - .venv in the repository root, with the project installed editable with its test extras,
 #     reinstalled whenever pyproject.toml changes.
 set -euo pipefail
@@ -12,7 +13,7 @@ stamp="$venv/.spotdrain-install-stamp"
 
 packages=(docker.io busybox-static debootstrap python3-venv gcc libc6-dev ca-certificates
           libsystemd-dev pkg-config python3-dev
-          build-essential debhelper lintian systemd)
+          build-essential debhelper lintian systemd postgresql)
 missing=()
 for package in "${packages[@]}"; do
     if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed'; then

@@ -1,0 +1,60 @@
+"""The coordinator's store, one async interface over two backends: SQLite, embedded (one file,
+the default), and PostgreSQL for fleets. `open_store(url)` picks the backend from `--db`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from spotdrain.coordinator.store.backend import StoreError, StoreUnavailable
+from spotdrain.coordinator.store.rows import (
+    DrainRow,
+    EventRow,
+    ModelRow,
+    NewEvent,
+    NodeRow,
+    StartBackoff,
+    TaintRow,
+)
+from spotdrain.coordinator.store.schema import SCHEMA_VERSION
+from spotdrain.coordinator.store.store import Store
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "DrainRow",
+    "EventRow",
+    "ModelRow",
+    "NewEvent",
+    "NodeRow",
+    "StartBackoff",
+    "Store",
+    "StoreError",
+    "StoreUnavailable",
+    "TaintRow",
+    "backend_for",
+    "open_store",
+]
+
+
+def backend_for(url: str):  # noqa: ANN201 (a Backend; imported lazily, psycopg is heavy)
+    """`postgresql://...` or `postgres://...`: PostgreSQL; `sqlite:///PATH` or a plain path:
+    SQLite."""
+    if url.startswith(("postgresql://", "postgres://")):
+        from spotdrain.coordinator.store.postgres import PostgresBackend
+
+        return PostgresBackend(url)
+    from spotdrain.coordinator.store.sqlite import SqliteBackend
+
+    if url.startswith("sqlite:///"):
+        url = url[len("sqlite://") :]
+    elif "://" in url:
+        raise StoreError(f"--db {url!r}: give a file path, sqlite:///PATH or postgresql://...")
+    if not url:
+        raise StoreError("--db: empty path")
+    return SqliteBackend(url)
+
+
+async def open_store(url: str, clock: Callable[[], float] = time.time) -> Store:
+    backend = backend_for(url)
+    await backend.open()
+    return Store(backend, clock)

@@ -1,0 +1,99 @@
+"""What a store backend is: transactions on one connection, and reads outside them.
+
+The domain queries (store.py) are written once; a backend only runs SQL. Every failure comes
+out as a `StoreError` (or `StoreUnavailable` when the database cannot be reached at all), never
+as a driver's own exception, so the servicers map one family of errors to status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any
+
+
+class StoreError(Exception):
+    """The store refused or failed an operation (a bad schema version, a constraint)."""
+
+
+class StoreUnavailable(StoreError):
+    """The database cannot be reached now (PostgreSQL restarting or failing over). Nothing was
+    written; the caller answers UNAVAILABLE and the client retries (agents keep their outbox)."""
+
+
+@dataclass(frozen=True)
+class Result:
+    rows: list[tuple[Any, ...]]
+    rowcount: int
+
+
+class Conn(ABC):
+    """One connection inside one transaction."""
+
+    @abstractmethod
+    async def execute(self, sql: str, args: Sequence[Any] = ()) -> Result: ...
+
+    @abstractmethod
+    async def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None: ...
+
+    async def serialize_events(self) -> None:
+        """Called before a transaction inserts events: events must commit in id order, so that
+        a consumer resuming after id N never misses one that commits late with a lower id."""
+
+
+class Backend(ABC):
+    name: str  # "sqlite" or "postgresql"
+    where: str  # for messages: the file, or the database without its password
+
+    @abstractmethod
+    async def open(self) -> None:
+        """Connect and bring the schema to this version (or refuse with StoreError)."""
+
+    @abstractmethod
+    def transaction(self, priority: bool = False) -> AbstractAsyncContextManager[Conn]:
+        """One transaction: committed when the block ends, rolled back if it raises.
+        `priority`: the critical path (Taint, the workload flag) goes before bulk writes."""
+
+    @abstractmethod
+    async def read(self, sql: str, args: Sequence[Any] = ()) -> Result:
+        """A read outside any transaction: never waits for a writer."""
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+
+class PriorityLock:
+    """A mutex whose priority waiters go before the others (each class in FIFO order): a Taint
+    waits for at most the one transaction in progress, never for a queue of event batches."""
+
+    def __init__(self) -> None:
+        self._held = False
+        self._waiters: tuple[list[asyncio.Future[None]], list[asyncio.Future[None]]] = ([], [])
+
+    async def acquire(self, priority: bool = False) -> None:
+        if not self._held and not any(self._waiters):
+            self._held = True
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue = self._waiters[0 if priority else 1]
+        queue.append(future)
+        try:
+            await future
+        except BaseException:
+            if future in queue:
+                queue.remove(future)
+            elif future.done() and not future.cancelled():
+                self.release()  # handed the lock just as it was cancelled: pass it on
+            raise
+
+    def release(self) -> None:
+        for queue in self._waiters:
+            while queue:
+                future = queue.pop(0)
+                if not future.done():
+                    future.set_result(None)  # the lock passes straight to this waiter
+                    return
+        self._held = False

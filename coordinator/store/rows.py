@@ -1,0 +1,88 @@
+"""What the store hands out: frozen rows, decoded once. No SQL here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EventRow:
+    id: int
+    uid: str
+    kind: str
+    node_id: str
+    reclaim_id: str
+    wall_time: float
+    t_offset_s: float | None
+    details_json: str
+    received_at: float
+
+
+@dataclass(frozen=True)
+class NewEvent:
+    """One event to store (from an agent's batch or the coordinator itself)."""
+
+    uid: str
+    kind: str
+    node_id: str
+    reclaim_id: str
+    wall_time: float
+    t_offset_s: float | None
+    details: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class TaintRow:
+    node_id: str
+    reclaim_id: str
+    key: str
+    effect: str
+    reason: str
+    since: float
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    node_id: str
+    spot: bool
+    node_group: str
+    gpus: tuple[dict[str, Any], ...]
+    registered_at: float
+    last_seen: float
+    workload_enabled: bool = True
+    provider: str = ""
+    spot_pinned: bool = False
+
+    @property
+    def owner(self) -> str:
+        """The provider its rentals count for: the node itself when the agent names none."""
+        return self.provider or self.node_id
+
+
+@dataclass(frozen=True)
+class ModelRow:
+    model: str
+    replicas: int
+    image: str
+    slots: int
+
+
+@dataclass(frozen=True)
+class DrainRow:
+    node_id: str
+    reclaim_id: str
+    reason: str
+    terminate_at: float
+    grace_deadline: float
+    started_at: float
+    ended_at: float | None
+
+
+@dataclass(frozen=True)
+class StartBackoff:
+    """A model whose workers keep failing to start: failures in a row, no new start before."""
+
+    model: str
+    failures: int
+    retry_at: float

@@ -1,0 +1,148 @@
+"""The embedded backend: one SQLite file in WAL mode, never touched on the event loop.
+
+Why threads and not an async driver: sqlite3 is synchronous and every well-kept async wrapper
+(aiosqlite included) is itself one thread per connection. Owning the threads lets us give the
+single writer connection its own thread, with a priority lock in front of it (a Taint goes
+before queued event batches), and serve reads from two more connections on their own threads,
+which WAL lets run beside the writer without waiting for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from spotdrain.coordinator.store import schema
+from spotdrain.coordinator.store.backend import Backend, Conn, PriorityLock, Result, StoreError
+
+T = TypeVar("T")
+READERS = 2
+
+
+def _connect(path: str) -> sqlite3.Connection:
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    db.execute("PRAGMA journal_mode=WAL")
+    # NORMAL in WAL mode survives a process crash (our SIGKILL tests); only a power loss can
+    # drop the last transactions.
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute("PRAGMA busy_timeout=5000")
+    return db
+
+
+def _run(db: sqlite3.Connection, sql: str, args: Sequence[Any]) -> Result:
+    cur = db.execute(sql, tuple(args))
+    return Result(cur.fetchall(), cur.rowcount)
+
+
+class _WriterConn(Conn):
+    def __init__(self, backend: SqliteBackend) -> None:
+        self.backend = backend
+
+    async def execute(self, sql: str, args: Sequence[Any] = ()) -> Result:
+        return await self.backend._write(_run, sql, args)
+
+    async def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        await self.backend._write(lambda db, s, r: db.executemany(s, r), sql, rows)
+
+
+class SqliteBackend(Backend):
+    name = "sqlite"
+
+    def __init__(self, path: str) -> None:
+        self.path = self.where = path
+        self._lock = PriorityLock()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="store-writer")
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="store-reader")
+        self._wdb: sqlite3.Connection | None = None
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._all_lock = threading.Lock()
+
+    async def open(self) -> None:
+        try:
+            self._wdb = await self._in(self._writer, _connect, self.path)
+            await self._migrate()
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"database {self.path}: {e}") from e
+
+    async def _migrate(self) -> None:
+        async with self.transaction() as conn:
+            has_meta = await conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'"
+            )
+            version = 0
+            if has_meta.rows:
+                row = await conn.execute("SELECT value FROM meta WHERE key='schema_version'")
+                version = int(row.rows[0][0]) if row.rows else -1
+        check_version(version, self.where)
+        for _, statements in schema.steps_from(version, schema.SQLITE_WORDS):
+            async with self.transaction() as conn:
+                for sql in statements:
+                    await conn.execute(sql)
+
+    async def _in(self, pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def _write(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return await self._in(self._writer, fn, self._wdb, *args)
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"database {self.path}: {e}") from e
+
+    @asynccontextmanager
+    async def transaction(self, priority: bool = False) -> AsyncIterator[Conn]:
+        await self._lock.acquire(priority)
+        try:
+            await self._write(_run, "BEGIN IMMEDIATE", ())
+            try:
+                yield _WriterConn(self)
+            except BaseException:
+                # Shielded: a cancelled caller still leaves the connection out of the
+                # transaction. The writer thread runs in order, so the next BEGIN comes after.
+                await asyncio.shield(self._write(_run, "ROLLBACK", ()))
+                raise
+            await asyncio.shield(self._write(_run, "COMMIT", ()))
+        finally:
+            self._lock.release()
+
+    def _reader_db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = self._local.db = _connect(self.path)
+            with self._all_lock:
+                self._all.append(db)
+        return db
+
+    async def read(self, sql: str, args: Sequence[Any] = ()) -> Result:
+        def run() -> Result:
+            return _run(self._reader_db(), sql, args)
+
+        try:
+            return await self._in(self._readers, run)
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"database {self.path}: {e}") from e
+
+    async def close(self) -> None:
+        def close_all() -> None:
+            with self._all_lock:
+                for db in self._all:
+                    db.close()
+            if self._wdb is not None:
+                self._wdb.close()
+
+        await self._in(self._writer, close_all)
+        self._writer.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+
+
+def check_version(version: int, where: str) -> None:
+    if version > schema.SCHEMA_VERSION or version < 0:
+        raise StoreError(
+            f"database {where} has schema version {version}, this coordinator knows 1 to "
+            f"{schema.SCHEMA_VERSION}"
+        )

@@ -3,20 +3,23 @@
 The stream registers the node, then drains the outbox: each batch stays in the outbox until the
 coordinator acknowledges its uids. A broken stream is reconnected with backoff and unacknowledged
 events are sent again (the coordinator stores each uid once).
+
+Each EventBatch fits the coordinator's bounds (spotdrain.limits): it refuses a larger one with
+RESOURCE_EXHAUSTED, and a refused batch would be resent, and refused, forever.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 
 import grpc
 
 from spotdrain.agent.config import AgentConfig
-from spotdrain.agent.outbox import Outbox, OutgoingEvent
+from spotdrain.agent.outbox import Outbox, OutgoingEvent, bounded_details, details_json
+from spotdrain.limits import MAX_AGENT_MESSAGE_BYTES, MAX_BATCH_BYTES, MAX_BATCH_EVENTS
 from spotdrain.security import channel_credentials
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
@@ -34,6 +37,10 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2_000),
+    # The same bound the coordinator sets on its side, named rather than left to gRPC's default,
+    # so the two cannot drift apart unnoticed. Batches are split far below it (MAX_BATCH_BYTES).
+    ("grpc.max_send_message_length", MAX_AGENT_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_AGENT_MESSAGE_BYTES),
 ]
 
 
@@ -49,17 +56,60 @@ def make_channel(cfg: AgentConfig) -> grpc.aio.Channel:
 
 
 def to_pb(ev: OutgoingEvent) -> pb.Event:
+    # Outbox.put bounds details; this bounds an event an older agent left in the outbox, which
+    # the coordinator would otherwise refuse on every resend.
+    details, original_bytes = bounded_details(ev.details)
+    if original_bytes is not None:
+        log.warning(
+            "node %s: queued %s event %s has %d bytes of details: sent as a summary",
+            ev.node_id,
+            ev.kind,
+            ev.uid,
+            original_bytes,
+        )
     msg = pb.Event(
         uid=ev.uid,
         kind=ev.kind,
         node_id=ev.node_id,
         reclaim_id=ev.reclaim_id,
         wall_time=ev.wall_time,
-        details_json=json.dumps(ev.details, sort_keys=True),
+        details_json=details_json(details),
     )
     if ev.t_offset_s is not None:
         msg.t_offset_s = ev.t_offset_s
     return msg
+
+
+def _varint_bytes(n: int) -> int:
+    size = 1
+    while n >= 0x80:
+        n >>= 7
+        size += 1
+    return size
+
+
+def _field_bytes(n: int) -> int:
+    """A length-delimited field holding n bytes, its tag (field number below 16) included."""
+    return 1 + _varint_bytes(n) + n
+
+
+def batches(events: Iterable[pb.Event]) -> Iterator[list[pb.Event]]:
+    """The events in order, cut into EventBatches the coordinator accepts: at most
+    MAX_BATCH_EVENTS each, and the AgentMessage carrying one at most MAX_BATCH_BYTES serialized
+    (so the EventBatch too). An event too large to share a batch goes alone."""
+    batch: list[pb.Event] = []
+    size = 0  # the EventBatch's ByteSize(): each event is a length-delimited field of it
+    for ev in events:
+        cost = _field_bytes(ev.ByteSize())
+        if batch and (
+            len(batch) >= MAX_BATCH_EVENTS or _field_bytes(size + cost) > MAX_BATCH_BYTES
+        ):
+            yield batch
+            batch, size = [], 0
+        batch.append(ev)
+        size += cost
+    if batch:
+        yield batch
 
 
 class CoordinatorLink:
@@ -248,12 +298,11 @@ class CoordinatorLink:
                 if self._slots:
                     slots, self._slots = list(self._slots.values()), {}
                     await call.write(pb.AgentMessage(slots=pb.SlotReport(workers=slots)))
-                batch = [e for e in self.outbox.pending() if e.uid not in in_flight]
-                if batch:
-                    in_flight.update(e.uid for e in batch)
-                    await call.write(
-                        pb.AgentMessage(events=pb.EventBatch(events=[to_pb(e) for e in batch]))
-                    )
+                unsent = [to_pb(e) for e in self.outbox.pending() if e.uid not in in_flight]
+                if unsent:
+                    for batch in batches(unsent):
+                        in_flight.update(e.uid for e in batch)
+                        await call.write(pb.AgentMessage(events=pb.EventBatch(events=batch)))
                     continue
                 waiter = asyncio.create_task(self._outbox_changed.wait())
                 done, _ = await asyncio.wait(
@@ -287,5 +336,8 @@ class CoordinatorLink:
             if which == "ack":
                 self.outbox.acknowledge(msg.ack.uids)
                 in_flight.difference_update(msg.ack.uids)
+                # Room in the next pending(): a backlog longer than one read goes on at once,
+                # not at the next heartbeat.
+                self._outbox_changed.set()
             elif which in ("start_worker", "drain_worker", "start_rental", "stop_rental"):
                 self.on_command(msg)

@@ -43,6 +43,7 @@ from google.protobuf.message import Message
 from spotdrain.agent import control_socket
 from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port
 from spotdrain.events import stored_event_to_dict
+from spotdrain.limits import MAX_ADMIN_MESSAGE_BYTES
 from spotdrain.security import channel_credentials
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
@@ -160,6 +161,11 @@ def add_rentals(sub: Any) -> None:
             one.add_argument("--ended-by", choices=ENDED_BY, default="", help="default: platform")
 
 
+# A coordinator at 10,000 nodes answers ListNodes (and status, events) with several MB: above
+# gRPC's 4 MiB default receive limit, which would fail the call with RESOURCE_EXHAUSTED.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_ADMIN_MESSAGE_BYTES)]
+
+
 def channel(args: Any) -> grpc.aio.Channel:
     if not args.coordinator:
         raise UsageError("--coordinator HOST:PORT is required")
@@ -168,10 +174,12 @@ def channel(args: Any) -> grpc.aio.Channel:
     if args.insecure:
         if any(tls):
             raise UsageError("--insecure and TLS flags exclude each other")
-        return grpc.aio.insecure_channel(args.coordinator)
+        return grpc.aio.insecure_channel(args.coordinator, options=CHANNEL_OPTIONS)
     if not all(tls):
         raise UsageError("give --tls-cert, --tls-key and --ca, or --insecure")
-    return grpc.aio.secure_channel(args.coordinator, channel_credentials(*tls))
+    return grpc.aio.secure_channel(
+        args.coordinator, channel_credentials(*tls), options=CHANNEL_OPTIONS
+    )
 
 
 def message_doc(msg: Message) -> dict[str, Any]:

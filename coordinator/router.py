@@ -44,6 +44,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from spotdrain import sse
 from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port
+from spotdrain.limits import MAX_ADMIN_MESSAGE_BYTES
 from spotdrain.security import channel_credentials, warn_insecure
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
@@ -694,6 +695,11 @@ async def _refused_by_coordinator(stub: pb_grpc.RoutesStub, coordinator: str) ->
     return ""
 
 
+# A model's first WatchRoutes snapshot lists every routable worker of it: at a large fleet
+# that can outgrow gRPC's 4 MiB default receive limit and fail the watch (RESOURCE_EXHAUSTED).
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_ADMIN_MESSAGE_BYTES)]
+
+
 async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
     listen_host, listen_port = host_port(args.listen, "--listen")
     host_port(args.coordinator, "--coordinator")
@@ -706,13 +712,13 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
         raise UsageError("give --tls-cert, --tls-key and --ca, or --insecure")
     if args.insecure:
         warn_insecure(PROG)
-        channel = grpc.aio.insecure_channel(args.coordinator)
+        channel = grpc.aio.insecure_channel(args.coordinator, options=CHANNEL_OPTIONS)
     else:
         try:
             creds = channel_credentials(*tls)
         except ValueError as e:  # an unreadable certificate or key: a config error
             raise UsageError(str(e)) from e
-        channel = grpc.aio.secure_channel(args.coordinator, creds)
+        channel = grpc.aio.secure_channel(args.coordinator, creds, options=CHANNEL_OPTIONS)
     try:
         stub = pb_grpc.RoutesStub(channel)
         refused = await _refused_by_coordinator(stub, args.coordinator)

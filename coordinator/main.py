@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import sys
 import tomllib
@@ -12,17 +13,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from spotdrain import systemd
+from spotdrain import limits, systemd
 from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port
 from spotdrain.coordinator.acquirer import acquirers_from_config, avoid_s_from_config
-from spotdrain.coordinator.service import (
-    AdminServicer,
-    AgentLinkServicer,
-    Coordinator,
-    RentalsServicer,
-    RoutesServicer,
-)
-from spotdrain.coordinator.store import Store, StoreError
+from spotdrain.coordinator.admin_api import AdminServicer
+from spotdrain.coordinator.pauses import Pauses
+from spotdrain.coordinator.public_api import RentalsServicer, RoutesServicer
+from spotdrain.coordinator.service import AgentLinkServicer, Coordinator
+from spotdrain.coordinator.store import StoreError, open_store
 from spotdrain.metrics import serve as metrics_serve
 from spotdrain.security import server_credentials, warn_insecure
 from spotdrain.v1 import spotdrain_pb2 as pb
@@ -35,7 +33,12 @@ log = logging.getLogger("spotdrain.coordinator")
 def parser() -> ArgumentParser:
     p = ArgumentParser(prog=PROG, description="spotdrain coordinator (gRPC)")
     p.add_argument("--listen", required=True, help="HOST:PORT (port 0 picks a free one)")
-    p.add_argument("--db", required=True, help="SQLite file")
+    p.add_argument(
+        "--db",
+        required=True,
+        help="the store: a SQLite file (or sqlite:///PATH), or a PostgreSQL libpq URI "
+        "(postgresql://..., multi-host with target_session_attrs=read-write)",
+    )
     p.add_argument("--insecure", action="store_true", help="plaintext, no client identities")
     p.add_argument("--tls-cert")
     p.add_argument("--tls-key")
@@ -71,6 +74,19 @@ def parser() -> ArgumentParser:
     return p
 
 
+SERVER_OPTIONS = [
+    # Set on purpose (spotdrain.limits): an agent's message is at most this big, an operator's
+    # reply (ListNodes of a large fleet) may be bigger.
+    ("grpc.max_receive_message_length", limits.MAX_AGENT_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", limits.MAX_ADMIN_MESSAGE_BYTES),
+    # Agents ping every 10 s to notice a dead coordinator; the default policy (5 minutes
+    # between pings) would answer them with GOAWAY, ending every node's stream.
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
 async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
     host, port = host_port(args.listen, "--listen")
     tls = (args.tls_cert, args.tls_key, args.client_ca)
@@ -78,21 +94,28 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
         raise UsageError("--insecure and TLS flags exclude each other")
     if not args.insecure and not all(tls):
         raise UsageError("give --tls-cert, --tls-key and --client-ca, or --insecure")
+    for flag, value in (
+        ("--heartbeat-ttl-s", args.heartbeat_ttl_s),
+        ("--start-timeout-s", args.start_timeout_s),
+        ("--node-gone-s", args.node_gone_s),
+    ):
+        if not math.isfinite(value) or value <= 0:
+            raise UsageError(f"{flag} must be a positive number of seconds, got {value}")
     creds = None if args.insecure else server_credentials(*tls)  # type: ignore[arg-type]
     acquirers, avoid_s = load_acquirers(args.acquirers)
     try:
-        store = Store(args.db)
+        store = await open_store(args.db)
     except StoreError as e:
         raise UsageError(str(e)) from e
+    try:
+        return await _serve(args, host, port, creds, store, acquirers, avoid_s)
+    finally:
+        await store.close()
 
+
+async def _serve(args, host, port, creds, store, acquirers, avoid_s) -> int:  # noqa: ANN001
     if args.insecure:
         warn_insecure(PROG)
-    if args.heartbeat_ttl_s <= 0:
-        raise UsageError("--heartbeat-ttl-s must be positive")
-    if args.start_timeout_s <= 0:
-        raise UsageError("--start-timeout-s must be positive")
-    if args.node_gone_s <= 0:
-        raise UsageError("--node-gone-s must be positive")
     coord = Coordinator(
         store,
         insecure=args.insecure,
@@ -102,7 +125,9 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
         acquirers=acquirers,
         avoid_s=avoid_s,
     )
-    server = grpc.aio.server()
+    pauses = Pauses(coord.registry)
+    pauses.install()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_AgentLinkServicer_to_server(AgentLinkServicer(coord), server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(coord), server)
     pb_grpc.add_RoutesServicer_to_server(RoutesServicer(coord), server)
@@ -126,7 +151,8 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
         raise UsageError(f"cannot listen on {address}")
     # Startup and the recovery loop share one path: rebuild from the store (before serving, so
     # no agent or router sees an empty registry), then recover.
-    coord.fleet.rebuild()
+    await coord.fleet.recovery.rebuild()
+    pauses.freeze()  # what rebuild loaded lives as long as the process
     await server.start()
     if args.metrics_listen:
         host_port(args.metrics_listen, "--metrics-listen")
@@ -140,14 +166,13 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
     # Tests and the demo read the bound port from this line.
     print(f"{PROG}: listening on {host}:{bound}", flush=True)
     log.info(
-        "listening on %s:%d, store %s, %s",
+        "listening on %s:%d, store %s (%s), %s",
         host,
         bound,
-        args.db,
+        store.where,
+        store.backend.name,
         "PLAINTEXT" if creds is None else "mutual TLS",
     )
-
-    recovery = asyncio.create_task(coord.fleet.recovery_loop())
 
     # systemd (Type=notify): the store is open and the server serving, so READY; then STATUS=
     # on changes, and the watchdog ping while the recovery loop still runs.
@@ -155,25 +180,52 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
         return _describe(coord, f"{host}:{bound}")
 
     systemd.ready(said := describe())
-    notifying = [
-        asyncio.create_task(systemd.keep_status(describe, last=said)),
-        asyncio.create_task(systemd.keep_watchdog(lambda: not recovery.done())),
-    ]
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    systemd.stopping()
-    log.info("stopping")
-    for task in notifying:
-        task.cancel()
-    recovery.cancel()
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace=2.0)
-    store.close()
-    return 0
+    tasks = {
+        "recovery": coord.fleet.recovery.loop(),
+        "gc-freeze": pauses.keep_frozen(),
+        "loop-lag": pauses.probe_loop(),
+        "systemd-status": systemd.keep_status(describe, last=said),
+        "stop": stop.wait(),
+    }
+    running = {asyncio.create_task(c, name=n): n for n, c in tasks.items()}
+    recovery = next(t for t, n in running.items() if n == "recovery")
+    watchdog = systemd.keep_watchdog(lambda: not recovery.done())
+    running[asyncio.create_task(watchdog, name="watchdog")] = "watchdog"
+    rc = 0
+    try:
+        # The supervisor: the stop signal ends the process cleanly; a task that fails ends it
+        # non-zero, so systemd's Restart=on-failure takes over. (The systemd tasks return at
+        # once when not under systemd: that is not a failure.)
+        pending = set(running)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            failures = [t for t in done if not t.cancelled() and t.exception() is not None]
+            for task in failures:
+                log.error("%s failed", running[task], exc_info=task.exception())
+            if failures:
+                rc = 1
+                break
+            if any(running[t] == "stop" for t in done):
+                break
+            if any(running[t] == "recovery" for t in done):
+                log.error("the recovery loop ended")
+                rc = 1
+                break
+    finally:
+        systemd.stopping()
+        log.info("stopping")
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace=2.0)
+        await coord.fleet.close()
+        pauses.uninstall()
+    return rc
 
 
 def load_acquirers(path: str) -> tuple[dict, float]:
@@ -198,7 +250,7 @@ def _describe(coord: Coordinator, address: str) -> str:
     by_state = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
     workers = sum(states.values())
     return (
-        f"serving on {address}; {len(coord.fleet.streams)} nodes connected; "
+        f"serving on {address}; {len(coord.fleet.nodes.streams)} nodes connected; "
         f"{workers} workers" + (f" ({by_state})" if by_state else "")
     )
 

@@ -39,13 +39,14 @@ class Conn(ABC):
     @abstractmethod
     async def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None: ...
 
-    async def serialize_events(self) -> None:
+    async def serialize_events(self) -> None:  # noqa: B027 (a no-op unless a backend needs it)
         """Called before a transaction inserts events: events must commit in id order, so that
         a consumer resuming after id N never misses one that commits late with a lower id."""
 
 
 class Backend(ABC):
     name: str  # "sqlite" or "postgresql"
+    text_order: str  # appended to a text column in ORDER BY: byte order on both backends
     where: str  # for messages: the file, or the database without its password
 
     @abstractmethod

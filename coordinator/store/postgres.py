@@ -74,6 +74,8 @@ class _PgConn(Conn):
 
 class PostgresBackend(Backend):
     name = "postgresql"
+    # Listings sort ids by their characters, as SQLite does, whatever the database's collation.
+    text_order = ' COLLATE "C"'
 
     def __init__(self, url: str, pool_size: int = 8) -> None:
         self.url = url

@@ -39,6 +39,13 @@ def _run(db: sqlite3.Connection, sql: str, args: Sequence[Any]) -> Result:
     return Result(cur.fetchall(), cur.rowcount)
 
 
+def _end(db: sqlite3.Connection, sql: str, args: Sequence[Any]) -> Result:
+    """COMMIT or ROLLBACK, only while a transaction is open (a failed BEGIN opened none)."""
+    if db.in_transaction:
+        db.execute(sql)
+    return Result([], 0)
+
+
 class _WriterConn(Conn):
     def __init__(self, backend: SqliteBackend) -> None:
         self.backend = backend
@@ -52,6 +59,7 @@ class _WriterConn(Conn):
 
 class SqliteBackend(Backend):
     name = "sqlite"
+    text_order = ""
 
     def __init__(self, path: str) -> None:
         self.path = self.where = path
@@ -67,8 +75,11 @@ class SqliteBackend(Backend):
         try:
             self._wdb = await self._in(self._writer, _connect, self.path)
             await self._migrate()
-        except sqlite3.DatabaseError as e:
-            raise StoreError(f"database {self.path}: {e}") from e
+        except BaseException as e:
+            await self.close()  # a refused database leaves no thread or connection behind
+            if isinstance(e, sqlite3.DatabaseError):
+                raise StoreError(f"database {self.path}: {e}") from e
+            raise
 
     async def _migrate(self) -> None:
         async with self.transaction() as conn:
@@ -98,15 +109,20 @@ class SqliteBackend(Backend):
     async def transaction(self, priority: bool = False) -> AsyncIterator[Conn]:
         await self._lock.acquire(priority)
         try:
-            await self._write(_run, "BEGIN IMMEDIATE", ())
             try:
+                await self._write(_run, "BEGIN IMMEDIATE", ())
                 yield _WriterConn(self)
             except BaseException:
-                # Shielded: a cancelled caller still leaves the connection out of the
-                # transaction. The writer thread runs in order, so the next BEGIN comes after.
-                await asyncio.shield(self._write(_run, "ROLLBACK", ()))
+                # Also when cancelled while BEGIN still runs: the rollback is queued behind it
+                # on the writer thread, before any later transaction's BEGIN, and shielded so a
+                # second cancellation cannot leave the connection inside a transaction.
+                await asyncio.shield(self._write(_end, "ROLLBACK", ()))
                 raise
-            await asyncio.shield(self._write(_run, "COMMIT", ()))
+            try:
+                await asyncio.shield(self._write(_end, "COMMIT", ()))
+            except BaseException:
+                await asyncio.shield(self._write(_end, "ROLLBACK", ()))
+                raise
         finally:
             self._lock.release()
 

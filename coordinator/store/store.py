@@ -63,6 +63,7 @@ class Store:
     def __init__(self, backend: Backend, clock: Callable[[], float] = time.time) -> None:
         self.backend = backend
         self.clock = clock
+        self._c = backend.text_order
 
     @property
     def where(self) -> str:
@@ -162,7 +163,7 @@ class Store:
         await self._write("UPDATE nodes SET last_seen=? WHERE node_id=?", (self.clock(), node_id))
 
     async def nodes(self) -> list[NodeRow]:
-        rows = await self._read(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node_id")
+        rows = await self._read(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node_id{self._c}")
         return [_node_row(r) for r in rows]
 
     async def node(self, node_id: str) -> NodeRow | None:
@@ -231,7 +232,9 @@ class Store:
         if node_id is not None:
             sql += " AND node_id=?"
             args = (node_id,)
-        rows = await self._read(sql + " ORDER BY started_at, node_id, reclaim_id", args)
+        rows = await self._read(
+            sql + f" ORDER BY started_at, node_id{self._c}, reclaim_id{self._c}", args
+        )
         return [DrainRow(*r) for r in rows]
 
     # --- workers -----------------------------------------------------------------------------
@@ -264,7 +267,7 @@ class Store:
             args.append(model)
         if live_only:
             sql += " AND state!='stopped'"
-        rows = await self._read(sql + " ORDER BY created_at, worker_id", args)
+        rows = await self._read(sql + f" ORDER BY created_at, worker_id{self._c}", args)
         return [json.loads(r[0]) for r in rows]
 
     # --- drain state that outlives the process -----------------------------------------------
@@ -348,7 +351,7 @@ class Store:
             args.append(node_id)
         if holding_only:
             sql += " AND ended_at IS NULL"
-        rows = await self._read(sql + " ORDER BY started_at, rental_id", args)
+        rows = await self._read(sql + f" ORDER BY started_at, rental_id{self._c}", args)
         return [json.loads(r[0]) for r in rows]
 
     async def active_rental_count(self, node_id: str) -> int:
@@ -369,7 +372,9 @@ class Store:
         return ModelRow(model, replicas, image, slots)
 
     async def models(self) -> list[ModelRow]:
-        rows = await self._read("SELECT model, replicas, image, slots FROM models ORDER BY model")
+        rows = await self._read(
+            f"SELECT model, replicas, image, slots FROM models ORDER BY model{self._c}"
+        )
         return [ModelRow(*r) for r in rows]
 
     async def model(self, model: str) -> ModelRow | None:
@@ -419,7 +424,8 @@ class Store:
 
     async def taints(self, node_id: str) -> list[TaintRow]:
         rows = await self._read(
-            f"SELECT {_TAINT_COLUMNS} FROM taints WHERE node_id=? ORDER BY since, reclaim_id",
+            f"SELECT {_TAINT_COLUMNS} FROM taints WHERE node_id=? "
+            f"ORDER BY since, reclaim_id{self._c}",
             (node_id,),
         )
         return [TaintRow(*r) for r in rows]
@@ -427,7 +433,8 @@ class Store:
     async def all_taints(self) -> dict[str, list[TaintRow]]:
         """Every node's taints in one read (rebuild and listings, never one query a node)."""
         rows = await self._read(
-            f"SELECT {_TAINT_COLUMNS} FROM taints ORDER BY node_id, since, reclaim_id"
+            f"SELECT {_TAINT_COLUMNS} FROM taints "
+            f"ORDER BY node_id{self._c}, since, reclaim_id{self._c}"
         )
         out: dict[str, list[TaintRow]] = {}
         for r in rows:
@@ -539,7 +546,7 @@ class Store:
         else:
             row = await self._one(
                 "SELECT record_json, started_at FROM reclamations "
-                "ORDER BY started_at DESC, reclaim_id DESC LIMIT 1"
+                f"ORDER BY started_at DESC, reclaim_id{self._c} DESC LIMIT 1"
             )
         if row is None:
             return None

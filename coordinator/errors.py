@@ -1,0 +1,103 @@
+"""Domain errors, and the one place they become gRPC status codes.
+
+Every servicer method is wrapped by `grpc_errors`: a domain error aborts the call with its code
+and its message; anything unexpected is logged once (with its traceback) and answered INTERNAL.
+A servicer never raises into gRPC, and never says "unreachable".
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from spotdrain.coordinator.drains import SpotChangeRefused, UnknownNode
+from spotdrain.coordinator.gate import PlacementRefused
+from spotdrain.coordinator.store import StoreError, StoreUnavailable
+
+log = logging.getLogger("spotdrain.coordinator.errors")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Refused(Exception):
+    """A call refused with a given code (identity checks: UNAUTHENTICATED, PERMISSION_DENIED)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class BadRequest(ValueError):
+    """A request that is malformed or out of bounds: INVALID_ARGUMENT, nothing changed."""
+
+
+class NotFound(KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "not found"
+
+
+class TooLarge(Exception):
+    """Above a configured bound (limits.py): RESOURCE_EXHAUSTED, nothing stored."""
+
+
+def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    match error:
+        case Refused(code=code):
+            return code, str(error)
+        case BadRequest():
+            return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+        case TooLarge():
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+        case NotFound() | UnknownNode():
+            return grpc.StatusCode.NOT_FOUND, str(error)
+        case PlacementRefused() | SpotChangeRefused():
+            return grpc.StatusCode.FAILED_PRECONDITION, str(error)
+        case StoreUnavailable():
+            return grpc.StatusCode.UNAVAILABLE, f"store unavailable, retry: {error}"
+        case StoreError():
+            return grpc.StatusCode.UNAVAILABLE, f"store error: {error}"
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(error).__name__})"
+
+
+async def abort_for(context: grpc.aio.ServicerContext, error: BaseException, call: str) -> None:
+    code, message = status_for(error)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("%s failed", call, exc_info=error)
+    else:
+        log.info("%s: %s: %s", call, code.name, message)
+    await context.abort(code, message)
+
+
+def grpc_errors(method: F) -> F:
+    """Wrap a unary servicer method: domain errors become status codes."""
+
+    @functools.wraps(method)
+    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:  # noqa: BLE001 (mapped, never raised into gRPC)
+            await abort_for(context, e, method.__name__)
+
+    return unary  # type: ignore[return-value]
+
+
+def grpc_stream_errors(method: F) -> F:
+    """The same for a server-streaming method (an async generator)."""
+
+    @functools.wraps(method)
+    async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        try:
+            async for item in method(self, request, context):
+                yield item
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            await abort_for(context, e, method.__name__)
+
+    return stream  # type: ignore[return-value]

@@ -276,17 +276,17 @@ async def test_a_model_whose_workers_fail_to_start_is_retried_with_backoff(coord
 async def test_a_coordinator_that_died_before_asking_asks_when_it_is_back(tmp_path, pki):
     """The store as a crash left it: a hard notice's drain stored, no replacement request
     recorded. The restarted coordinator asks once; a second restart does not ask again."""
-    from spotdrain.coordinator.store import Store
+    from spotdrain.coordinator.store import open_store
 
     config, out = acquirers_file(tmp_path, "ok")
     db = tmp_path / "c" / "coordinator.sqlite"
     db.parent.mkdir(parents=True)
-    store = Store(db)
-    store.upsert_node("a1", True, "group-a", [{"index": 0}])
-    store.upsert_node("b1", True, "group-b", [{"index": 0}])
+    store = await open_store(str(db))
+    await store.upsert_node("a1", True, "group-a", [{"index": 0}])
+    await store.upsert_node("b1", True, "group-b", [{"index": 0}])
     now = time.time()
-    store.start_drain("a1", "rcl-crashed", "notice", now + 60, now + 50)
-    store.close()
+    await store.start_drain("a1", "rcl-crashed", "notice", now + 60, now + 50)
+    await store.close()
     for attempt in range(2):
         coordinator = start_coordinator(tmp_path / "c", tls=pki, db=db,
                                         extra=("--acquirers", str(config)))

@@ -1,0 +1,154 @@
+"""The coordinator's handlers over a real store (each backend), with a fake clock; and what
+only SQLite has (WAL, a file that is not a database, migration of an old file)."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import grpc
+import pytest
+
+from spotdrain.coordinator.service import AgentLinkServicer, Coordinator
+from spotdrain.coordinator.store import SCHEMA_VERSION, StoreError, open_store
+from spotdrain.coordinator.store.schema import SQLITE_WORDS, steps_from
+from spotdrain.coordinator.timeline import fold, new_record
+from spotdrain.v1 import spotdrain_pb2 as pb
+
+
+class FakeClock:
+    def __init__(self, now: float = 1_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+async def store(store_url, clock):
+    s = await open_store(store_url, clock=clock)
+    yield s
+    await s.close()
+
+
+async def test_the_sqlite_store_is_wal_and_versioned(tmp_path):
+    path = tmp_path / "c.sqlite"
+    store = await open_store(str(path))
+    await store.close()
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(
+        SCHEMA_VERSION)
+    db.close()
+
+
+async def test_a_file_that_is_not_sqlite_is_refused(tmp_path):
+    path = tmp_path / "junk.sqlite"
+    path.write_bytes(b"not a database at all" * 100)
+    with pytest.raises(StoreError, match="junk.sqlite"):
+        await open_store(str(path))
+
+
+async def test_a_version_1_database_is_migrated_in_place(tmp_path):
+    """A coordinator upgraded over an existing database keeps every node and event, and nodes
+    start with their workload enabled."""
+    path = tmp_path / "v1.sqlite"
+    db = sqlite3.connect(path)
+    version, statements = steps_from(0, SQLITE_WORDS)[0]
+    assert version == 1
+    for sql in statements:
+        db.execute(sql)
+    db.execute("INSERT INTO nodes VALUES ('node-a', 1, 'g', '[]', 1.0, 2.0)")
+    db.commit()
+    db.close()
+    store = await open_store(str(path))
+    assert [(n.node_id, n.workload_enabled) for n in await store.nodes()] == [("node-a", True)]
+    await store.close()
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
+    db.close()
+
+
+def test_fold_ignores_non_numeric_deadlines():
+    rec = new_record("rcl-1", "node-a")
+    fold(rec, "notice_received", 5.0, {"t0": "soon", "terminate_at": 35.0})
+    assert rec["t0"] == 0.0 and rec["terminate_at"] == 35.0
+
+
+class FakeContext:
+    """Enough of grpc.aio.ServicerContext for the handlers: a peer and an abort that raises."""
+
+    def __init__(self, common_name: str | None) -> None:
+        self.common_name = common_name
+        self.aborted: tuple[grpc.StatusCode, str] | None = None
+
+    def auth_context(self) -> dict:
+        return {"x509_common_name": [self.common_name.encode()]} if self.common_name else {}
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.aborted = (code, details)
+        raise grpc.aio.AbortError(details)
+
+
+async def test_taint_handler_checks_the_certificate(store, clock):
+    servicer = AgentLinkServicer(Coordinator(store, insecure=False, clock=clock))
+    ok = FakeContext("node:node-a")
+    reply = await servicer.Taint(pb.TaintRequest(node_id="node-a", reclaim_id="rcl-9"), ok)
+    assert [t.reclaim_id for t in reply.taints] == ["rcl-9"] and reply.taints[0].since == 1000.0
+    for cn, code in [("node:node-b", grpc.StatusCode.PERMISSION_DENIED),
+                     ("operator:alice", grpc.StatusCode.PERMISSION_DENIED),
+                     ("gibberish", grpc.StatusCode.UNAUTHENTICATED)]:
+        ctx = FakeContext(cn)
+        with pytest.raises(grpc.aio.AbortError):
+            await servicer.Taint(pb.TaintRequest(node_id="node-a", reclaim_id="rcl-8"), ctx)
+        assert ctx.aborted[0] == code, cn
+    assert [t.reclaim_id for t in await store.taints("node-a")] == ["rcl-9"]
+    refused = [e for e in await store.events_after(0) if e.kind == "identity_refused"]
+    assert len(refused) == 2  # gibberish has no identity to record
+
+
+async def test_taint_without_reclaim_id_is_invalid(store, clock):
+    servicer = AgentLinkServicer(Coordinator(store, insecure=False, clock=clock))
+    ctx = FakeContext("node:node-a")
+    with pytest.raises(grpc.aio.AbortError):
+        await servicer.Taint(pb.TaintRequest(node_id="node-a"), ctx)
+    assert ctx.aborted[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert await store.taints("node-a") == []
+
+
+async def test_a_taint_with_deadlines_that_are_not_numbers_changes_nothing(store, clock):
+    """NaN or infinity from the wire is refused before anything is stored."""
+    servicer = AgentLinkServicer(Coordinator(store, insecure=False, clock=clock))
+    for bad in (float("nan"), float("inf")):
+        ctx = FakeContext("node:node-a")
+        with pytest.raises(grpc.aio.AbortError):
+            await servicer.Taint(pb.TaintRequest(
+                node_id="node-a", reclaim_id="rcl-1", terminate_at=bad), ctx)
+        assert ctx.aborted[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert await store.taints("node-a") == [] and await store.active_drains() == []
+
+
+async def test_a_taint_is_answered_only_once_it_is_stored(store, clock):
+    """The reply's taint and the drain's deadlines are in the store when the agent hears back,
+    and a retry of the same reclamation keeps the first deadlines (invariant 2)."""
+    coord = Coordinator(store, insecure=False, clock=clock)
+    servicer = AgentLinkServicer(coord)
+    request = pb.TaintRequest(node_id="node-a", reclaim_id="rcl-1", reason="notice",
+                              terminate_at=1120.0, grace_deadline=1110.0)
+    await servicer.Taint(request, FakeContext("node:node-a"))
+    [drain] = await store.active_drains("node-a")
+    assert (drain.terminate_at, drain.grace_deadline) == (1120.0, 1110.0)
+    clock.now += 5
+    request.terminate_at, request.grace_deadline = 1200.0, 1190.0
+    reply = await servicer.Taint(request, FakeContext("node:node-a"))
+    [again] = await store.active_drains("node-a")
+    assert (again.terminate_at, again.grace_deadline) == (1120.0, 1110.0)
+    assert [t.since for t in reply.taints] == [1000.0]
+    await coord.fleet.close()

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.docker
 
 
 def test_whole_timeline_on_one_node(
-    tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers
+    tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers, coordinator_db
 ):
     """A provider gives node A eight seconds. Its three batch jobs (one quits at once, one
     checkpoints for a second, one ignores SIGTERM) are signalled after the taint, the stubborn
@@ -234,14 +234,14 @@ def test_agent_killed_mid_reclamation_resumes_with_same_deadlines(
 
 
 def test_events_made_while_the_coordinator_is_down_arrive_once_it_is_back(
-    tmp_path, docker_engine, pki, gpus, nvml_lib, containers
+    tmp_path, docker_engine, pki, gpus, nvml_lib, containers, coordinator_db
 ):
     """The coordinator crashes (SIGKILL) before the notice and comes back on the same database
     a few seconds later. The agent drained under its local taint meanwhile; every event it made
     is in its outbox on disk and reaches the coordinator exactly once."""
     from harness import start_coordinator
 
-    coord = start_coordinator(tmp_path / "coordinator", tls=pki)
+    coord = start_coordinator(tmp_path / "coordinator", tls=pki, db=coordinator_db)
     port = int(coord.address.rsplit(":", 1)[1])
     run_workload(docker_engine.client, name=containers + "job", node_id="node-a",
                  kind="exits_on_term")

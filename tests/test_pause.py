@@ -151,7 +151,8 @@ def test_pause_cuts_a_stream_longer_than_the_ceiling_and_frees_the_node_by_d(
 
 
 def test_pause_with_short_requests_completes_every_one(
-    tmp_path, docker_engine, coordinator, gpus, nvml_lib, model_image, workers_cleanup
+    tmp_path, docker_engine, coordinator, gpus, nvml_lib, model_image, workers_cleanup,
+    coordinator_db,
 ):
     """The owner pauses while short requests (about a second each) are in flight. None is
     cut: the worker is stopped the moment its last slot is released, and the node is verified
@@ -275,12 +276,12 @@ def test_coordinator_unreachable_when_the_owner_pauses(
 
 
 def test_coordinator_killed_mid_drain_recovers_inside_the_deadline(
-    tmp_path, docker_engine, pki, gpus, nvml_lib, model_image, workers_cleanup
+    tmp_path, docker_engine, pki, gpus, nvml_lib, model_image, workers_cleanup, coordinator_db
 ):
     """The coordinator is SIGKILLed while a paused node drains a long stream, and restarts on
     the same database. The drain finishes inside the original deadline and no worker stays
     draining."""
-    coord = start_coordinator(tmp_path / "c", tls=pki)
+    coord = start_coordinator(tmp_path / "c", tls=pki, db=coordinator_db)
     port = int(coord.address.rsplit(":", 1)[1])
     agent = start_agent(tmp_path, "node-a", coord, docker_engine.host, gpus, nvml_lib, PAUSE)
     try:

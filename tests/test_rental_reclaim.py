@@ -56,7 +56,8 @@ class Watch:
 
 @pytest.mark.parametrize("spot, ended_by", [(True, "reclaim"), (False, "provider")])
 def test_a_paused_nodes_rental_runs_until_reclaim_at_and_no_longer(
-    tmp_path, docker_engine, coordinator, pki, gpus, nvml_lib, rental_image, spot, ended_by
+    tmp_path, docker_engine, coordinator, pki, gpus, nvml_lib, rental_image, spot, ended_by,
+    coordinator_db,
 ):
     extra = [*PAUSE, "--spot", "true" if spot else "false"]
     agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,

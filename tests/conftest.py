@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
-from pgserver import PgServer, database_name, fresh_database, start_postgres
 
 from dockerenv import (
     DockerEngine,
@@ -22,6 +21,7 @@ from dockerenv import (
 )
 from fakenvml import FakeGpus, build
 from harness import start_coordinator
+from pgserver import PgServer, database_name, fresh_database, start_postgres
 from pki import Pki
 
 # The two store backends every store-level and end-to-end test runs against.

@@ -8,6 +8,7 @@ from pathlib import Path
 import psutil
 import psycopg
 import pytest
+
 from pgserver import PgServer, database_name, fresh_database, start_postgres
 
 REPO = Path(__file__).resolve().parents[1]

@@ -130,6 +130,7 @@ def event_batch(node_id: str, batch: pb.EventBatch) -> list[NewEvent]:
                 wall_time=finite(ev.wall_time, "wall_time"),
                 t_offset_s=offset,
                 details=_details(ev),
+                details_json=ev.details_json or "{}",
             )
         )
     return events

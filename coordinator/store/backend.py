@@ -39,6 +39,13 @@ class Conn(ABC):
     @abstractmethod
     async def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None: ...
 
+    @abstractmethod
+    async def execute_each(
+        self, sql: str, rows: Sequence[Sequence[Any]]
+    ) -> list[tuple[Any, ...] | None]:
+        """One statement with RETURNING for each row, in one trip to the database: the first
+        row each returned, or None. (A batch of events is one trip, not one per event.)"""
+
     async def serialize_events(self) -> None:  # noqa: B027 (a no-op unless a backend needs it)
         """Called before a transaction inserts events: events must commit in id order, so that
         a consumer resuming after id N never misses one that commits late with a lower id."""

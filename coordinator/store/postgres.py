@@ -66,6 +66,24 @@ class _PgConn(Conn):
         except psycopg.Error as e:
             raise _failed(self.where, e) from e
 
+    async def execute_each(
+        self, sql: str, rows: Sequence[Sequence[Any]]
+    ) -> list[tuple[Any, ...] | None]:
+        out: list[tuple[Any, ...] | None] = []
+        if not rows:
+            return out
+        try:
+            async with self.conn.cursor() as cur:
+                # Pipelined: every statement goes out before the first answer is read.
+                await cur.executemany(_params(sql), [tuple(r) for r in rows], returning=True)
+                while True:
+                    out.append(await cur.fetchone())
+                    if not cur.nextset():
+                        break
+        except psycopg.Error as e:
+            raise _failed(self.where, e) from e
+        return out
+
     async def serialize_events(self) -> None:
         # Held to the commit: transactions that insert events commit one after the other, in
         # the order they took their ids.

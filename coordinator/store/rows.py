@@ -30,6 +30,8 @@ class NewEvent:
     wall_time: float
     t_offset_s: float | None
     details: dict[str, Any]
+    # The agent's own text of `details`, already checked: stored as it came, not encoded again.
+    details_json: str | None = None
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,14 @@ class _WriterConn(Conn):
     async def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
         await self.backend._write(lambda db, s, r: db.executemany(s, r), sql, rows)
 
+    async def execute_each(
+        self, sql: str, rows: Sequence[Sequence[Any]]
+    ) -> list[tuple[Any, ...] | None]:
+        def each(db: sqlite3.Connection, s: str, r: Sequence[Sequence[Any]]) -> list:
+            return [db.execute(s, tuple(args)).fetchone() for args in r]
+
+        return await self.backend._write(each, sql, rows)
+
 
 class SqliteBackend(Backend):
     name = "sqlite"

@@ -41,6 +41,7 @@ _EVENT_COLUMNS = (
 )
 _DRAIN_COLUMNS = "node_id, reclaim_id, reason, terminate_at, grace_deadline, started_at, ended_at"
 _TAINT_COLUMNS = "node_id, reclaim_id, key, effect, reason, since"
+EVENTS_PER_TRANSACTION = 100
 
 
 def _node_row(r: Sequence[Any]) -> NodeRow:
@@ -460,8 +461,16 @@ class Store:
         return ids[0]
 
     async def add_events(self, events: Sequence[NewEvent]) -> list[int | None]:
-        """Store a batch in one transaction, in order, each folded into its reclamation; the
-        id of each, or None for a uid stored before."""
+        """Store a batch in order, each event folded into its reclamation; the id of each, or
+        None for a uid stored before. A large batch is several short transactions, so a Taint
+        waits for at most one of them; a crash between two leaves the agent's batch
+        unacknowledged and resent whole, and the uids already stored are stored once."""
+        ids: list[int | None] = []
+        for start in range(0, len(events), EVENTS_PER_TRANSACTION):
+            ids += await self._add_events(events[start : start + EVENTS_PER_TRANSACTION])
+        return ids
+
+    async def _add_events(self, events: Sequence[NewEvent]) -> list[int | None]:
         ids: list[int | None] = []
         records: dict[str, dict[str, Any] | None] = {}
         received = self.clock()
@@ -469,11 +478,11 @@ class Store:
             tx = self._tx()
             assert tx is not None
             await tx.conn.serialize_events()
-            for ev in events:
-                result = await self._write(
-                    "INSERT INTO events (uid, kind, node_id, reclaim_id, wall_time, t_offset_s, "
-                    "details_json, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                    "ON CONFLICT(uid) DO NOTHING RETURNING id",
+            returned = await tx.conn.execute_each(
+                "INSERT INTO events (uid, kind, node_id, reclaim_id, wall_time, t_offset_s, "
+                "details_json, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT(uid) DO NOTHING RETURNING id",
+                [
                     (
                         ev.uid,
                         ev.kind,
@@ -481,12 +490,17 @@ class Store:
                         ev.reclaim_id,
                         ev.wall_time,
                         ev.t_offset_s,
-                        json.dumps(ev.details, sort_keys=True),
+                        ev.details_json
+                        if ev.details_json is not None
+                        else json.dumps(ev.details, sort_keys=True),
                         received,
-                    ),
-                )
-                ids.append(int(result.rows[0][0]) if result.rows else None)
-                if result.rows and ev.reclaim_id:
+                    )
+                    for ev in events
+                ],
+            )
+            for ev, row in zip(events, returned, strict=True):
+                ids.append(int(row[0]) if row else None)
+                if row and ev.reclaim_id:
                     await self._fold(records, ev)
             for reclaim_id, record in records.items():
                 if record is not None:

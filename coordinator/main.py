@@ -21,6 +21,7 @@ from spotdrain.coordinator.pauses import Pauses
 from spotdrain.coordinator.public_api import RentalsServicer, RoutesServicer
 from spotdrain.coordinator.service import AgentLinkServicer, Coordinator
 from spotdrain.coordinator.store import StoreError, open_store
+from spotdrain.coordinator.supervisor import supervise
 from spotdrain.metrics import serve as metrics_serve
 from spotdrain.security import server_credentials, warn_insecure
 from spotdrain.v1 import spotdrain_pb2 as pb
@@ -184,43 +185,30 @@ async def _serve(args, host, port, creds, store, acquirers, avoid_s) -> int:  # 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    tasks = {
-        "recovery": coord.fleet.recovery.loop(),
-        "gc-freeze": pauses.keep_frozen(),
-        "loop-lag": pauses.probe_loop(),
-        "systemd-status": systemd.keep_status(describe, last=said),
-        "stop": stop.wait(),
-    }
-    running = {asyncio.create_task(c, name=n): n for n, c in tasks.items()}
-    recovery = next(t for t, n in running.items() if n == "recovery")
-    watchdog = systemd.keep_watchdog(lambda: not recovery.done())
-    running[asyncio.create_task(watchdog, name="watchdog")] = "watchdog"
-    rc = 0
+    recovery_done = asyncio.Event()
+
+    async def recovery() -> None:
+        try:
+            await coord.fleet.recovery.loop()
+        finally:
+            recovery_done.set()
+
     try:
-        # The supervisor: the stop signal ends the process cleanly; a task that fails ends it
-        # non-zero, so systemd's Restart=on-failure takes over. (The systemd tasks return at
-        # once when not under systemd: that is not a failure.)
-        pending = set(running)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            failures = [t for t in done if not t.cancelled() and t.exception() is not None]
-            for task in failures:
-                log.error("%s failed", running[task], exc_info=task.exception())
-            if failures:
-                rc = 1
-                break
-            if any(running[t] == "stop" for t in done):
-                break
-            if any(running[t] == "recovery" for t in done):
-                log.error("the recovery loop ended")
-                rc = 1
-                break
+        rc = await supervise(
+            {
+                "recovery": recovery(),
+                "gc-freeze": pauses.keep_frozen(),
+                "loop-lag": pauses.probe_loop(),
+                "systemd-status": systemd.keep_status(describe, last=said),
+                # Pinged only while the recovery loop runs.
+                "watchdog": systemd.keep_watchdog(lambda: not recovery_done.is_set()),
+                "stop": stop.wait(),
+            },
+            essential=("recovery", "gc-freeze", "loop-lag"),
+        )
     finally:
         systemd.stopping()
         log.info("stopping")
-        for task in running:
-            task.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=2.0)
         await coord.fleet.close()

@@ -168,7 +168,8 @@ def test_agent_unit_keeps_what_the_promises_rest_on():
 
 def test_coordinator_unit_keeps_what_the_promises_rest_on():
     """The coordinator's unit: READY through sd_notify, a watchdog, its own unprivileged user,
-    options from the conffile, the store in its StateDirectory, no capabilities."""
+    options from the conffile, the store in its StateDirectory unless the conffile names a
+    PostgreSQL database, no capabilities."""
     s = settings(COORDINATOR)
     expected = {
         "Service.Type": ["notify"],
@@ -177,7 +178,11 @@ def test_coordinator_unit_keeps_what_the_promises_rest_on():
         "Service.ExecStart": [
             "/opt/spotdrain-coordinator/bin/spotdrain-coordinator "
             "--listen ${SPOTDRAIN_COORDINATOR_LISTEN} "
-            "--db %S/spotdrain-coordinator/coordinator.sqlite $SPOTDRAIN_COORDINATOR_OPTS"
+            "--db ${SPOTDRAIN_COORDINATOR_DB} $SPOTDRAIN_COORDINATOR_OPTS"
+        ],
+        "Service.Environment": [
+            "SPOTDRAIN_COORDINATOR_LISTEN=0.0.0.0:7443",
+            "SPOTDRAIN_COORDINATOR_DB=%S/spotdrain-coordinator/coordinator.sqlite",
         ],
         "Service.WatchdogSec": ["30s"],
         "Service.Restart": ["on-failure"],

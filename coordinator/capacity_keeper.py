@@ -16,7 +16,7 @@ from spotdrain.coordinator import capacity
 from spotdrain.coordinator import workers as wm
 from spotdrain.coordinator.nodes import summarize_refusals
 from spotdrain.coordinator.placement import PlacementRequest
-from spotdrain.coordinator.store import StartBackoff
+from spotdrain.coordinator.store import ModelRow, StartBackoff
 
 if TYPE_CHECKING:
     from spotdrain.coordinator.fleet import Fleet
@@ -78,37 +78,47 @@ class CapacityKeeper:
             if backoff is not None and now < backoff.retry_at:
                 missing = 0  # its last start failed: wait before the next try
             placed = 0
-            for _ in range(missing):
-                request = PlacementRequest(kind="inference", path=path)
-                node_id, refused = fleet.nodes.pick(request, prefer)
-                if node_id is None:
-                    # Recorded once per shortage, with why the nodes said no; not every pass.
-                    if model.model not in self._short:
-                        self._short.add(model.model)
-                        await fleet.record(
-                            "capacity_short",
-                            "",
-                            {
-                                "model": model.model,
-                                "replicas": model.replicas,
-                                "serving": len(self.serving(model.model)),
-                                "refused": summarize_refusals(refused),
-                                "path": path,
-                            },
-                        )
+            while placed < missing:
+                # In chunks of one transaction each: the chunk's workers and events are one
+                # trip to the store, and a Taint waits for at most one chunk.
+                async with fleet.store.transaction():
+                    short = await self._place_chunk(model, min(YIELD_EVERY, missing - placed),
+                                                    path, prefer)  # fmt: skip
+                placed += YIELD_EVERY
+                if short:
                     break
-                self._short.discard(model.model)
-                await fleet.gate.place_worker(
-                    node_id, model.model, model.image, model.slots, path=path
-                )
-                placed += 1
-                if placed % YIELD_EVERY == 0:
-                    await asyncio.sleep(0)
-            else:
+                await asyncio.sleep(0)
+            if missing <= 0:
                 self._short.discard(model.model)
             for worker in capacity.surplus(serving, model.replicas):
                 grace = now + SCALE_DOWN_GRACE_S
                 await fleet.apply(worker, wm.Drain(now, "operator", grace, grace + 10))
+
+    async def _place_chunk(self, model: ModelRow, count: int, path: str, prefer: str) -> bool:
+        """Up to `count` workers of `model`; True when no node admits another (recorded once
+        per shortage, with why the nodes said no; not every pass)."""
+        fleet = self.fleet
+        for _ in range(count):
+            request = PlacementRequest(kind="inference", path=path)
+            node_id, refused = fleet.nodes.pick(request, prefer)
+            if node_id is None:
+                if model.model not in self._short:
+                    self._short.add(model.model)
+                    await fleet.record(
+                        "capacity_short",
+                        "",
+                        {
+                            "model": model.model,
+                            "replicas": model.replicas,
+                            "serving": len(self.serving(model.model)),
+                            "refused": summarize_refusals(refused),
+                            "path": path,
+                        },
+                    )
+                return True
+            self._short.discard(model.model)
+            await fleet.gate.place_worker(node_id, model.model, model.image, model.slots, path=path)
+        return False
 
     async def started(self, model: str) -> None:
         """A worker of the model served: its backoff is over."""

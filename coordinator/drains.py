@@ -9,6 +9,7 @@ in the background (DESIGN.md "Hard notice timeline", steps 3 to 6).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from spotdrain.coordinator import workers as wm
 from spotdrain.coordinator.gate import PlacementRefused
-from spotdrain.coordinator.store import NodeRow, TaintRow
+from spotdrain.coordinator.store import DrainRow, NodeRow, TaintRow
 
 if TYPE_CHECKING:
     from spotdrain.coordinator.fleet import Fleet
@@ -58,14 +59,49 @@ class Drains:
         # Paused workers still draining when the owner resumed: replaced once they stop. The
         # store holds the list (rebuild reads it); this is its index of ids.
         self.replace_on_stop: set[str] = set()
+        # Each node's drains in progress, as stored (rebuild reads them back): the critical
+        # path reads them here, not from the store.
+        self.active: dict[str, dict[str, DrainRow]] = {}
+        # One switch at a time per node: what a Taint read is still true when it writes.
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def lock(self, node_id: str) -> asyncio.Lock:
+        lock = self._locks.get(node_id)
+        if lock is None:
+            lock = self._locks[node_id] = asyncio.Lock()
+        return lock
+
+    def load(self, drains: list[DrainRow]) -> None:
+        self.active = {}
+        for d in drains:
+            self.active.setdefault(d.node_id, {})[d.reclaim_id] = d
+
+    def _ended(self, node_id: str, reclaim_id: str) -> None:
+        drains = self.active.get(node_id, {})
+        drains.pop(reclaim_id, None)
+        if not drains:
+            self.active.pop(node_id, None)
+
+    def current(self, node_id: str) -> DrainRow | None:
+        """The node's drain with the earliest grace deadline (its reclamation's timeline gets
+        what a drain cuts)."""
+        drains = self.active.get(node_id)
+        return min(drains.values(), key=lambda d: d.grace_deadline) if drains else None
 
     # --- the taint, set and lifted -----------------------------------------------------------
 
     async def taint(
         self, node_id: str, reclaim_id: str, reason: str, terminate_at: float, grace: float
     ) -> TaintAnswer:
+        async with self.lock(node_id):
+            return await self._taint(node_id, reclaim_id, reason, terminate_at, grace)
+
+    async def _taint(
+        self, node_id: str, reclaim_id: str, reason: str, terminate_at: float, grace: float
+    ) -> TaintAnswer:
         store, nodes = self.fleet.store, self.fleet.nodes
-        ended = await store.drain(node_id, reclaim_id)
+        known = self.active.get(node_id, {}).get(reclaim_id)
+        ended = known or await store.drain(node_id, reclaim_id)
         if ended is not None and ended.ended_at is not None:
             # A late retry of a reclamation already lifted (a resumed pause, a cancelled
             # notice): taking it again would pause the node behind its owner's back.
@@ -76,26 +112,29 @@ class Drains:
                 ended.ended_at,
             )
             return TaintAnswer(nodes.node_taints(node_id), late=True)
+        taint = nodes.taints.get(node_id, {}).get(reclaim_id) or TaintRow(
+            node_id, reclaim_id, "spotdrain.io/reclaim", "NoSchedule", reason, self.fleet.clock()
+        )
         async with store.transaction(priority=True):
             await store.add_taint(node_id, reclaim_id, reason)
-            taints = await store.taints(node_id)
             # Unschedulable, then unrouted: every worker on the node leaves the routing table
             # before the agent signals anything (DESIGN.md "Hard notice timeline", step 4).
-            await self.begin_drain(node_id, reclaim_id, reason, terminate_at, grace)
-        for row in taints:
-            nodes.taint_added(row)
+            await self.begin_drain(node_id, reclaim_id, reason, terminate_at, grace, ended)
+        # Committed: the taint is in force for placement from now (it was stored first).
+        nodes.taint_added(taint)
         return TaintAnswer(nodes.node_taints(node_id))
 
     async def lift_taint(
         self, node_id: str, reclaim_id: str, reason: str, terminate_at: float, grace: float
     ) -> TaintAnswer:
         store = self.fleet.store
-        async with store.transaction(priority=True):
+        async with self.lock(node_id), store.transaction(priority=True):
             await store.remove_taint(node_id, reclaim_id)
             # Remember the lift even for a reclamation never tainted here, so a Taint call
             # still in flight that lands after it is recognised as late.
             await store.start_drain(node_id, reclaim_id, reason, terminate_at, grace)
             await store.end_drain(node_id, reclaim_id)
+        self._ended(node_id, reclaim_id)
         self.fleet.nodes.taint_removed(node_id, reclaim_id)
         await self.fleet.rentals.lift_reclaim(node_id, reclaim_id)
         return TaintAnswer(self.fleet.nodes.node_taints(node_id))
@@ -104,7 +143,7 @@ class Drains:
 
     async def node_drain(self, node_id: str) -> wm.NodeDrain | None:
         """The drain the node is under, if any: the earliest deadlines of its active drains."""
-        drains = await self.fleet.store.active_drains(node_id)
+        drains = list(self.active.get(node_id, {}).values())
         node = self.fleet.nodes.rows.get(node_id)
         if not drains:
             if node is not None and not node.workload_enabled:
@@ -120,9 +159,16 @@ class Drains:
         return wm.NodeDrain(reason, first.grace_deadline, min(d.terminate_at for d in drains))
 
     async def begin_drain(
-        self, node_id: str, reclaim_id: str, reason: str, terminate_at: float, grace: float
+        self,
+        node_id: str,
+        reclaim_id: str,
+        reason: str,
+        terminate_at: float,
+        grace: float,
+        known: DrainRow | None,
     ) -> None:
-        """A pause or a notice: (for a pause) the flag off; every worker on the node draining."""
+        """A pause or a notice: (for a pause) the flag off; every worker on the node draining.
+        `known`: the drain as stored already (a retry keeps its first deadlines), or None."""
         fleet, store = self.fleet, self.fleet.store
         if reason == "pause" and await store.set_workload(node_id, False):
             await self._refresh(node_id)
@@ -130,8 +176,13 @@ class Drains:
         if terminate_at <= 0:  # an agent that sent no deadlines: the defaults from now
             terminate_at = fleet.clock() + DEFAULT_NOTICE_S
             grace = terminate_at - GRACE_MARGIN_S
-        first = await store.drain(node_id, reclaim_id) is None
-        drain = await store.start_drain(node_id, reclaim_id, reason, terminate_at, grace)
+        first = known is None
+        drain = known or DrainRow(
+            node_id, reclaim_id, reason, terminate_at, grace, fleet.clock(), None
+        )
+        if first:
+            await store.add_drain(drain)
+            self.active.setdefault(node_id, {})[reclaim_id] = drain
         now = fleet.clock()
         lost = [w for w in fleet.live_workers(node_id) if w.state != wm.DRAINING]
         why = reason if reason in wm.DRAIN_REASONS else "operator"
@@ -153,10 +204,11 @@ class Drains:
         Returns the flag as it is now."""
         fleet, store = self.fleet, self.fleet.store
         ended = []
-        async with store.transaction(priority=True):
+        async with self.lock(node_id), store.transaction(priority=True):
             for drain in await store.active_drains(node_id):
                 if drain.reason == "pause" and (not reclaim_id or drain.reclaim_id == reclaim_id):
                     await store.end_drain(node_id, drain.reclaim_id)
+                    self._ended(node_id, drain.reclaim_id)
                     ended.append(drain)
             # The pause's taints go, including one whose drain ended before (a repeated resume).
             for taint in await store.taints(node_id):

@@ -34,7 +34,7 @@ class EventLog:
         now = self.clock()
         record = await self.store.reclamation(reclaim_id) if reclaim_id else None
         t0 = record["t0"] if record else 0.0
-        await self.store.add_event(
+        event = NewEvent(
             uid=f"coordinator-{uuid.uuid4()}",
             kind=kind,
             node_id=node_id,
@@ -43,6 +43,7 @@ class EventLog:
             t_offset_s=now - t0 if t0 else None,
             details=details,
         )
+        await self.store.add_events([event], fresh=True)
         await self.notify()
 
     async def accept(self, events: Sequence[NewEvent]) -> list[str]:

@@ -81,10 +81,15 @@ class Fleet:
         self.background.spawn(coro)
 
     def send(self, node_id: str, command: msg.Command) -> None:
-        queue = self.nodes.streams.get(node_id)
-        if queue is not None:
-            queue.put_nowait(command)
-        # Not connected: registration reconciles, and recovery re-sends drains.
+        """To the node's stream once what led to it is stored. Not connected: registration
+        reconciles, and recovery re-sends drains."""
+
+        def put() -> None:
+            queue = self.nodes.streams.get(node_id)
+            if queue is not None:
+                queue.put_nowait(command)
+
+        self.store.after_commit(put)
 
     # --- the worker machine's effects ----------------------------------------------------------
 
@@ -129,8 +134,8 @@ class Fleet:
 
     async def send_drain(self, worker: wm.Worker) -> None:
         # The node's reclamation, so what the drain cuts lands in that reclamation's timeline.
-        drains = await self.store.active_drains(worker.node_id)
-        reclaim_id = min(drains, key=lambda d: d.grace_deadline).reclaim_id if drains else ""
+        current = self.drains.current(worker.node_id)
+        reclaim_id = current.reclaim_id if current is not None else ""
         self.send(
             worker.node_id,
             msg.DrainWorker(

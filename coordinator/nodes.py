@@ -34,7 +34,9 @@ class NodeIndex:
         # One queue of commands per connected agent stream, and when each last spoke.
         self.streams: dict[str, asyncio.Queue[Any]] = {}
         self.connected: dict[str, float] = {}
-        self._heap: list[tuple[int, str]] = []
+        # Per node group: a heap of (GPUs in use, node id) over its connected nodes. A group
+        # the gate avoids is skipped whole, not node by node.
+        self._heaps: dict[str, list[tuple[int, str]]] = {}
 
     # --- loading and keeping up with writes ----------------------------------------------------
 
@@ -99,15 +101,33 @@ class NodeIndex:
         # of placement, so nothing is double-booked.
         return self._workers_on(node_id) + self.rental_gpus.get(node_id, 0)
 
-    def load_changed(self, node_id: str) -> None:
-        if node_id in self.streams:
-            heapq.heappush(self._heap, (self.gpus_in_use(node_id), node_id))
-            if len(self._heap) > 4 * len(self.streams) + 64:
-                self._compact()
+    def _group(self, node_id: str) -> str:
+        row = self.rows.get(node_id)
+        return row.node_group if row is not None else ""
 
-    def _compact(self) -> None:
-        self._heap = [(self.gpus_in_use(n), n) for n in self.streams]
-        heapq.heapify(self._heap)
+    def load_changed(self, node_id: str) -> None:
+        if node_id not in self.streams:
+            return
+        group = self._group(node_id)
+        heap = self._heaps.setdefault(group, [])
+        heapq.heappush(heap, (self.gpus_in_use(node_id), node_id))
+        if len(heap) > 4 * self.groups.get(group, 0) + 64:
+            self._compact(group)
+
+    def _compact(self, group: str) -> None:
+        heap = [(self.gpus_in_use(n), n) for n in self.streams if self._group(n) == group]
+        heapq.heapify(heap)
+        self._heaps[group] = heap
+
+    def _valid(self, group: str, entry: tuple[int, str]) -> bool:
+        load, node_id = entry
+        # Stale entries (the node left, changed group or load) are dropped where they surface;
+        # a current one was pushed when the change happened.
+        return (
+            node_id in self.streams
+            and self._group(node_id) == group
+            and load == self.gpus_in_use(node_id)
+        )
 
     def view(self, node_id: str) -> NodeView | None:
         row = self.rows.get(node_id)
@@ -134,26 +154,49 @@ class NodeIndex:
             if why is None:
                 return prefer, refused
             refused[prefer] = why
-        looked: list[tuple[int, str]] = []
+        avoided = self.avoided_now()
+        open_groups = []
+        for group, heap in self._heaps.items():
+            if group in avoided and request.kind != "render":
+                # Render on spot is checked before the group (placement.admit's order).
+                self._refuse_group(group, refused)
+            elif heap:
+                open_groups.append(group)
+        looked: list[tuple[str, tuple[int, str]]] = []
         chosen = None
         seen: set[str] = set()
-        while self._heap:
-            load, node_id = heapq.heappop(self._heap)
-            if node_id in seen or node_id not in self.streams:
-                continue
-            if load != self.gpus_in_use(node_id):
-                continue  # stale: the node's load changed and a newer entry is in the heap
-            seen.add(node_id)
-            looked.append((load, node_id))
-            view = self.view(node_id)
+        while chosen is None:
+            best: tuple[tuple[int, str], str] | None = None
+            for group in open_groups:
+                heap = self._heaps[group]
+                while heap and (heap[0][1] in seen or not self._valid(group, heap[0])):
+                    heapq.heappop(heap)
+                if heap and (best is None or heap[0] < best[0]):
+                    best = (heap[0], group)
+            if best is None:
+                break
+            entry, group = best
+            heapq.heappop(self._heaps[group])
+            seen.add(entry[1])
+            looked.append((group, entry))
+            view = self.view(entry[1])
             why = "unknown_node" if view is None else admit(view, request)
             if why is None:
-                chosen = node_id
-                break
-            refused[node_id] = why
-        for entry in looked:
-            heapq.heappush(self._heap, entry)
+                chosen = entry[1]
+            else:
+                refused[entry[1]] = why
+        for group, entry in looked:
+            heapq.heappush(self._heaps[group], entry)
         return chosen, refused
+
+    def _refuse_group(self, group: str, refused: dict[str, str]) -> None:
+        """An avoided group's nodes, named when they are few (the event stays bounded)."""
+        members = [n for _, n in self._heaps.get(group, ())][: REFUSED_EXAMPLES + 1]
+        for node_id in members[:REFUSED_EXAMPLES]:
+            if node_id in self.streams:
+                refused[node_id] = "group_avoided"
+        if len(members) > REFUSED_EXAMPLES:
+            refused[f"group:{group}"] = "group_avoided"
 
 
 def summarize_refusals(refused: dict[str, str]) -> dict[str, Any]:

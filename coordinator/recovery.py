@@ -55,6 +55,7 @@ class Recovery:
             fleet.registry.add(worker)
             if worker.state == wm.READY:
                 fleet.publish(worker)
+        fleet.drains.load(await store.active_drains())
         fleet.drains.replace_on_stop = set(await store.replace_on_stop())
         fleet.capacity.backoff = await store.start_backoffs()
         self._unasked = await fleet.replacement.unasked(now)

@@ -81,6 +81,8 @@ class RentalBook:
     # --- reclamations ------------------------------------------------------------------------
 
     async def reclaim(self, node_id: str, reclaim_id: str, reason: str, grace: float) -> None:
+        if not self.fleet.nodes.rental_gpus.get(node_id):
+            return  # nothing booked on the node: no rental to tell (and no read on a Taint)
         for rental in await self.list(node_id, active_only=True):
             if rental.reclaim(reclaim_id, reason, grace):
                 await self.changed(rental)

@@ -41,7 +41,9 @@ class Replacement:
         # Avoiding the only group there is would stop every placement, replacements included.
         until = None
         if elsewhere:
-            until = await fleet.store.avoid_group(group, now + self.avoid_s)
+            # Never shortened: the later of the window it has and this one.
+            until = max(fleet.nodes.avoided.get(group, 0.0), now + self.avoid_s)
+            await fleet.store.avoid_group_later(group, until)
             fleet.nodes.avoided[group] = until
         fleet.spawn(self._acquire(node_id, reclaim_id, terminate_at, tuple(models), until))
 

@@ -904,14 +904,21 @@ async def test_sqlite_a_write_cancelled_while_the_file_is_locked_leaves_the_stor
     tmp_path, clock
 ):
     """Another process (a backup, the sqlite3 shell) holds the file's write lock while a Taint
-    RPC is cancelled by its client: once the lock is free, the store still takes writes, and
-    the cancelled Taint was not stored."""
+    RPC's transaction is cancelled by its client: once the lock is free, the store still takes
+    writes, and the cancelled transaction landed whole or not at all (its trip to the writer
+    thread was already on its way; nothing is left half done or open)."""
     path = str(tmp_path / "c.sqlite")
     store = await open_store(path, clock)
     other = sqlite3.connect(path, isolation_level=None)
+
+    async def taint_and_drain() -> None:
+        async with store.transaction(priority=True):
+            await store.add_taint("node-a", "rcl-1", "notice")
+            await store.start_drain("node-a", "rcl-1", "notice", 1120.0, 1110.0)
+
     try:
         other.execute("BEGIN IMMEDIATE")
-        task = asyncio.create_task(store.add_taint("node-a", "rcl-1", "notice"))
+        task = asyncio.create_task(taint_and_drain())
         # Time for the writer thread to enter BEGIN (it then waits up to busy_timeout, 5 s).
         await asyncio.sleep(0.3)
         task.cancel()
@@ -920,7 +927,10 @@ async def test_sqlite_a_write_cancelled_while_the_file_is_locked_leaves_the_stor
         other.execute("COMMIT")
         async with asyncio.timeout(10):
             await store.add_taint("node-a", "rcl-2", "notice")
-            assert [t.reclaim_id for t in await store.taints("node-a")] == ["rcl-2"]
+            taints = [t.reclaim_id for t in await store.taints("node-a")]
+            drains = [d.reclaim_id for d in await store.active_drains("node-a")]
+        assert taints in (["rcl-2"], ["rcl-1", "rcl-2"])
+        assert drains == (["rcl-1"] if "rcl-1" in taints else [])
     finally:
         other.close()
         await store.close()
@@ -977,3 +987,20 @@ async def test_postgres_listings_keep_their_order_under_a_natural_collation(en_u
         assert await store.nodes_needing_recovery() == sorted(ids)
     finally:
         await store.close()
+
+
+async def test_what_waits_for_the_commit_runs_after_it_and_never_after_a_rollback(store):
+    """A command to an agent (start this worker) is sent only once what led to it is stored:
+    after the commit, and not at all when the transaction rolls back."""
+    ran: list[str] = []
+    async with store.transaction():
+        await store.add_taint("node-a", "rcl-1", "notice")
+        store.after_commit(lambda: ran.append("sent"))
+        assert ran == []
+    assert ran == ["sent"]
+    with pytest.raises(RuntimeError):
+        async with store.transaction():
+            store.after_commit(lambda: ran.append("never"))
+            raise RuntimeError("halfway")
+    store.after_commit(lambda: ran.append("now"))  # outside a transaction: at once
+    assert ran == ["sent", "now"]

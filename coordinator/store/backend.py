@@ -31,7 +31,19 @@ class Result:
 
 
 class Conn(ABC):
-    """One connection inside one transaction."""
+    """One connection inside one transaction.
+
+    `defer` queues a write whose result nobody needs; queued writes go out with the next
+    statement that needs an answer, or with the commit, in one trip. The critical path (a
+    Taint: the taint, the drain, the workers' states, the events) is then one trip to the
+    database instead of one per statement."""
+
+    @abstractmethod
+    def defer(self, sql: str, args: Sequence[Any] = ()) -> None: ...
+
+    @abstractmethod
+    async def flush(self) -> None:
+        """Send what `defer` queued (before the transaction commits)."""
 
     @abstractmethod
     async def execute(self, sql: str, args: Sequence[Any] = ()) -> Result: ...
@@ -46,7 +58,7 @@ class Conn(ABC):
         """One statement with RETURNING for each row, in one trip to the database: the first
         row each returned, or None. (A batch of events is one trip, not one per event.)"""
 
-    async def serialize_events(self) -> None:  # noqa: B027 (a no-op unless a backend needs it)
+    def serialize_events(self) -> None:  # noqa: B027 (a no-op unless a backend needs it)
         """Called before a transaction inserts events: events must commit in id order, so that
         a consumer resuming after id N never misses one that commits late with a lower id."""
 
@@ -64,6 +76,10 @@ class Backend(ABC):
     def transaction(self, priority: bool = False) -> AbstractAsyncContextManager[Conn]:
         """One transaction: committed when the block ends, rolled back if it raises.
         `priority`: the critical path (Taint, the workload flag) goes before bulk writes."""
+
+    @abstractmethod
+    async def write(self, sql: str, args: Sequence[Any] = (), priority: bool = False) -> Result:
+        """One statement outside any transaction: its own transaction, in one trip."""
 
     @abstractmethod
     async def read(self, sql: str, args: Sequence[Any] = ()) -> Result:

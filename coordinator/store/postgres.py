@@ -50,8 +50,25 @@ class _PgConn(Conn):
     def __init__(self, conn: psycopg.AsyncConnection, where: str) -> None:
         self.conn = conn
         self.where = where
+        self.pending: list[tuple[str, tuple[Any, ...]]] = []
+
+    def defer(self, sql: str, args: Sequence[Any] = ()) -> None:
+        self.pending.append((_params(sql), tuple(args)))
+
+    async def flush(self) -> None:
+        """Queued writes in one pipeline: sent together, answered together."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        try:
+            async with self.conn.pipeline():
+                for sql, args in pending:
+                    await self.conn.execute(sql, args)
+        except psycopg.Error as e:
+            raise _failed(self.where, e) from e
 
     async def execute(self, sql: str, args: Sequence[Any] = ()) -> Result:
+        await self.flush()
         try:
             cur = await self.conn.execute(_params(sql), tuple(args))
             rows = await cur.fetchall() if cur.description else []
@@ -60,6 +77,7 @@ class _PgConn(Conn):
             raise _failed(self.where, e) from e
 
     async def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        await self.flush()
         try:
             async with self.conn.cursor() as cur:
                 await cur.executemany(_params(sql), [tuple(r) for r in rows])
@@ -72,6 +90,7 @@ class _PgConn(Conn):
         out: list[tuple[Any, ...] | None] = []
         if not rows:
             return out
+        await self.flush()
         try:
             async with self.conn.cursor() as cur:
                 # Pipelined: every statement goes out before the first answer is read.
@@ -84,10 +103,10 @@ class _PgConn(Conn):
             raise _failed(self.where, e) from e
         return out
 
-    async def serialize_events(self) -> None:
+    def serialize_events(self) -> None:
         # Held to the commit: transactions that insert events commit one after the other, in
         # the order they took their ids.
-        await self.execute("SELECT pg_advisory_xact_lock(?)", (EVENTS_LOCK,))
+        self.defer("SELECT pg_advisory_xact_lock(?)", (EVENTS_LOCK,))
 
 
 class PostgresBackend(Backend):
@@ -104,7 +123,7 @@ class PostgresBackend(Backend):
             timeout=CONNECT_TIMEOUT_S, name="spotdrain-bulk",
         )  # fmt: skip
         self._critical = AsyncConnectionPool(
-            url, kwargs=kwargs, min_size=1, max_size=2, open=False,
+            url, kwargs=kwargs, min_size=1, max_size=4, open=False,
             timeout=CONNECT_TIMEOUT_S, name="spotdrain-critical",
         )  # fmt: skip
 
@@ -143,8 +162,18 @@ class PostgresBackend(Backend):
         pool = self._critical if priority else self._bulk
         try:
             async with pool.connection() as conn, conn.transaction():
-                yield _PgConn(conn, self.where)
+                pg = _PgConn(conn, self.where)
+                yield pg
+                await pg.flush()
         except (psycopg.Error, PoolTimeout) as e:
+            raise _failed(self.where, e) from e
+
+    async def write(self, sql: str, args: Sequence[Any] = (), priority: bool = False) -> Result:
+        # Autocommit: one statement, one round trip.
+        try:
+            async with (self._critical if priority else self._bulk).connection() as conn:
+                return await _PgConn(conn, self.where).execute(sql, args)
+        except PoolTimeout as e:
             raise _failed(self.where, e) from e
 
     async def read(self, sql: str, args: Sequence[Any] = ()) -> Result:

@@ -46,23 +46,50 @@ def _end(db: sqlite3.Connection, sql: str, args: Sequence[Any]) -> Result:
     return Result([], 0)
 
 
+def _batch(
+    db: sqlite3.Connection, pending: Sequence[tuple[str, Sequence[Any]]], final: Callable | None
+) -> Any:
+    for sql, args in pending:
+        db.execute(sql, tuple(args))
+    return final(db) if final is not None else None
+
+
 class _WriterConn(Conn):
+    """The writer connection in one transaction. BEGIN itself waits in `pending`: a transaction
+    of deferred writes is one trip to the writer thread, BEGIN to COMMIT."""
+
     def __init__(self, backend: SqliteBackend) -> None:
         self.backend = backend
+        self.pending: list[tuple[str, Sequence[Any]]] = [("BEGIN IMMEDIATE", ())]
+        self.begun = False
+
+    def defer(self, sql: str, args: Sequence[Any] = ()) -> None:
+        self.pending.append((sql, tuple(args)))
+
+    async def _go(self, final: Callable[[sqlite3.Connection], T] | None) -> T:
+        pending, self.pending = self.pending, []
+        self.begun = True
+        return await self.backend._write(_batch, pending, final)
 
     async def execute(self, sql: str, args: Sequence[Any] = ()) -> Result:
-        return await self.backend._write(_run, sql, args)
+        return await self._go(lambda db: _run(db, sql, args))
 
     async def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
-        await self.backend._write(lambda db, s, r: db.executemany(s, r), sql, rows)
+        await self._go(lambda db: db.executemany(sql, [tuple(r) for r in rows]))
 
     async def execute_each(
         self, sql: str, rows: Sequence[Sequence[Any]]
     ) -> list[tuple[Any, ...] | None]:
-        def each(db: sqlite3.Connection, s: str, r: Sequence[Sequence[Any]]) -> list:
-            return [db.execute(s, tuple(args)).fetchone() for args in r]
+        return await self._go(lambda db: [db.execute(sql, tuple(r)).fetchone() for r in rows])
 
-        return await self.backend._write(each, sql, rows)
+    async def flush(self) -> None:
+        if self.pending:
+            await self._go(None)
+
+    async def commit(self) -> None:
+        if not self.begun and len(self.pending) == 1:
+            return  # nothing was written: nothing to begin or commit
+        await self._go(lambda db: _end(db, "COMMIT", ()))
 
 
 class SqliteBackend(Backend):
@@ -117,20 +144,24 @@ class SqliteBackend(Backend):
     async def transaction(self, priority: bool = False) -> AsyncIterator[Conn]:
         await self._lock.acquire(priority)
         try:
+            conn = _WriterConn(self)
             try:
-                await self._write(_run, "BEGIN IMMEDIATE", ())
-                yield _WriterConn(self)
+                yield conn
+                # Shielded: a caller cancelled now still leaves the transaction committed or
+                # rolled back, never open.
+                await asyncio.shield(conn.commit())
             except BaseException:
-                # Also when cancelled while BEGIN still runs: the rollback is queued behind it
-                # on the writer thread, before any later transaction's BEGIN, and shielded so a
-                # second cancellation cannot leave the connection inside a transaction.
+                # Also when cancelled while a trip with BEGIN still runs: the rollback is
+                # queued behind it on the writer thread, before any later transaction's BEGIN.
                 await asyncio.shield(self._write(_end, "ROLLBACK", ()))
                 raise
-            try:
-                await asyncio.shield(self._write(_end, "COMMIT", ()))
-            except BaseException:
-                await asyncio.shield(self._write(_end, "ROLLBACK", ()))
-                raise
+        finally:
+            self._lock.release()
+
+    async def write(self, sql: str, args: Sequence[Any] = (), priority: bool = False) -> Result:
+        await self._lock.acquire(priority)
+        try:
+            return await asyncio.shield(self._write(_run, sql, args))
         finally:
             self._lock.release()
 

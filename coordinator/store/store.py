@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from spotdrain.coordinator import timeline
@@ -42,6 +42,10 @@ _EVENT_COLUMNS = (
 _DRAIN_COLUMNS = "node_id, reclaim_id, reason, terminate_at, grace_deadline, started_at, ended_at"
 _TAINT_COLUMNS = "node_id, reclaim_id, key, effect, reason, since"
 EVENTS_PER_TRANSACTION = 100
+_INSERT_EVENT = (
+    "INSERT INTO events (uid, kind, node_id, reclaim_id, wall_time, t_offset_s, details_json, "
+    "received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(uid) DO NOTHING"
+)
 
 
 def _node_row(r: Sequence[Any]) -> NodeRow:
@@ -55,6 +59,7 @@ class _Tx:
     conn: Conn
     owner: asyncio.Task[Any] | None
     open: bool = True
+    after: list[Callable[[], None]] = field(default_factory=list)
 
 
 _current_tx: ContextVar[_Tx | None] = ContextVar("spotdrain_store_tx", default=None)
@@ -97,6 +102,17 @@ class Store:
             finally:
                 tx.open = False
                 _current_tx.reset(token)
+        for callback in tx.after:  # committed
+            callback()
+
+    def after_commit(self, callback: Callable[[], None]) -> None:
+        """Run `callback` once the current transaction has committed (now, outside one). What
+        is told to an agent (start this worker) is then never ahead of what is stored."""
+        tx = self._tx()
+        if tx is None:
+            callback()
+        else:
+            tx.after.append(callback)
 
     async def _read(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         tx = self._tx()
@@ -104,11 +120,20 @@ class Store:
         return result.rows
 
     async def _write(self, sql: str, args: Sequence[Any] = ()) -> Result:
+        """A write whose result (rowcount, RETURNING) the caller needs."""
         tx = self._tx()
         if tx is not None:
             return await tx.conn.execute(sql, args)
-        async with self.backend.transaction() as conn:
-            return await conn.execute(sql, args)
+        return await self.backend.write(sql, args)
+
+    async def _defer(self, sql: str, args: Sequence[Any] = (), priority: bool = False) -> None:
+        """A write nobody waits on the result of: in a transaction it goes out with the next
+        statement or the commit; outside one it is one statement of its own."""
+        tx = self._tx()
+        if tx is not None:
+            tx.conn.defer(sql, args)
+        else:
+            await self.backend.write(sql, args, priority)
 
     async def _one(self, sql: str, args: Sequence[Any] = ()) -> tuple[Any, ...] | None:
         rows = await self._read(sql, args)
@@ -156,12 +181,12 @@ class Store:
 
     async def set_spot(self, node_id: str, spot: bool) -> None:
         """An operator's setting of the flag; pinned from then on. The caller checks rentals."""
-        await self._write(
+        await self._defer(
             "UPDATE nodes SET spot=?, spot_pinned=1 WHERE node_id=?", (int(spot), node_id)
         )
 
     async def touch_node(self, node_id: str) -> None:
-        await self._write("UPDATE nodes SET last_seen=? WHERE node_id=?", (self.clock(), node_id))
+        await self._defer("UPDATE nodes SET last_seen=? WHERE node_id=?", (self.clock(), node_id))
 
     async def nodes(self) -> list[NodeRow]:
         rows = await self._read(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node_id{self._c}")
@@ -220,8 +245,24 @@ class Store:
         )
         return DrainRow(*row) if row else None
 
+    async def add_drain(self, drain: DrainRow) -> None:
+        """A drain the caller knows is new (it holds the node's lock and found none): stored
+        with the next trip. `start_drain` is the same when the caller cannot know."""
+        await self._defer(
+            "INSERT INTO node_drains VALUES (?, ?, ?, ?, ?, ?, NULL) ON CONFLICT DO NOTHING",
+            (
+                drain.node_id,
+                drain.reclaim_id,
+                drain.reason,
+                drain.terminate_at,
+                drain.grace_deadline,
+                drain.started_at,
+            ),
+            priority=True,
+        )
+
     async def end_drain(self, node_id: str, reclaim_id: str) -> None:
-        await self._write(
+        await self._defer(
             "UPDATE node_drains SET ended_at=? WHERE node_id=? AND reclaim_id=? "
             "AND ended_at IS NULL",
             (self.clock(), node_id, reclaim_id),
@@ -249,7 +290,7 @@ class Store:
         created_at: float,
         doc: dict[str, Any],
     ) -> None:
-        await self._write(
+        await self._defer(
             "INSERT INTO workers (worker_id, node_id, model, state, doc_json, created_at) "
             "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(worker_id) DO UPDATE SET "
             "state=excluded.state, doc_json=excluded.doc_json",
@@ -274,7 +315,7 @@ class Store:
     # --- drain state that outlives the process -----------------------------------------------
 
     async def add_replace_on_stop(self, worker_id: str, doc: dict[str, Any]) -> None:
-        await self._write(
+        await self._defer(
             "INSERT INTO replace_on_stop VALUES (?, ?) ON CONFLICT DO NOTHING",
             (worker_id, json.dumps(doc, sort_keys=True)),
         )
@@ -294,14 +335,14 @@ class Store:
         return {r[0]: json.loads(r[1]) for r in rows}
 
     async def set_start_backoff(self, model: str, failures: int, retry_at: float) -> None:
-        await self._write(
+        await self._defer(
             "INSERT INTO start_backoff VALUES (?, ?, ?) ON CONFLICT(model) DO UPDATE SET "
             "failures=excluded.failures, retry_at=excluded.retry_at",
             (model, failures, retry_at),
         )
 
     async def clear_start_backoff(self, model: str) -> None:
-        await self._write("DELETE FROM start_backoff WHERE model=?", (model,))
+        await self._defer("DELETE FROM start_backoff WHERE model=?", (model,))
 
     async def start_backoffs(self) -> dict[str, StartBackoff]:
         rows = await self._read("SELECT model, failures, retry_at FROM start_backoff")
@@ -309,12 +350,12 @@ class Store:
 
     async def add_missing_rental(self, rental_id: str, since: float) -> None:
         """Kept from the first time it was missed: the grace is counted from then."""
-        await self._write(
+        await self._defer(
             "INSERT INTO missing_rentals VALUES (?, ?) ON CONFLICT DO NOTHING", (rental_id, since)
         )
 
     async def drop_missing_rental(self, rental_id: str) -> None:
-        await self._write("DELETE FROM missing_rentals WHERE rental_id=?", (rental_id,))
+        await self._defer("DELETE FROM missing_rentals WHERE rental_id=?", (rental_id,))
 
     async def missing_rentals(self) -> dict[str, float]:
         rows = await self._read("SELECT rental_id, since FROM missing_rentals")
@@ -325,7 +366,7 @@ class Store:
     async def save_rental(
         self, rental_id: str, node_id: str, ended_at: float | None, doc: dict[str, Any]
     ) -> None:
-        await self._write(
+        await self._defer(
             "INSERT INTO rentals (rental_id, node_id, ended_at, doc_json, started_at) "
             "VALUES (?, ?, ?, ?, ?) ON CONFLICT(rental_id) DO UPDATE SET "
             "ended_at=excluded.ended_at, doc_json=excluded.doc_json",
@@ -365,7 +406,7 @@ class Store:
     # --- desired capacity and avoided groups -------------------------------------------------
 
     async def set_model(self, model: str, replicas: int, image: str, slots: int) -> ModelRow:
-        await self._write(
+        await self._defer(
             "INSERT INTO models VALUES (?, ?, ?, ?) ON CONFLICT(model) DO UPDATE SET "
             "replicas=excluded.replicas, image=excluded.image, slots=excluded.slots",
             (model, replicas, image, slots),
@@ -399,6 +440,15 @@ class Store:
         assert row is not None
         return float(row[0])
 
+    async def avoid_group_later(self, node_group: str, until: float) -> None:
+        """`avoid_group` when the caller knows the window already (it keeps them in memory)."""
+        await self._defer(
+            "INSERT INTO avoided_groups VALUES (?, ?) ON CONFLICT(node_group) DO UPDATE SET "
+            "until = CASE WHEN excluded.until > avoided_groups.until "
+            "THEN excluded.until ELSE avoided_groups.until END",
+            (node_group, until),
+        )
+
     async def avoided_groups(self, now: float) -> dict[str, float]:
         """Groups avoided at `now`, with when their window ends."""
         rows = await self._read(
@@ -410,18 +460,19 @@ class Store:
 
     async def add_taint(self, node_id: str, reclaim_id: str, reason: str) -> None:
         """Idempotent: the same reclamation's taint is stored once, with its first time."""
-        async with self.transaction(priority=True):
-            await self._write(
-                "INSERT INTO taints VALUES (?, ?, 'spotdrain.io/reclaim', 'NoSchedule', ?, ?) "
-                "ON CONFLICT DO NOTHING",
-                (node_id, reclaim_id, reason, self.clock()),
-            )
+        await self._defer(
+            "INSERT INTO taints VALUES (?, ?, 'spotdrain.io/reclaim', 'NoSchedule', ?, ?) "
+            "ON CONFLICT DO NOTHING",
+            (node_id, reclaim_id, reason, self.clock()),
+            priority=True,
+        )
 
     async def remove_taint(self, node_id: str, reclaim_id: str) -> None:
-        async with self.transaction(priority=True):
-            await self._write(
-                "DELETE FROM taints WHERE node_id=? AND reclaim_id=?", (node_id, reclaim_id)
-            )
+        await self._defer(
+            "DELETE FROM taints WHERE node_id=? AND reclaim_id=?",
+            (node_id, reclaim_id),
+            priority=True,
+        )
 
     async def taints(self, node_id: str) -> list[TaintRow]:
         rows = await self._read(
@@ -460,15 +511,48 @@ class Store:
         )
         return ids[0]
 
-    async def add_events(self, events: Sequence[NewEvent]) -> list[int | None]:
+    async def add_events(self, events: Sequence[NewEvent], fresh: bool = False) -> list[int | None]:
         """Store a batch in order, each event folded into its reclamation; the id of each, or
         None for a uid stored before. A large batch is several short transactions, so a Taint
         waits for at most one of them; a crash between two leaves the agent's batch
         unacknowledged and resent whole, and the uids already stored are stored once."""
         ids: list[int | None] = []
         for start in range(0, len(events), EVENTS_PER_TRANSACTION):
-            ids += await self._add_events(events[start : start + EVENTS_PER_TRANSACTION])
+            chunk = events[start : start + EVENTS_PER_TRANSACTION]
+            ids += await (self._add_fresh(chunk) if fresh else self._add_events(chunk))
         return ids
+
+    async def _add_fresh(self, events: Sequence[NewEvent]) -> list[int | None]:
+        """Events whose uids were never used (the coordinator's own): inserted with the next
+        trip, without waiting for their ids."""
+        records: dict[str, dict[str, Any] | None] = {}
+        async with self.transaction():
+            tx = self._tx()
+            assert tx is not None
+            tx.conn.serialize_events()
+            for ev in events:
+                tx.conn.defer(_INSERT_EVENT, self._event_args(ev, self.clock()))
+                if ev.reclaim_id:
+                    await self._fold(records, ev)
+            await self._save_records(records)
+        return [None] * len(events)
+
+    def _event_args(self, ev: NewEvent, received: float) -> tuple[Any, ...]:
+        details = ev.details_json
+        if details is None:
+            details = json.dumps(ev.details, sort_keys=True)
+        return (ev.uid, ev.kind, ev.node_id, ev.reclaim_id, ev.wall_time, ev.t_offset_s, details,
+                received)  # fmt: skip
+
+    async def _save_records(self, records: dict[str, dict[str, Any] | None]) -> None:
+        for reclaim_id, record in records.items():
+            if record is not None:
+                await self._defer(
+                    "INSERT INTO reclamations VALUES (?, ?, ?, ?) ON CONFLICT(reclaim_id) "
+                    "DO UPDATE SET record_json=excluded.record_json, "
+                    "started_at=excluded.started_at",
+                    (reclaim_id, record["node_id"], json.dumps(record), record["_started"]),
+                )
 
     async def _add_events(self, events: Sequence[NewEvent]) -> list[int | None]:
         ids: list[int | None] = []
@@ -477,39 +561,16 @@ class Store:
         async with self.transaction():
             tx = self._tx()
             assert tx is not None
-            await tx.conn.serialize_events()
+            tx.conn.serialize_events()
             returned = await tx.conn.execute_each(
-                "INSERT INTO events (uid, kind, node_id, reclaim_id, wall_time, t_offset_s, "
-                "details_json, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT(uid) DO NOTHING RETURNING id",
-                [
-                    (
-                        ev.uid,
-                        ev.kind,
-                        ev.node_id,
-                        ev.reclaim_id,
-                        ev.wall_time,
-                        ev.t_offset_s,
-                        ev.details_json
-                        if ev.details_json is not None
-                        else json.dumps(ev.details, sort_keys=True),
-                        received,
-                    )
-                    for ev in events
-                ],
+                _INSERT_EVENT + " RETURNING id",
+                [self._event_args(ev, received) for ev in events],
             )
             for ev, row in zip(events, returned, strict=True):
                 ids.append(int(row[0]) if row else None)
                 if row and ev.reclaim_id:
                     await self._fold(records, ev)
-            for reclaim_id, record in records.items():
-                if record is not None:
-                    await self._write(
-                        "INSERT INTO reclamations VALUES (?, ?, ?, ?) ON CONFLICT(reclaim_id) "
-                        "DO UPDATE SET record_json=excluded.record_json, "
-                        "started_at=excluded.started_at",
-                        (reclaim_id, record["node_id"], json.dumps(record), record["_started"]),
-                    )
+            await self._save_records(records)
         return ids
 
     async def _fold(self, records: dict[str, dict[str, Any] | None], ev: NewEvent) -> None:

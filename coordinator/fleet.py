@@ -93,7 +93,7 @@ class Fleet:
 
     # --- the worker machine's effects ----------------------------------------------------------
 
-    async def apply(self, worker: wm.Worker, event: wm.Event, save: bool = True) -> None:
+    async def apply(self, worker: wm.Worker, event: wm.Event, save: bool = False) -> None:
         """One event into the worker's machine, and its effects carried out. Stored when the
         state changed or an effect came out; a heartbeat that only moved the expiry is not a
         write (liveness lives in memory)."""

@@ -43,11 +43,6 @@ class Pauses:
             "The longest garbage collection pause since the coordinator started.",
             registry=registry,
         )
-        self.frozen = Gauge(
-            "spotdrain_gc_frozen_objects",
-            "Objects moved out of the collector's view (gc.freeze).",
-            registry=registry,
-        )
         self.loop_lag = Histogram(
             "spotdrain_event_loop_lag_seconds",
             "How late a probe scheduled every 100 ms ran: the event loop's own stalls.",
@@ -84,7 +79,7 @@ class Pauses:
         gc.collect(1)  # young garbage first, so little of what is frozen is already garbage
         gc.freeze()
         self.freezes.inc()
-        self.frozen.set(gc.get_freeze_count())
+        # (Not gc.get_freeze_count(): it walks every frozen object, a pause of its own.)
 
     async def keep_frozen(self) -> None:
         while True:

@@ -667,32 +667,35 @@ async def test_concurrent_writers_all_land_and_a_consumer_never_skips(store):
 
 async def test_a_taint_overtakes_queued_event_batches(store):
     """An event storm holds every write slot and has more batches queued: a Taint that comes
-    now runs before every batch that was waiting when it came."""
+    now is stored before every batch that was waiting when it came."""
     gate = asyncio.Event()
     entered: list[str] = []
+    committed: list[str] = []
     names = [f"batch-{i}" for i in range(12)]
 
     async def batch(name: str) -> None:
         async with store.transaction():
+            await store.node("node-a")  # a read in the transaction: it holds the write path
             entered.append(name)
             await gate.wait()
+        committed.append(name)
 
     async def taint() -> None:
         async with store.transaction(priority=True):
             await store.add_taint("node-a", "rcl-1", "notice")
-            entered.append("taint")
+        committed.append("taint")
 
     batches = [asyncio.create_task(batch(name)) for name in names]
     await until(lambda: len(entered) + waiting_writers(store) == len(names))
     queued = set(names) - set(entered)
     assert queued
     task = asyncio.create_task(taint())
-    await until(lambda: "taint" in entered or waiting_writers(store) == len(queued) + 1)
+    await until(lambda: "taint" in committed or waiting_writers(store) == len(queued) + 1)
     gate.set()
     async with asyncio.timeout(20):
         await asyncio.gather(task, *batches)
-    assert sorted(entered) == sorted([*names, "taint"])
-    assert entered.index("taint") < min(entered.index(name) for name in queued)
+    assert sorted(committed) == sorted([*names, "taint"])
+    assert committed.index("taint") < min(committed.index(name) for name in queued)
     assert [t.reclaim_id for t in await store.taints("node-a")] == ["rcl-1"]
 
 

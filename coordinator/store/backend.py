@@ -81,6 +81,11 @@ class Backend(ABC):
     async def write(self, sql: str, args: Sequence[Any] = (), priority: bool = False) -> Result:
         """One statement outside any transaction: its own transaction, in one trip."""
 
+    async def write_later(self, sql: str, args: Sequence[Any] = (), priority: bool = False) -> None:
+        """`write` for a statement whose result nobody reads; a backend may commit it together
+        with others waiting at the same moment. Stored when it returns."""
+        await self.write(sql, args, priority)
+
     @abstractmethod
     async def read(self, sql: str, args: Sequence[Any] = ()) -> Result:
         """A read outside any transaction: never waits for a writer."""

@@ -54,21 +54,53 @@ def _batch(
     return final(db) if final is not None else None
 
 
-class _WriterConn(Conn):
-    """The writer connection in one transaction. BEGIN itself waits in `pending`: a transaction
-    of deferred writes is one trip to the writer thread, BEGIN to COMMIT."""
+def _group(db: sqlite3.Connection, groups: Sequence[Sequence[tuple[str, Sequence[Any]]]]) -> list:
+    """Several transactions of blind writes as one SQLite transaction, each in a savepoint of
+    its own: one that fails is rolled back alone and told so; the others commit together."""
+    out: list[str | None] = []
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        for i, writes in enumerate(groups):
+            db.execute(f"SAVEPOINT g{i}")
+            try:
+                for sql, args in writes:
+                    db.execute(sql, tuple(args))
+            except sqlite3.Error as e:
+                db.execute(f"ROLLBACK TO g{i}")
+                out.append(str(e))
+            else:
+                out.append(None)
+            db.execute(f"RELEASE g{i}")
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
+    return out
 
-    def __init__(self, backend: SqliteBackend) -> None:
+
+class _WriterConn(Conn):
+    """The writer connection in one transaction. It takes the writer only at its first trip
+    (BEGIN goes with it); a transaction that only ever deferred writes (blind writes: a Taint's
+    taint, drain, worker states and events) never holds the writer at all, and commits in a
+    group with the others that arrived meanwhile: a thousand Taints in a second are a few
+    trips to the writer thread, not a thousand."""
+
+    def __init__(self, backend: SqliteBackend, priority: bool) -> None:
         self.backend = backend
-        self.pending: list[tuple[str, Sequence[Any]]] = [("BEGIN IMMEDIATE", ())]
-        self.begun = False
+        self.priority = priority
+        self.pending: list[tuple[str, Sequence[Any]]] = []
+        self.locked = False
 
     def defer(self, sql: str, args: Sequence[Any] = ()) -> None:
         self.pending.append((sql, tuple(args)))
 
     async def _go(self, final: Callable[[sqlite3.Connection], T] | None) -> T:
+        if not self.locked:
+            await self.backend._lock.acquire(self.priority)
+            self.locked = True
+            self.pending.insert(0, ("BEGIN IMMEDIATE", ()))
         pending, self.pending = self.pending, []
-        self.begun = True
         return await self.backend._write(_batch, pending, final)
 
     async def execute(self, sql: str, args: Sequence[Any] = ()) -> Result:
@@ -87,9 +119,19 @@ class _WriterConn(Conn):
             await self._go(None)
 
     async def commit(self) -> None:
-        if not self.begun and len(self.pending) == 1:
-            return  # nothing was written: nothing to begin or commit
-        await self._go(lambda db: _end(db, "COMMIT", ()))
+        if self.locked:
+            await self._go(lambda db: _end(db, "COMMIT", ()))
+        elif self.pending:
+            await self.backend.group_commit(self.pending, self.priority)
+
+    async def rollback(self) -> None:
+        if self.locked:
+            await asyncio.shield(self.backend._write(_end, "ROLLBACK", ()))
+
+    def release(self) -> None:
+        if self.locked:
+            self.locked = False
+            self.backend._lock.release()
 
 
 class SqliteBackend(Backend):
@@ -105,6 +147,10 @@ class SqliteBackend(Backend):
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._all_lock = threading.Lock()
+        # Transactions of blind writes waiting to commit together (group_commit).
+        self._groups: list[tuple[list[tuple[str, Sequence[Any]]], asyncio.Future[None]]] = []
+        self._groups_priority = False
+        self._committer: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
         try:
@@ -142,9 +188,8 @@ class SqliteBackend(Backend):
 
     @asynccontextmanager
     async def transaction(self, priority: bool = False) -> AsyncIterator[Conn]:
-        await self._lock.acquire(priority)
+        conn = _WriterConn(self, priority)
         try:
-            conn = _WriterConn(self)
             try:
                 yield conn
                 # Shielded: a caller cancelled now still leaves the transaction committed or
@@ -153,10 +198,10 @@ class SqliteBackend(Backend):
             except BaseException:
                 # Also when cancelled while a trip with BEGIN still runs: the rollback is
                 # queued behind it on the writer thread, before any later transaction's BEGIN.
-                await asyncio.shield(self._write(_end, "ROLLBACK", ()))
+                await conn.rollback()
                 raise
         finally:
-            self._lock.release()
+            conn.release()
 
     async def write(self, sql: str, args: Sequence[Any] = (), priority: bool = False) -> Result:
         await self._lock.acquire(priority)
@@ -164,6 +209,41 @@ class SqliteBackend(Backend):
             return await asyncio.shield(self._write(_run, sql, args))
         finally:
             self._lock.release()
+
+    async def write_later(self, sql: str, args: Sequence[Any] = (), priority: bool = False) -> None:
+        await asyncio.shield(self.group_commit([(sql, tuple(args))], priority))
+
+    async def group_commit(
+        self, writes: Sequence[tuple[str, Sequence[Any]]], priority: bool
+    ) -> None:
+        """Commit these blind writes with every other group waiting now, in one trip."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._groups.append((list(writes), done))
+        self._groups_priority = self._groups_priority or priority
+        if self._committer is None or self._committer.done():
+            self._committer = asyncio.get_running_loop().create_task(self._commit_groups())
+        await done
+
+    async def _commit_groups(self) -> None:
+        while self._groups:
+            groups, self._groups = self._groups, []
+            priority, self._groups_priority = self._groups_priority, False
+            await self._lock.acquire(priority)
+            try:
+                errors = await self._write(_group, [w for w, _ in groups])
+            except BaseException as e:  # noqa: BLE001 (each waiter is told)
+                errors = [e] * len(groups)
+            finally:
+                self._lock.release()
+            for (_, done), error in zip(groups, errors, strict=True):
+                if done.done():
+                    continue
+                if error is None:
+                    done.set_result(None)
+                elif isinstance(error, BaseException):
+                    done.set_exception(error)
+                else:
+                    done.set_exception(StoreError(f"database {self.path}: {error}"))
 
     def _reader_db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)

@@ -133,7 +133,7 @@ class Store:
         if tx is not None:
             tx.conn.defer(sql, args)
         else:
-            await self.backend.write(sql, args, priority)
+            await self.backend.write_later(sql, args, priority)
 
     async def _one(self, sql: str, args: Sequence[Any] = ()) -> tuple[Any, ...] | None:
         rows = await self._read(sql, args)

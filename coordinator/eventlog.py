@@ -25,6 +25,8 @@ class EventLog:
         self.clock = clock
         self._observe = observe or (lambda ev: None)
         self._new_event = asyncio.Condition()
+        self._soon: list[tuple[float, str, str, dict[str, Any], str]] = []
+        self._recorder: asyncio.Task[None] | None = None
 
     async def record(
         self, kind: str, node_id: str, details: dict[str, Any], reclaim_id: str = ""
@@ -45,6 +47,43 @@ class EventLog:
         )
         await self.store.add_events([event], fresh=True)
         await self.notify()
+
+    def record_soon(
+        self, kind: str, node_id: str, details: dict[str, Any], reclaim_id: str = ""
+    ) -> None:
+        """`record` for what nothing waits on (a replacement request's outcome): queued and
+        stored by one task, many to a transaction, so a thousand notices at once cost a few
+        transactions, not a thousand that would queue before the next Taint's."""
+        self._soon.append((self.clock(), kind, node_id, details, reclaim_id))
+        if self._recorder is None or self._recorder.done():
+            self._recorder = asyncio.get_running_loop().create_task(self._record_queued())
+
+    async def _record_queued(self) -> None:
+        while self._soon:
+            queued, self._soon = self._soon, []
+            t0s: dict[str, float] = {}
+            for reclaim_id in {q[4] for q in queued if q[4]}:
+                record = await self.store.reclamation(reclaim_id)
+                t0s[reclaim_id] = record["t0"] if record else 0.0
+            events = [
+                NewEvent(
+                    uid=f"coordinator-{uuid.uuid4()}",
+                    kind=kind,
+                    node_id=node_id,
+                    reclaim_id=reclaim_id,
+                    wall_time=at,
+                    t_offset_s=at - t0s[reclaim_id] if t0s.get(reclaim_id) else None,
+                    details=details,
+                )
+                for at, kind, node_id, details, reclaim_id in queued
+            ]
+            await self.store.add_events(events, fresh=True)
+            await self.notify()
+
+    async def flush(self) -> None:
+        """Wait until what `record_soon` queued is stored."""
+        while self._recorder is not None and not self._recorder.done():
+            await asyncio.shield(self._recorder)
 
     async def accept(self, events: Sequence[NewEvent]) -> list[str]:
         """Store an agent's batch (checked by the caller) as one transaction; the uids to

@@ -167,3 +167,4 @@ class Fleet:
 
     async def close(self) -> None:
         await self.background.close()
+        await self.events.flush()

@@ -73,11 +73,11 @@ class Replacement:
         details = {**json.loads(request.to_json()), "avoided_until": until}
         if target is None:
             details["detail"] = "no other node group has an acquirer that is not avoided"
-            await fleet.record("replacement_unavailable", node_id, details, reclaim_id)
+            fleet.events.record_soon("replacement_unavailable", node_id, details, reclaim_id)
             return
-        await fleet.record("replacement_requested", node_id, details, reclaim_id)
+        fleet.events.record_soon("replacement_requested", node_id, details, reclaim_id)
         result = await self.acquirers[target].request(request)
-        await fleet.record(
+        fleet.events.record_soon(
             "replacement_result",
             node_id,
             {

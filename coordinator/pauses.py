@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+log = logging.getLogger("spotdrain.coordinator.gc")
 
 FREEZE_EVERY_S = 5.0
 # Automatic full collections off (a generation-2 threshold never reached): what reaches the
@@ -76,8 +79,12 @@ class Pauses:
 
     def freeze(self) -> None:
         """What is alive now is long-lived: out of the collector's view."""
+        counts = gc.get_count()
+        started = time.perf_counter()
         gc.collect(1)  # young garbage first, so little of what is frozen is already garbage
+        took = time.perf_counter() - started
         gc.freeze()
+        log.debug("gc: young collection %.1f ms (counts %s), then frozen", took * 1000, counts)
         self.freezes.inc()
         # (Not gc.get_freeze_count(): it walks every frozen object, a pause of its own.)
 

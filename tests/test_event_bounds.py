@@ -153,3 +153,18 @@ async def test_a_node_cannot_rewrite_another_nodes_reclamation(coordinator, pki)
         for n in (a, b):
             await n.close()
         await ops.channel.close()
+
+
+def test_details_never_pass_for_the_stored_fields():
+    """An event whose details claim another kind, node, id and uid is printed as what was
+    stored; the claims are kept beside it, named as details."""
+    from spotdrain.events import stored_event_to_dict
+
+    stored = pb.StoredEvent(id=7, event=pb.Event(
+        uid="u-1", kind="tainted", node_id="node-a", wall_time=1.0,
+        details_json=json.dumps({"kind": "drained", "node": "node-b", "id": -5, "uid": "x",
+                                 "mode": "remote"})))
+    out = stored_event_to_dict(stored)
+    assert (out["kind"], out["node"], out["id"], out["uid"]) == ("tainted", "node-a", 7, "u-1")
+    assert out["mode"] == "remote"
+    assert (out["detail.kind"], out["detail.node"], out["detail.id"]) == ("drained", "node-b", -5)

@@ -45,6 +45,9 @@ def stored_event_to_dict(stored: pb.StoredEvent) -> dict[str, Any]:
         "t_offset_s": ev.t_offset_s if ev.HasField("t_offset_s") else None,
         "uid": ev.uid,
     }
-    if ev.details_json:
-        out.update(json.loads(ev.details_json))
+    details = json.loads(ev.details_json) if ev.details_json else {}
+    for key, value in (details if isinstance(details, dict) else {}).items():
+        # The stored fields win: a detail may not pass itself off as another node's event or
+        # another kind; one that shares a name is kept beside them as `detail.<name>`.
+        out[f"detail.{key}" if key in out else key] = value
     return out

@@ -126,3 +126,11 @@ class PriorityLock:
                     future.set_result(None)  # the lock passes straight to this waiter
                     return
         self._held = False
+
+
+async def schema_version(conn: Conn, meta_exists_sql: str) -> int:
+    """The database's schema version: 0 for a new one, -1 for a meta table without one."""
+    if not (await conn.execute(meta_exists_sql)).rows:
+        return 0
+    row = await conn.execute("SELECT value FROM meta WHERE key='schema_version'")
+    return int(row.rows[0][0]) if row.rows else -1

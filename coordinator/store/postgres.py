@@ -22,6 +22,7 @@ from spotdrain.coordinator.store.backend import (
     Result,
     StoreError,
     StoreUnavailable,
+    schema_version,
 )
 from spotdrain.coordinator.store.sqlite import check_version
 
@@ -144,14 +145,11 @@ class PostgresBackend(Backend):
         async with self.transaction() as conn:
             # Two replicas starting together: one migrates, the other waits and finds it done.
             await conn.execute("SELECT pg_advisory_xact_lock(?)", (MIGRATION_LOCK,))
-            has_meta = await conn.execute(
+            version = await schema_version(
+                conn,
                 "SELECT 1 FROM information_schema.tables "
-                "WHERE table_schema = current_schema() AND table_name = 'meta'"
+                "WHERE table_schema = current_schema() AND table_name = 'meta'",
             )
-            version = 0
-            if has_meta.rows:
-                row = await conn.execute("SELECT value FROM meta WHERE key='schema_version'")
-                version = int(row.rows[0][0]) if row.rows else -1
             check_version(version, self.where)
             for _, statements in schema.steps_from(version, schema.POSTGRES_WORDS):
                 for sql in statements:

@@ -18,7 +18,14 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from spotdrain.coordinator.store import schema
-from spotdrain.coordinator.store.backend import Backend, Conn, PriorityLock, Result, StoreError
+from spotdrain.coordinator.store.backend import (
+    Backend,
+    Conn,
+    PriorityLock,
+    Result,
+    StoreError,
+    schema_version,
+)
 
 T = TypeVar("T")
 READERS = 2
@@ -164,13 +171,9 @@ class SqliteBackend(Backend):
 
     async def _migrate(self) -> None:
         async with self.transaction() as conn:
-            has_meta = await conn.execute(
-                "SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'"
+            version = await schema_version(
+                conn, "SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'"
             )
-            version = 0
-            if has_meta.rows:
-                row = await conn.execute("SELECT value FROM meta WHERE key='schema_version'")
-                version = int(row.rows[0][0]) if row.rows else -1
         check_version(version, self.where)
         for _, statements in schema.steps_from(version, schema.SQLITE_WORDS):
             async with self.transaction() as conn:

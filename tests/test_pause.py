@@ -309,6 +309,32 @@ def test_coordinator_killed_mid_drain_recovers_inside_the_deadline(
         coord.proc.stop()
 
 
+# The owner's request as spotctl sends it (one JSON line), from the system's own Python: a clone
+# in a mode-0700 directory (under /root) is out of nobody's reach, spotctl and its venv with it.
+OUTSIDER = """
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(sys.argv[1])
+except OSError as e:
+    sys.exit(f"spotctl: {sys.argv[1]}: {e.strerror}")
+s.sendall(json.dumps({"command": sys.argv[2]}).encode() + b"\\n")
+answer = json.loads(s.makefile().readline())
+if not answer.get("ok"):
+    sys.exit(f"spotctl: {answer.get('error')}")
+"""
+
+
+def as_nobody(socket_path: Path, command: str) -> subprocess.CompletedProcess:
+    system_python = shutil.which("python3", path="/usr/bin:/bin")
+    assert system_python, "the system's python3 (Debian's python3 package) is needed"
+    return subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", system_python, "-c",
+         OUTSIDER, str(socket_path), command],
+        capture_output=True, text=True, timeout=30, cwd="/",
+    )
+
+
 def test_spotctl_from_an_outsider_is_refused(tmp_path, docker_engine, coordinator, gpus,
                                              nvml_lib):
     """A uid that is neither root nor in group spotdrain cannot pause the machine: the socket
@@ -322,18 +348,10 @@ def test_spotctl_from_an_outsider_is_refused(tmp_path, docker_engine, coordinato
         mode = agent.socket.stat().st_mode & 0o777
         assert mode == 0o660
         # nobody (65534) gets through neither the file mode nor, were the mode wider, the check.
-        run = subprocess.run(
-            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-             str(BIN / "spotctl"), "--socket", str(agent.socket), "pause"],
-            capture_output=True, text=True, timeout=30,
-        )
-        assert run.returncode == 1 and "permission denied" in run.stderr
+        run = as_nobody(agent.socket, "pause")
+        assert run.returncode == 1 and "permission denied" in run.stderr.lower()
         agent.socket.chmod(0o666)
-        run = subprocess.run(
-            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-             str(BIN / "spotctl"), "--socket", str(agent.socket), "pause"],
-            capture_output=True, text=True, timeout=30,
-        )
+        run = as_nobody(agent.socket, "pause")
         assert run.returncode == 1 and "neither root nor in group" in run.stderr
         assert spotctl(agent, "status")["paused"] is False
         table = subprocess.run([str(BIN / "spotctl"), "--socket", str(agent.socket), "status"],

@@ -49,9 +49,6 @@ class Conn(ABC):
     async def execute(self, sql: str, args: Sequence[Any] = ()) -> Result: ...
 
     @abstractmethod
-    async def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None: ...
-
-    @abstractmethod
     async def execute_each(
         self, sql: str, rows: Sequence[Sequence[Any]]
     ) -> list[tuple[Any, ...] | None]:

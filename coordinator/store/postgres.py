@@ -77,14 +77,6 @@ class _PgConn(Conn):
         except psycopg.Error as e:
             raise _failed(self.where, e) from e
 
-    async def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
-        await self.flush()
-        try:
-            async with self.conn.cursor() as cur:
-                await cur.executemany(_params(sql), [tuple(r) for r in rows])
-        except psycopg.Error as e:
-            raise _failed(self.where, e) from e
-
     async def execute_each(
         self, sql: str, rows: Sequence[Sequence[Any]]
     ) -> list[tuple[Any, ...] | None]:

@@ -113,9 +113,6 @@ class _WriterConn(Conn):
     async def execute(self, sql: str, args: Sequence[Any] = ()) -> Result:
         return await self._go(lambda db: _run(db, sql, args))
 
-    async def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
-        await self._go(lambda db: db.executemany(sql, [tuple(r) for r in rows]))
-
     async def execute_each(
         self, sql: str, rows: Sequence[Sequence[Any]]
     ) -> list[tuple[Any, ...] | None]:

@@ -32,26 +32,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
 
-from spotdrain.limits import MAX_AGENT_MESSAGE_BYTES, MAX_BATCH_BYTES, MAX_BATCH_EVENTS  # noqa: E402
+from spotdrain.agent.link import BACKOFF_S, HEARTBEAT_S  # noqa: E402
+from spotdrain.agent.link import CHANNEL_OPTIONS as AGENT_CHANNEL_OPTIONS  # noqa: E402
+from spotdrain.limits import MAX_BATCH_BYTES, MAX_BATCH_EVENTS  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2 as pb  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc  # noqa: E402
 
 # The real agent's (agent/link.py), copied so a refactor of the agent cannot change the load.
-BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
-HEARTBEAT_S = 5.0
 TAINT_DEADLINE_S = 0.8
 DRAIN_STOP_S = 1.0  # drain_worker -> "stopped": the gate empties, the container exits
-CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-    ("grpc.max_send_message_length", MAX_AGENT_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_AGENT_MESSAGE_BYTES),
-    # Each node is its own agent: never share a connection between two certificates.
-    ("grpc.use_local_subchannel_pool", 1),
-]
+# The real agent's channel and timings, so the simulated fleet behaves like one; each node is
+# its own agent: never share a connection between two certificates.
+CHANNEL_OPTIONS = [*AGENT_CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
 GPUS = 2
 
 

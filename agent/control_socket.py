@@ -77,6 +77,14 @@ class ControlSocket:
         try:
             sock = writer.get_extra_info("socket")
             pid, uid, gid = peer_credentials(sock)
+            # The request is read before any answer, refusal included: a client still writing
+            # to a socket already closed would see a broken pipe instead of the reason.
+            try:
+                line = await asyncio.wait_for(reader.readline(), 5)
+                request = json.loads(line[:MAX_REQUEST] or b"{}")
+                command = request.get("command") if isinstance(request, dict) else None
+            except (TimeoutError, ValueError):
+                command = None
             if not allowed(uid, gid, self.group):
                 log.warning("refused %s request from uid %d (pid %d)", self.path, uid, pid)
                 await self._answer(
@@ -87,12 +95,6 @@ class ControlSocket:
                     },
                 )
                 return
-            try:
-                line = await asyncio.wait_for(reader.readline(), 5)
-                request = json.loads(line[:MAX_REQUEST] or b"{}")
-                command = request.get("command") if isinstance(request, dict) else None
-            except (TimeoutError, ValueError):
-                command = None
             if command not in ("pause", "resume", "status"):
                 await self._answer(
                     writer,

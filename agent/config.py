@@ -21,9 +21,11 @@ PROG = "spotdrain-agent"
 class AgentConfig:
     coordinator: str
     node_id: str
-    notice_file: Path
-    state_dir: Path
-    docker_host: str
+    # A packaged daemon's paths: what systemd's RuntimeDirectory/StateDirectory and Debian's
+    # docker.io give, so an install needs only the coordinator, the node id and TLS files.
+    notice_file: Path = Path("/run/spotdrain/notice.json")
+    state_dir: Path = Path("/var/lib/spotdrain")
+    docker_host: str = "unix:///run/docker.sock"
     insecure: bool = False
     tls_cert: str = ""
     tls_key: str = ""
@@ -84,7 +86,7 @@ SETTINGS: dict[str, tuple[type, str]] = {
     "metrics_listen": (str, "serve Prometheus /metrics on HOST:PORT"),
 }
 MARGINS = {f.name: float for f in dataclasses.fields(Margins)}
-REQUIRED = ("coordinator", "node_id", "notice_file", "state_dir", "docker_host")
+REQUIRED = ("coordinator", "node_id")
 
 
 def parser() -> ArgumentParser:
@@ -157,8 +159,9 @@ def from_sources(flags: dict[str, Any], doc: dict[str, Any], origin: str = "") -
     host_port(values["coordinator"], "--coordinator")
     if values.get("metrics_listen"):
         host_port(values["metrics_listen"], "--metrics-listen")
-    if not str(values["docker_host"]).startswith("unix://"):
-        raise UsageError(f"--docker-host must be unix:///PATH, got {values['docker_host']!r}")
+    docker_host = str(values.get("docker_host", AgentConfig.docker_host))
+    if not docker_host.startswith("unix://"):
+        raise UsageError(f"--docker-host must be unix:///PATH, got {docker_host!r}")
     tls = [values.get(k, "") for k in ("tls_cert", "tls_key", "ca")]
     if values.get("insecure") and any(tls):
         raise UsageError("--insecure and TLS flags exclude each other")

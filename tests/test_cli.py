@@ -253,3 +253,18 @@ def test_spotctl_status_shows_rentals_and_jobs():
     })
     assert "rental r-1: running, reclaim at 2026-11-29T" in text
     assert "render job w-1: draining" in text
+
+
+def test_the_readme_edits_are_a_whole_agent_config():
+    """A packaged agent.toml with only the coordinator, the node id and the TLS files starts:
+    the paths a packaged daemon needs have defaults that match the unit's directories."""
+    cfg = config.from_sources({}, {
+        "coordinator": "coordinator.example.internal:7443", "node_id": "gpu-host-17",
+        "tls_cert": "/etc/spotdrain/node.pem", "tls_key": "/etc/spotdrain/node.key",
+        "ca": "/etc/spotdrain/ca.pem",
+    })
+    assert cfg.notice_file == Path("/run/spotdrain/notice.json")
+    assert cfg.state_dir == Path("/var/lib/spotdrain")
+    assert cfg.docker_host == "unix:///run/docker.sock"
+    unit = (Path(__file__).parent.parent / "packaging/systemd/spotdrain-agent.service").read_text()
+    assert "StateDirectory=spotdrain" in unit and "RuntimeDirectory=spotdrain" in unit

@@ -1,5 +1,5 @@
 """pytest plugin for CI: Docker- and PostgreSQL-backed tests must run, never be skipped
-(shared/DESIGN.md).
+(docs/design.md).
 
 Loaded by .ci/run with `-p docker_guard`. Tests marked `docker` or `postgres` (tests/conftest.py
 marks every test that uses the `postgres` fixture or the postgresql param of `store_url` or

@@ -1,7 +1,7 @@
 """The owner's switch: `spotctl pause | resume | status` over a unix socket on the host.
 
 The socket is mode 0660, owned by root and the `spotdrain` group, and every caller is checked
-again with SO_PEERCRED: root, or a user in that group (DESIGN.md "Security"). One JSON request
+again with SO_PEERCRED: root, or a user in that group (docs/design.md "Security"). One JSON request
 a connection, one JSON answer. The agent never exposes Docker through it.
 """
 

@@ -1,9 +1,9 @@
 """Docker Engine adapter: signal, wait and list this node's containers, returning events.
 
-Only containers labelled `spotdrain.node=<this node>` are ever touched (DESIGN.md "Four drain
+Only containers labelled `spotdrain.node=<this node>` are ever touched (docs/design.md "Four drain
 paths"). Every call has its own timeout. If the engine hangs on a kill, the agent signals the
 container's PID itself, from an inventory it keeps fresh in the background, because the
-provider's deadline does not wait for a stuck daemon (DESIGN.md step 4).
+provider's deadline does not wait for a stuck daemon (docs/design.md step 4).
 
 Blocking docker-py calls run on a dedicated thread pool sized for many containers at once, so
 the signals of one round go out concurrently, not a few at a time.

@@ -3,8 +3,8 @@ and carries out their commands through the adapters.
 
 One loop, one queue: adapters run as tasks and report back as events on the queue, so the
 machines are only ever touched from here, one event at a time. Every handled event is followed
-by a save of the bundle before any command runs (write before act, DESIGN.md step 2). One timer:
-the loop sleeps until the earliest `next_wakeup()` of all live reclamations.
+by a save of the bundle before any command runs (write before act, docs/design.md step 2).
+One timer: the loop sleeps until the earliest `next_wakeup()` of all live reclamations.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 NVML is initialised once and called from one dedicated thread, never from the event loop, each
 call with a timeout. Any failure (no driver, GPU lost, a call that hangs) is an error, never an
-empty answer: an observation that failed is not "empty" (DESIGN.md invariant 5).
+empty answer: an observation that failed is not "empty" (docs/design.md invariant 5).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ def parse_notice(raw: bytes) -> Notice | NoticeInvalid | None:
         return invalid("a cancel notice needs the id of the notice it cancels")
 
     if notice_id is None:
-        # No id: the same content is the same reclamation (DESIGN.md "Hard notice timeline").
+        # No id: the same content is the same reclamation (docs/design.md "Hard notice timeline").
         # Hash the parsed document, so a relay that reformats the JSON is still the same.
         key = content_hash(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
     else:

@@ -2,7 +2,7 @@
 
 SQLite in the state dir. An event leaves the outbox only when the coordinator acknowledges its
 uid, so events made while the coordinator is away arrive when it is back; the coordinator stores
-each uid once, so a resend after a lost ack is harmless (DESIGN.md invariant 10).
+each uid once, so a resend after a lost ack is harmless (docs/design.md invariant 10).
 
 An event's details are bounded when it is put: the coordinator refuses a batch holding details
 above MAX_DETAILS_BYTES, so such an event would be resent and refused forever, holding back

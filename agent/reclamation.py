@@ -2,7 +2,7 @@
 
 Pure: no asyncio, docker, grpc, pynvml or files. The shell (agent/drain_runner.py) persists the
 machine's state after every call and before it carries out the commands, so the bundle on disk
-is always at least as new as anything the node did (DESIGN.md invariants 2 and 8).
+is always at least as new as anything the node did (docs/design.md invariants 2 and 8).
 
 Order is fixed (invariant 1): no signal command is returned before a taint is in force.
 """
@@ -63,7 +63,7 @@ class ContainerSignalled:
     container: str
     name: str
     signal: str
-    via: str  # "api" or "pid" (the engine hung; DESIGN.md step 4)
+    via: str  # "api" or "pid" (the engine hung; docs/design.md step 4)
     error: str = ""  # non-empty: neither route delivered it
 
 
@@ -183,7 +183,7 @@ class SignalContainers:
     """Signal every running container with this node's label, concurrently, except `skip`.
 
     SIGTERM rounds leave inference workers alone (they drain through their slot gates) and
-    rentals (the renter keeps the machine until reclaim_at = G, DESIGN.md "Four drain paths");
+    rentals (the renter keeps the machine until reclaim_at = G, docs/design.md "Four drain paths");
     the SIGKILL round at G takes every kind."""
 
     signal: str
@@ -469,7 +469,7 @@ class Reclamation:
                 "deadline_file_written",
                 {"terminate_at": self.terminate_at, "grace_deadline": self.grace_deadline},
             ),
-            # Unrouted, then signalled (DESIGN.md "Hard notice timeline", step 4).
+            # Unrouted, then signalled (docs/design.md "Hard notice timeline", step 4).
             DrainWorkers(self.reclaim_id, self.grace_deadline),
             self._signal(SIGTERM),
         ] + self._tick(now)

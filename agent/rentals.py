@@ -7,7 +7,7 @@ the file: the file is replaced by rename, and a file mount would keep the old in
 SPOTDRAIN_DEADLINE_FILE naming the file inside the container.
 
 A drain needs nothing from here: the reclamation's signal rounds find these containers by their
-labels (DESIGN.md "Four drain paths"): jobs get SIGTERM after the taint and SIGKILL at G;
+labels (docs/design.md "Four drain paths"): jobs get SIGTERM after the taint and SIGKILL at G;
 rentals are left alone until G (reclaim_at) and killed there. This manager starts them (only
 while the agent accepts starts, invariant 4), watches each exit and reports it with its code,
 stops a rental the coordinator ends, and adopts the running ones after an agent restart.

@@ -2,7 +2,7 @@
 
 Every request to the worker passes through here, so the agent knows at each moment how many
 slots are in use, can refuse new requests the moment a drain starts, and can end open streams
-at the grace deadline (DESIGN.md, "Four drain paths", inference row).
+at the grace deadline (docs/design.md, "Four drain paths", inference row).
 
 - A request holds a slot from arrival until its response is finished (for a stream: the last
   byte written, or the client gone). `on_slots(worker_id, in_flight)` on every change. At most
@@ -80,7 +80,8 @@ _HOLD_MAX = 1 << 20
 
 @dataclass(frozen=True)
 class Interrupted:
-    """A request cut while in flight (DESIGN.md invariant 7: reported, never a finished answer)."""
+    """A request cut while in flight (docs/design.md invariant 7: reported, never a finished
+    answer)."""
 
     worker_id: str
     request_id: str

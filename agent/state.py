@@ -1,6 +1,6 @@
 """The agent's durable state in its state dir: reclamation bundles, local taints, files for
 workloads. Every write is atomic (temp file, fsync, rename) so a crash leaves old or new, never
-half; nothing about a drain lives only in memory (DESIGN.md invariant 8).
+half; nothing about a drain lives only in memory (docs/design.md invariant 8).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class BundleStore:
 class LocalTaints:
     """Taints the agent applied itself because the coordinator did not answer in time.
 
-    While one stands, the agent refuses to start any workload (DESIGN.md invariant 4).
+    While one stands, the agent refuses to start any workload (docs/design.md invariant 4).
     """
 
     def __init__(self, state_dir: Path) -> None:
@@ -88,7 +88,7 @@ def write_deadline_file(
 ) -> None:
     # Readable by workloads (bind-mounted read-only); the times as ISO 8601 UTC and as epoch.
     # `reclaim_at` is when a rental's container is stopped: the grace deadline G, not before
-    # (DESIGN.md "Four drain paths"); the same time the coordinator's Rental API gives.
+    # (docs/design.md "Four drain paths"); the same time the coordinator's Rental API gives.
     def iso(t: float) -> str:
         return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
 

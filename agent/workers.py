@@ -1,7 +1,7 @@
 """Inference workers on this node: their containers and the slot gate in front of each.
 
 The coordinator asks for a worker (StartWorker); the agent starts the container only while the
-node is neither tainted nor paused locally (DESIGN.md invariant 4: the agent refuses a start
+node is neither tainted nor paused locally (docs/design.md invariant 4: the agent refuses a start
 whatever the coordinator says), puts a slot gate in front of it, and reports it started. A drain
 makes the gate refuse new requests; the release of the last slot stops the container (the gate
 calls back, no polling); at the grace deadline the gate cuts what is still open and the
@@ -259,7 +259,7 @@ class WorkerManager:
         self._stop(worker, "SIGKILL")
 
     def _idle(self, worker_id: str) -> None:
-        # Event-driven: the gate calls this as the last slot is released (DESIGN.md target:
+        # Event-driven: the gate calls this as the last slot is released (docs/design.md target:
         # last slot released to stop issued, p99 <= 50 ms).
         worker = self.workers.get(worker_id)
         if worker is not None and worker.draining:

@@ -1,4 +1,4 @@
-"""Replacement capacity from another node group (DESIGN.md hard notice step 6).
+"""Replacement capacity from another node group (docs/design.md hard notice step 6).
 
 On a hard notice the coordinator asks an acquirer, configured per node group, for capacity in a
 group other than the reclaimed one. Nothing on the reclaimed node waits for the answer, so an

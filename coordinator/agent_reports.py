@@ -95,7 +95,7 @@ class AgentReports:
                     lost.append(worker)
                 await fleet.apply(worker, wm.Stopped(now, None))
         # A node back from a reboot gets its serving workers again, through the one gate: a
-        # node that came back paused or tainted gets none (DESIGN.md invariant 4).
+        # node that came back paused or tainted gets none (docs/design.md invariant 4).
         for worker in lost:
             try:
                 await fleet.gate.place_worker(

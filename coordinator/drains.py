@@ -4,7 +4,7 @@ workload flag, the operator's spot flag.
 The critical path is `taint`: the taint, the drain's deadlines and the workers' draining state
 are stored in one priority transaction before the agent is answered (it signals nothing until
 then), and nothing in it grows with the fleet. Replacement and capacity decisions run after,
-in the background (DESIGN.md "Hard notice timeline", steps 3 to 6).
+in the background (docs/design.md "Hard notice timeline", steps 3 to 6).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class Drains:
         async with store.transaction(priority=True):
             await store.add_taint(node_id, reclaim_id, reason)
             # Unschedulable, then unrouted: every worker on the node leaves the routing table
-            # before the agent signals anything (DESIGN.md "Hard notice timeline", step 4).
+            # before the agent signals anything (docs/design.md "Hard notice timeline", step 4).
             await self.begin_drain(node_id, reclaim_id, reason, terminate_at, grace, ended)
         # Committed: the taint is in force for placement from now (it was stored first).
         nodes.taint_added(taint)

@@ -5,7 +5,7 @@ Each concern is a module of its own (gate, drains, rental_book, capacity_keeper,
 agent_reports, recovery); `Fleet` holds what they share: the store, the event log, the clock,
 the in-memory indexes (registry.py, nodes.py), the routing table and the queues to connected
 agents. The worker machine (workers.py) decides; `apply` carries out what it returns. Nothing
-here lives only in memory that `recovery.rebuild` cannot read back from the store (DESIGN.md
+here lives only in memory that `recovery.rebuild` cannot read back from the store (docs/design.md
 invariant 8).
 """
 

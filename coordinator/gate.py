@@ -1,4 +1,4 @@
-"""The one placement gate (DESIGN.md invariant 4), as the fleet runs it.
+"""The one placement gate (docs/design.md invariant 4), as the fleet runs it.
 
 Every path that puts a workload on a node comes through `Gate.admit`: the pure rules are in
 placement.py; this records a refusal with its path and raises. `place_worker` is the only
@@ -55,7 +55,8 @@ class Gate:
         path: str = "operator",
         kind: str = "inference",
     ) -> wm.Worker:
-        """Every path that puts a worker on a node comes through here (DESIGN.md invariant 4)."""
+        """Every path that puts a worker on a node comes through here (docs/design.md,
+        invariant 4)."""
         if kind not in WORKER_KINDS:
             raise ValueError(f"worker kind must be one of {WORKER_KINDS}, got {kind!r}")
         fleet = self.fleet

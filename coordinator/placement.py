@@ -1,4 +1,4 @@
-"""The one placement gate (shared/DESIGN.md invariant 4).
+"""The one placement gate (docs/design.md invariant 4).
 
 Every path that can put a workload on a node calls `admit`: an operator's scheduling request, a
 rental's creation, a worker restarted after a rental ends, the recovery loop (a missing worker

@@ -1,4 +1,4 @@
-"""Startup and the recovery loop share one path (DESIGN.md invariant 8, Nomad's drainer the
+"""Startup and the recovery loop share one path (docs/design.md invariant 8, Nomad's drainer the
 model): `rebuild` reads back from the store everything the fleet keeps in memory, and
 `recover` (at start and every few seconds) drains what must drain, replaces what is gone and
 keeps desired capacity.

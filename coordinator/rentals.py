@@ -18,7 +18,7 @@ Who ended it (`ended_by`) is what reputation counts (coordinator/reputation.py):
   except when an owner's pause is among the reclaims of a rental that started on an on-demand
   node: the provider took back what it promised, so that is `provider` (and counts against it),
   even if a notice with an earlier G came on top. On spot, reclaiming is what spot means
-  (DESIGN.md invariant 9).
+  (docs/design.md invariant 9).
 
 Several reclaims can hold a rental at once (a notice during a pause). Each is kept with its G;
 `reclaim_at` is the earliest, so it only ever moves earlier while they hold (invariant 2). A

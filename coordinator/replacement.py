@@ -2,7 +2,7 @@
 and another group's acquirer is asked for capacity.
 
 Recorded at once; the whole request runs in the background, so nothing on the node (and not
-the Taint answer) waits for it (DESIGN.md step 6). What it reads is in memory (the fleet's
+the Taint answer) waits for it (docs/design.md step 6). What it reads is in memory (the fleet's
 groups), never a scan of the store.
 """
 

@@ -11,7 +11,7 @@ monotone: one more success never lowers it, one more failure always lowers it.
 
 What counts (by `ended_by` of a rental):
 
-- started on a spot node, whatever the ending: left out of both scores entirely (DESIGN.md
+- started on a spot node, whatever the ending: left out of both scores entirely (docs/design.md
   invariant 9: reclaiming is what spot means). Counted in `excluded_spot`.
 - `renter` or `platform`: a success; the rental ran until someone other than its provider ended it.
 - `provider`: a failure, for the node and for its provider.

@@ -1,6 +1,6 @@
 """spotdrain-router: the reference router, an OpenAI-compatible HTTP front over slot gates.
 
-The platform brings its own router (shared/DESIGN.md "Components"); this one is for the demo
+The platform brings its own router (docs/design.md "Components"); this one is for the demo
 and the tests, and shows how a router consumes the coordinator's routing API:
 
 - Per model, a local table fed by `Routes.WatchRoutes`: a snapshot, then versioned changes.
@@ -8,7 +8,7 @@ and the tests, and shows how a router consumes the coordinator's routing API:
   the snapshot), reconnects with backoff and re-snapshots on reconnect. While the coordinator
   is away the last table stays in use: a worker that drains meanwhile is refused by its own
   gate (503), and the request goes to another worker (the owner's promise does not depend on
-  the coordinator, DESIGN.md "Owner pause timeline").
+  the coordinator, docs/design.md "Owner pause timeline").
 - `POST /v1/chat/completions` goes to the least-loaded ready worker: slots in use over capacity
   from the table, plus this router's own requests in flight there. The upstream request carries
   `X-Route-Version`, the table version the pick was made from: a worker removed at version V

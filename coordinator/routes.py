@@ -2,7 +2,7 @@
 
 In memory, rebuilt from the store at start; every change bumps one version and is pushed to
 each watcher of that model at once (no polling), so a worker that goes draining is gone from
-every router's view before its node signals anything (DESIGN.md "Owner pause timeline").
+every router's view before its node signals anything (docs/design.md "Owner pause timeline").
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ metrics and identities) and the agents' servicer.
 
 Servicers are thin: check who is calling, convert the request (convert.py), call the fleet,
 convert the answer; errors.py maps every domain error to a status code in one place. A node
-acts only on its own records (DESIGN.md "Security", like Kubernetes' NodeRestriction): its
+acts only on its own records (docs/design.md "Security", like Kubernetes' NodeRestriction): its
 identity comes from its client certificate; a message naming another node is refused with
 PERMISSION_DENIED and the attempt is recorded as `identity_refused`.
 """

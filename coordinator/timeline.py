@@ -1,7 +1,7 @@
 """One record per reclamation, folded from its events. Pure: a dict and an event in, a dict out.
 
-The agent owns the deadlines (computed once at T0, DESIGN.md invariant 2); the coordinator copies
-them from `notice_received` and never computes its own.
+The agent owns the deadlines (computed once at T0, docs/design.md invariant 2); the coordinator
+copies them from `notice_received` and never computes its own.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Pure: no asyncio, grpc, sqlite or clock. The shell stores the worker (`to_json`) after every
 `handle` and before it carries out the effects, so no drain state lives only in memory
-(shared/DESIGN.md invariant 8).
+(docs/design.md invariant 8).
 
 States and the only moves between them (`TRANSITIONS`, keyed on (start, finish) as in dask's
 worker_state_machine):
@@ -214,7 +214,7 @@ class DrainOnNode:
 class WorkerEvent:
     """A lifecycle event for the event log: `worker_ready`, `worker_draining`, `worker_stopped`.
 
-    `details` always carries node_id and worker_id (shared/STYLE.md "Words")."""
+    `details` always carries node_id and worker_id (docs/contributing.md "Words")."""
 
     kind: str
     details: Mapping[str, Any] = field(default_factory=dict)

@@ -29,7 +29,7 @@ STORE_BACKENDS = ["sqlite", "postgresql"]
 
 
 def _no_docker(what: str, error: BaseException) -> NoReturn:
-    # Never a skip: Docker-backed tests must run, in CI above all (shared/DESIGN.md).
+    # Never a skip: Docker-backed tests must run, in CI above all (docs/design.md).
     where = (
         "CI must run the Docker-backed tests"
         if os.environ.get("CI") == "true"

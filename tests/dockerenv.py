@@ -1,6 +1,6 @@
 """The Docker test environment: a reachable engine and test images, with no registry.
 
-See "Testing on machines with no GPU and no registry" in shared/DESIGN.md. This module is
+See "Testing on machines with no GPU and no registry" in docs/design.md. This module is
 imported by tests/conftest.py and by the demo, so it must not import pytest.
 
 - `ensure_engine(work_dir)` uses the engine at DOCKER_HOST or /var/run/docker.sock when one

@@ -1,5 +1,5 @@
 """Rentals and batch/render jobs on a real Docker engine: the plain containers the coordinator
-asks the agent for (agent/rentals.py). DESIGN.md "Four drain paths": a rental runs until
+asks the agent for (agent/rentals.py). docs/design.md "Four drain paths": a rental runs until
 reclaim_at (the grace deadline G) and reads it from the deadline file, bind-mounted read-only.
 """
 
@@ -225,7 +225,7 @@ async def test_a_start_is_refused_while_the_agent_refuses_starts(
     node: Node, docker_engine, rental_image
 ) -> None:
     """The owner has paused the node (or it is tainted, or draining): no rental and no job
-    starts, whatever the coordinator says (DESIGN.md invariant 4)."""
+    starts, whatever the coordinator says (docs/design.md invariant 4)."""
     node.refusing = "node is paused by its owner"
     await node.plain.start_rental("r-4", rental_image)
     await node.plain.start_job("job-2", "render", rental_image)

@@ -28,7 +28,7 @@ NODE = "node-fm"
 def model_image(docker_engine: DockerEngine) -> str:
     try:
         return ensure_model_image(docker_engine.client)
-    except Exception as e:  # never a skip (shared/DESIGN.md)
+    except Exception as e:  # never a skip (docs/design.md)
         pytest.fail(f"could not build the fake model image: {e}", pytrace=False)
 
 

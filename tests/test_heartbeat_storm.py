@@ -1,5 +1,5 @@
 """A heartbeat storm against the real coordinator: an agent that keeps claiming `ready` for a
-worker the coordinator is draining changes nothing (DESIGN.md invariant 3)."""
+worker the coordinator is draining changes nothing (docs/design.md invariant 3)."""
 
 from __future__ import annotations
 

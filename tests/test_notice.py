@@ -1,4 +1,4 @@
-"""The notice file, parsed (shared/DESIGN.md "Interfaces: Notice file").
+"""The notice file, parsed (docs/design.md "Interfaces: Notice file").
 
 The relay writes the file atomically by rename, but a partial write, a relay bug or a stray
 editor must never crash or mislead the agent: every input is a `Notice`, a `NoticeInvalid` with a
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from spotdrain.agent.notice import ACTIONS, Notice, NoticeInvalid, parse_notice
 
-# The provider's deadline in the DESIGN.md example: 2026-11-29T18:44:00Z.
+# The provider's deadline in the docs/design.md example: 2026-11-29T18:44:00Z.
 D_2026 = datetime(2026, 11, 29, 18, 44, tzinfo=UTC).timestamp()
 
 

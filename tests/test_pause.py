@@ -1,5 +1,5 @@
 """The owner's pause on a real node: inference workers behind their slot gates, live streams,
-the coordinator owning the workload flag. DESIGN.md "Owner pause timeline"."""
+the coordinator owning the workload flag. docs/design.md "Owner pause timeline"."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every path that can put a worker on a node goes through the one placement gate (DESIGN.md
+"""Every path that can put a worker on a node goes through the one placement gate (docs/design.md
 invariant 4), tested against the real coordinator with fake agents: an operator's request, a
 node coming back from a reboot, the recovery loop replacing a missing worker, and render never
 on spot through each of them. (A resume is in test_pause.py; a rental's creation and a worker

@@ -2,7 +2,7 @@
 
 Short margins keep the numbers readable: the notice arrives at T0 = 1000 with D = T0 + 30, so the
 grace deadline G = D - 10 and the overrun check O = D - 2; the coordinator has 0.8 s to answer
-the taint (shared/DESIGN.md "Hard notice timeline"). Nothing here sleeps or does I/O: time is the
+the taint (docs/design.md "Hard notice timeline"). Nothing here sleeps or does I/O: time is the
 `now` of each event.
 """
 
@@ -59,7 +59,7 @@ from spotdrain.agent.reclamation import (
 T0 = 1000.0
 D = T0 + 30
 G = D - 10
-O = D - 2  # noqa: E741 - the name DESIGN.md gives the overrun check
+O = D - 2  # noqa: E741 - the name docs/design.md gives the overrun check
 MARGINS = Margins(
     default_notice_s=30, grace_s=10, overrun_s=2, taint_answer_s=0.8, observe_every_s=0.5
 )
@@ -144,7 +144,7 @@ LOCAL_FALLBACK = [
 
 
 def check_story(log: list[tuple[float, Command]], rec: Reclamation, deadlines: tuple) -> None:
-    """The invariants every story keeps, whatever happened (shared/DESIGN.md "Invariants")."""
+    """The invariants every story keeps, whatever happened (docs/design.md "Invariants")."""
     commands = [c for _, c in log]
     names = kinds(commands)
     # Invariant 1: no signal before a taint is in force (and a local taint before its event).
@@ -166,7 +166,7 @@ def check_story(log: list[tuple[float, Command]], rec: Reclamation, deadlines: t
     for now, c in log:
         if c == emit("drained"):
             assert now < rec.overrun_at, (now, rec.overrun_at)
-    # Every event carries the time of the fact that caused it (DESIGN.md "Lifecycle events").
+    # Every event carries the time of the fact that caused it (docs/design.md "Lifecycle events").
     for now, c in log:
         if isinstance(c, Emit):
             assert getattr(c, "at", now) == now, (now, c)

@@ -7,7 +7,7 @@ Everything on the node side is faked in the test process: a FakeAgent connects o
 its slot gate) and reports the worker started with the gate's address. The router runs as a
 subprocess with a `router:` certificate and learns the gates only from `Routes.WatchRoutes`.
 
-The property that must keep holding (shared/DESIGN.md "Owner pause timeline": routers drop a
+The property that must keep holding (docs/design.md "Owner pause timeline": routers drop a
 draining worker at once) is checked by a background watcher, which fails the test the moment a
 drained worker's gate sees a request stamped with a route version at or after its removal.
 """

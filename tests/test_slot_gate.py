@@ -5,7 +5,7 @@ completions endpoint that streams tokens at a set pace and ends with `data: [DON
 JSON after a delay), an echo endpoint, and an endpoint that dies mid-stream. Clients are aiohttp
 and the official `openai` SDK. Every test's gate is checked at teardown: its slot counts were a
 walk of +1/-1 steps within capacity, it ends with nothing in flight, and on_idle came at most
-once (DESIGN.md: "Four drain paths", inference row; invariant 7).
+once (docs/design.md: "Four drain paths", inference row; invariant 7).
 """
 
 from __future__ import annotations
@@ -450,7 +450,7 @@ async def test_a_drain_with_nothing_in_flight_is_idle_at_once(gate: Gate) -> Non
 async def test_last_slot_released_to_on_idle_is_immediate(
     gate: Gate, client: aiohttp.ClientSession
 ) -> None:
-    """Event-driven: on_idle runs in the same step that releases the last slot (DESIGN.md
+    """Event-driven: on_idle runs in the same step that releases the last slot (docs/design.md
     target: last slot released to stop issued, p99 <= 50 ms; no poll)."""
     stamps: dict[str, float] = {}
     on_slots = gate.gate._on_slots

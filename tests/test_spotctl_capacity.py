@@ -218,8 +218,8 @@ async def test_set_spot_takes_only_true_or_false(coordinator, spotctl, word):
 
 
 async def test_set_spot_mid_rental_is_refused_with_the_coordinators_reason(coordinator, spotctl):
-    """A provider tries to switch a node to spot while a renter is on it (DESIGN.md invariant 9):
-    the coordinator refuses, and spotctl says why in one line and exits 1."""
+    """A provider tries to switch a node to spot while a renter is on it (docs/design.md,
+    invariant 9): the coordinator refuses, and spotctl says why in one line and exits 1."""
     coordinator.refusals["SetNodeSpot"] = "node-a has an active rental (rnt-1)"
     result = await spotctl("node", "set-spot", "node-a", "true")
     assert result.code == 1 and result.out == ""

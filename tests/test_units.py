@@ -199,8 +199,8 @@ def test_coordinator_unit_keeps_what_the_promises_rest_on():
 
 @pytest.mark.parametrize("unit", [AGENT, COORDINATOR], ids=lambda u: u.name)
 def test_every_setting_says_why(unit):
-    """Each [Service] setting sits under a comment that explains it (STYLE.md: comments say
-    why): no directive follows a blank line or a section header directly."""
+    """Each [Service] setting sits under a comment that explains it (docs/contributing.md:
+    comments say why): no directive follows a blank line or a section header directly."""
     lines = unit.read_text().splitlines()
     section = ""
     bare = []

@@ -1,7 +1,7 @@
 """The coordinator's inference worker state machine and its placement gate, told as stories.
 
 A fake clock: time is the `now` of each event. The node's drain deadlines follow the owner pause
-timeline of shared/DESIGN.md: the owner pauses at P = 1000, so D = P + 120 and G = D - 10.
+timeline of docs/design.md: the owner pauses at P = 1000, so D = P + 120 and G = D - 10.
 Nothing here sleeps or does I/O.
 """
 

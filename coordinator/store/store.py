@@ -5,7 +5,7 @@ Every query is written once, for both backends. All of it is async and none of i
 event loop. `async with store.transaction():` makes the calls inside it (in the same task) one
 transaction, committed or rolled back whole; a call outside one is its own transaction.
 
-Events are idempotent by the agent's uid (DESIGN.md invariant 10): storing the same uid twice
+Events are idempotent by the agent's uid (docs/design.md invariant 10): storing the same uid twice
 stores it once and says so. Ids only grow, so consumers resume with `events_after(id)`.
 """
 

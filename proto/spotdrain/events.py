@@ -1,4 +1,4 @@
-"""Lifecycle event kinds (DESIGN.md "Lifecycle events") and their JSON form for spotctl."""
+"""Lifecycle event kinds (docs/design.md "Lifecycle events") and their JSON form for spotctl."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A certificate's common name says who its holder is: `node:<node-id>` for agents,
 `operator:<name>` for people and their scripts, `router:<name>` for routers, which may only
-read routes (DESIGN.md "Security"), `renter:<name>` for a renter's tooling, which sees only its
+read routes (docs/design.md "Security"), `renter:<name>` for a renter's tooling, which sees only its
 own rentals, and `provider:<name>` for a node owner's tooling, which may end rentals on its own
 nodes.
 """
@@ -64,7 +64,7 @@ def channel_credentials(cert: str, key: str, ca: str) -> grpc.ChannelCredentials
 
 
 def warn_insecure(program: str) -> None:
-    # Said on every start, loudly, so nobody runs plaintext by accident (DESIGN.md "Security").
+    # Said on every start, loudly, so nobody runs plaintext by accident (docs/design.md "Security").
     print(
         f"{program}: WARNING: --insecure: gRPC runs in PLAINTEXT with NO client identity checks. "
         "Use it only on a trusted test network.",

@@ -1,6 +1,6 @@
 """The HTTP and SSE wire shapes the slot gate and the reference router share.
 
-One definition of how an interrupted answer looks (DESIGN.md invariant 7): an SSE `error` event
+One definition of how an interrupted answer looks (docs/design.md invariant 7): an SSE `error` event
 whose `data:` line is an OpenAI-style error object (the openai SDK raises `APIError` on it), and
 never a `data: [DONE]`. The same error object is the body of a non-streamed refusal.
 """

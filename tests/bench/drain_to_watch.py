@@ -5,7 +5,7 @@ Run on demand (pytest does not collect this file; it has no test functions):
     .venv/bin/python tests/bench/drain_to_watch.py [--runs 500] [--nodes 4]
         [--workers-per-node 4] [--watchers 4] [--insecure] [--json PATH]
 
-DESIGN.md "Performance targets": worker marked draining to a router's watch seeing it,
+docs/design.md "Performance targets": worker marked draining to a router's watch seeing it,
 p99 <= 20 ms on loopback (anchor: Consul, < 1 s to 172k instances).
 
 What runs: a real `spotdrain-coordinator` process (mutual TLS from tests/pki.py by default;

@@ -5,7 +5,7 @@ Run on demand (pytest does not collect this file; it has no test functions):
     .venv/bin/python tests/bench/gate_overhead.py [--streams 256] [--chunks 60]
         [--interval-ms 50] [--layout shared|separate] [--rounds 4] [--json PATH]
 
-DESIGN.md "Performance targets": slot gate overhead per streamed chunk, 256 concurrent streams,
+docs/design.md "Performance targets": slot gate overhead per streamed chunk, 256 concurrent streams,
 against a direct connection: p99 <= 1 ms added.
 
 What is timed: a fake OpenAI-style worker streams SSE events, each carrying the worker's

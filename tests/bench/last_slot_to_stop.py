@@ -5,7 +5,7 @@ Run on demand (pytest does not collect this file; it has no test functions):
     .venv/bin/python tests/bench/last_slot_to_stop.py [--runs 200] [--poll-runs 30]
         [--streams 1] [--json PATH]
 
-DESIGN.md "Performance targets": last slot released to stop issued, p99 <= 50 ms, event-driven,
+docs/design.md "Performance targets": last slot released to stop issued, p99 <= 50 ms, event-driven,
 not polled (anchor: Ray Serve polls its replicas every 2 s).
 
 What runs, all on this host:

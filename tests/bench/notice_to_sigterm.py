@@ -4,7 +4,7 @@ Run on demand (pytest does not collect this file; it has no test functions):
 
     .venv/bin/python tests/bench/notice_to_sigterm.py [--runs 50] [--scenarios ...] [--json PATH]
 
-Scenarios (DESIGN.md "Performance targets"), each measured --runs times, all in one run:
+Scenarios (docs/design.md "Performance targets"), each measured --runs times, all in one run:
 
   floor             a bare Engine API kill (`client.api.kill(id, signal="SIGTERM")`) -> probe line,
                     timed from just before the call.

@@ -5,7 +5,7 @@ Run on demand (pytest does not collect this file; it has no test functions):
     .venv/bin/python tests/bench/pause_to_empty.py [--runs 10] [--clients 3] [--tokens 10]
         [--tokens-per-s 10] [--json PATH] [--keep]
 
-DESIGN.md "Performance targets": pause with short requests (<= 1 s) to node verified empty,
+docs/design.md "Performance targets": pause with short requests (<= 1 s) to node verified empty,
 <= 3 s (anchor: "finishes in seconds"). Needs root and a Docker engine, or `dockerd` to start
 a private one (tests/setup.sh installs it), and the fake model image (built on first use from
 the cached Debian root, tests/images/fake_model). Everything it starts it removes again.

@@ -1,6 +1,6 @@
 /*
  * fake_nvml.c - a stand-in for libnvidia-ml.so.1 so that the real pynvml can
- * be tested on machines without a GPU (see DESIGN.md, "Fake NVML").
+ * be tested on machines without a GPU (see docs/design.md, "Fake NVML").
  *
  * Build:  cc -shared -fPIC -O2 -Wall -Wextra -o libnvidia-ml.so.1 fake_nvml.c
  * Use:    LD_LIBRARY_PATH=<dir> FAKE_NVML_STATE=<file> python ...

@@ -73,7 +73,7 @@ class AgentLinkServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Taint(self, request, context):
-        """Taint the node NoSchedule. Agents call it with an 800 ms deadline (DESIGN.md step 3).
+        """Taint the node NoSchedule. Agents call it with an 800 ms deadline (docs/design.md step 3).
         reason "pause" is the owner's pause: it also turns the node's workload flag off and drains
         its workers with the deadlines the agent computed.
         """
@@ -306,7 +306,7 @@ class AdminServicer:
 
     def SetNodeSpot(self, request, context):
         """A node's spot flag. Refused (FAILED_PRECONDITION) while the node has an active rental, so
-        no provider can switch a node to spot mid-rental (DESIGN.md invariant 9).
+        no provider can switch a node to spot mid-rental (docs/design.md invariant 9).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

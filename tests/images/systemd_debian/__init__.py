@@ -10,7 +10,7 @@ trimmed root is cached as a tarball in /var/cache/spotdrain-test ($SPOTDRAIN_TES
 the fake model's base (tests/images/fake_model): debootstrap (about 35 s, root, the Debian
 mirror) runs once per machine, and a new engine imports the tarball in seconds.
 
-The container runs with exactly the flags shared/DESIGN.md gives for systemd in a container
+The container runs with exactly the flags docs/design.md gives for systemd in a container
 (`--privileged` is refused on this kernel), on the host network (a private engine has no
 bridge), so the Debian mirror and anything listening on the host's loopback are reachable from
 inside. This module must not import pytest.
@@ -59,7 +59,7 @@ _TRIM = (
     "etc/hostname",  # the build host's; Docker mounts its own
 )
 
-# shared/DESIGN.md, "Testing on machines with no GPU and no registry": systemd in a container.
+# docs/design.md, "Testing on machines with no GPU and no registry": systemd in a container.
 _RUN_FLAGS = {
     "cap_add": ["SYS_ADMIN"],
     "security_opt": ["seccomp=unconfined"],

@@ -26,13 +26,12 @@ import docker
 import docker.errors
 
 from spotdrain.agent.reclamation import ContainerExited, ContainerSignalled
+from spotdrain.workload import KIND_LABEL, NODE_LABEL
 
 log = logging.getLogger("spotdrain.agent.docker")
 
 # Pinned so no call is made at construction (auto-detection would hang with the engine).
 API_VERSION = "1.41"
-NODE_LABEL = "spotdrain.node"
-KIND_LABEL = "spotdrain.kind"
 RENTAL_KIND = "rental"
 
 

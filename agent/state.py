@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from spotdrain.agent.reclamation import Reclamation
+from spotdrain.workload import Deadline
 
 
 def write_atomic(path: Path, doc: Any, mode: int = 0o644) -> None:
@@ -86,22 +86,7 @@ class LocalTaints:
 def write_deadline_file(
     path: Path, reclaim_id: str, terminate_at: float, grace_deadline: float, reason: str
 ) -> None:
-    # Readable by workloads (bind-mounted read-only); the times as ISO 8601 UTC and as epoch.
-    # `reclaim_at` is when a rental's container is stopped: the grace deadline G, not before
-    # (docs/design.md "Four drain paths"); the same time the coordinator's Rental API gives.
-    def iso(t: float) -> str:
-        return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
-
-    write_atomic(
-        path,
-        {
-            "reclaim_id": reclaim_id,
-            "terminate_at": iso(terminate_at),
-            "grace_deadline": iso(grace_deadline),
-            "terminate_at_epoch": terminate_at,
-            "grace_deadline_epoch": grace_deadline,
-            "reclaim_at": iso(grace_deadline),
-            "reclaim_at_epoch": grace_deadline,
-            "reason": reason,
-        },
-    )
+    # Readable by workloads (bind-mounted read-only). The format has one definition, in
+    # spotdrain.workload (the module workloads read it with); `reclaim_at` is G there.
+    deadline = Deadline(reclaim_id, terminate_at, grace_deadline, reason)
+    write_atomic(path, deadline.to_json())

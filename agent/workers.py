@@ -23,6 +23,7 @@ from spotdrain.agent.docker_engine import DockerEngine, DockerUnavailable
 from spotdrain.agent.slot_gate import Interrupted, SlotGate
 from spotdrain.background import Background
 from spotdrain.metrics import ReclamationMetrics
+from spotdrain.workload import KIND_LABEL, NODE_LABEL
 
 log = logging.getLogger("spotdrain.agent.workers")
 
@@ -94,8 +95,8 @@ class WorkerManager:
             self.report(worker_id, {"state": "refused", "reason": why})
             return
         labels = {
-            "spotdrain.node": self.node_id,
-            "spotdrain.kind": "inference",
+            NODE_LABEL: self.node_id,
+            KIND_LABEL: "inference",
             WORKER_LABEL: worker_id,
             MODEL_LABEL: model,
             PORT_LABEL: str(port),
@@ -133,7 +134,7 @@ class WorkerManager:
         called again (the engine was away the first time); a worker already fronted is kept."""
         for info in await self.docker.running(with_labels=True):
             labels = info.labels
-            if labels.get("spotdrain.kind") != "inference" or WORKER_LABEL not in labels:
+            if labels.get(KIND_LABEL) != "inference" or WORKER_LABEL not in labels:
                 continue
             if labels[WORKER_LABEL] in self.workers:
                 continue

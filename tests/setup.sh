@@ -12,7 +12,6 @@ venv="$repo/.venv"
 stamp="$venv/.spotdrain-install-stamp"
 
 packages=(docker.io busybox-static debootstrap python3-venv gcc libc6-dev ca-certificates
-          libsystemd-dev pkg-config python3-dev
           build-essential debhelper lintian systemd postgresql)
 missing=()
 for package in "${packages[@]}"; do

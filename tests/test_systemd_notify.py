@@ -1,16 +1,20 @@
 """systemd integration: sd_notify over a real datagram socket (a filesystem path and a Linux
-abstract `@` name), the watchdog, the journal's structured fields, and both daemons as real
-processes telling a socket bound here what systemd would hear from them."""
+abstract `@` name), the watchdog, journald's native protocol to a real socket (parsed as journald
+parses it), and both daemons as real processes telling a socket bound here what systemd would
+hear from them."""
 
 from __future__ import annotations
 
+import array
 import asyncio
+import fcntl
 import logging
 import os
 import re
 import signal
 import socket
 import statistics
+import struct
 import threading
 import time
 import uuid
@@ -205,45 +209,176 @@ async def test_no_watchdog_means_no_pings(path_listener, monkeypatch):
 # --- the journal -----------------------------------------------------------------------------
 
 
-def test_journal_entries_carry_node_and_reclamation_ids(monkeypatch):
-    """Every agent log line reaches the journal with NODE_ID (the agent's own by default) and,
-    for the lines about a reclamation, RECLAIM_ID; SYSLOG_IDENTIFIER names the daemon.
-    systemd-python's JournalHandler sends all of record.__dict__ as fields and journald keeps
-    only valid (upper-case) names, so the lower-case `extra=` keys are copied to upper case.
-    Checked on the FIELD=value lines journal.send hands to sd_journal_sendv."""
-    from systemd import journal
+class JournalListener:
+    """What journald's end of /run/systemd/journal/socket sees: a datagram socket bound in a
+    temporary directory. Each entry arrives as its payload, or as an empty datagram carrying
+    one memfd (SCM_RIGHTS) for an entry too big for a datagram."""
 
-    sent: list[dict[str, str]] = []
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(2)
 
-    def sendv(*lines: str) -> None:
-        # What journald keeps: fields with a valid name (upper case, digits, `_`).
-        fields = dict(line.split("=", 1) for line in lines)
-        sent.append({k: v for k, v in fields.items() if re.fullmatch(r"[A-Z0-9][A-Z0-9_]*", k)})
+    def receive(self) -> tuple[bytes, int | None]:
+        """The next entry's bytes, and the seals of the memfd it came in (None: inline)."""
+        data, ancdata, _, _ = self.sock.recvmsg(1 << 20, socket.CMSG_SPACE(4))
+        fds = [fd for level, kind, raw in ancdata
+               if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+               for fd in array.array("i", raw)]
+        if not fds:
+            return data, None
+        assert data == b"" and len(fds) == 1, "an fd comes alone, with an empty payload"
+        try:
+            seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
+            # From offset 0, as journald maps it: the sender's writes left the shared offset
+            # at the end.
+            return os.pread(fds[0], os.fstat(fds[0]).st_size, 0), seals
+        finally:
+            os.close(fds[0])
 
-    monkeypatch.setattr(journal, "sendv", sendv)
-    handler = systemd.journald_handler("spotdrain-agent", sender=journal.send)
-    assert isinstance(handler, journal.JournalHandler)
+    def entry(self) -> dict[str, str]:
+        return parse_journal_entry(self.receive()[0])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def parse_journal_entry(data: bytes) -> dict[str, str]:
+    """journald's side of the native protocol: `NAME=value\n`, or `NAME\n` followed by a
+    64-bit little-endian length, that many bytes and `\n`."""
+    fields: dict[str, str] = {}
+    at = 0
+    while at < len(data):
+        eol = data.index(b"\n", at)
+        line = data[at:eol]
+        if b"=" in line:
+            name, value = line.split(b"=", 1)
+            at = eol + 1
+        else:
+            name = line
+            (size,) = struct.unpack_from("<Q", data, eol + 1)
+            value = data[eol + 9 : eol + 9 + size]
+            assert data[eol + 9 + size : eol + 10 + size] == b"\n", "a value ends with a newline"
+            at = eol + 10 + size
+        assert re.fullmatch(rb"[A-Z0-9][A-Z0-9_]*", name), name  # journald would drop it
+        fields[name.decode()] = value.decode()
+    return fields
+
+
+@pytest.fixture
+def journal(tmp_path):
+    listener = JournalListener(tmp_path / "journal.socket")
+    handler = systemd.journald_handler("spotdrain-agent", socket_path=listener.path)
+    assert isinstance(handler, systemd.JournalHandler)
     handler.addFilter(systemd.ContextFilter(node_id="node-a"))
-    log = logging.getLogger("spotdrain.test.journal")
+    log = logging.getLogger(f"spotdrain.test.journal.{uuid.uuid4().hex}")
     log.propagate = False
     log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
-        log.info("plain line")
-        log.info("node %s reclamation %s: notice %s", "node-a", "rcl-1", "i-0abc")
-        log.warning("explicit", extra={"node_id": "node-b", "reclaim_id": "rcl-2"})
-    finally:
-        log.removeHandler(handler)
+    log.setLevel(logging.DEBUG)
+    yield log, listener
+    log.removeHandler(handler)
+    handler.close()
+    listener.close()
+
+
+def test_journal_entries_carry_node_and_reclamation_ids(journal):
+    """Every agent log line reaches the journal with NODE_ID (the agent's own by default) and,
+    for the lines about a reclamation, RECLAIM_ID; SYSLOG_IDENTIFIER names the daemon and
+    PRIORITY is the syslog level. Sent over journald's native protocol to a real datagram
+    socket, with no compiled binding, and parsed as journald parses it."""
+    log, listener = journal
+    log.info("plain line")
+    log.info("node %s reclamation %s: notice %s", "node-a", "rcl-1", "i-0abc")
+    log.warning("explicit", extra={"node_id": "node-b", "reclaim_id": "rcl-2"})
+    log.debug("quiet")
+    log.critical("loud")
+    entries = [listener.entry() for _ in range(5)]
     assert [
         (e["MESSAGE"], e.get("NODE_ID"), e.get("RECLAIM_ID"), e["SYSLOG_IDENTIFIER"],
          e["PRIORITY"], e["LOGGER"])
-        for e in sent
+        for e in entries
     ] == [
-        ("plain line", "node-a", None, "spotdrain-agent", "6", "spotdrain.test.journal"),
+        ("plain line", "node-a", None, "spotdrain-agent", "6", log.name),
         ("node node-a reclamation rcl-1: notice i-0abc", "node-a", "rcl-1", "spotdrain-agent",
-         "6", "spotdrain.test.journal"),
-        ("explicit", "node-b", "rcl-2", "spotdrain-agent", "4", "spotdrain.test.journal"),
+         "6", log.name),
+        ("explicit", "node-b", "rcl-2", "spotdrain-agent", "4", log.name),
+        ("quiet", "node-a", None, "spotdrain-agent", "7", log.name),
+        ("loud", "node-a", None, "spotdrain-agent", "2", log.name),
     ]
+    second = entries[1]
+    assert second["CODE_FILE"] == __file__
+    assert second["CODE_FUNC"] == "test_journal_entries_carry_node_and_reclamation_ids"
+    assert int(second["CODE_LINE"]) > 0
+    assert second["CODE_ARGS"] == "('node-a', 'rcl-1', 'i-0abc')"
+    assert {"THREAD_NAME", "PROCESS_NAME"} <= set(second)
+    assert "CODE_ARGS" not in entries[0]
+
+
+def test_multi_line_messages_and_tracebacks_arrive_whole(journal):
+    """A value with a newline would end its field early in the `NAME=value` form: it goes in
+    the binary-safe form (name, length, bytes), so a traceback stays one entry and one
+    field, and `journalctl -o verbose` shows it whole."""
+    log, listener = journal
+    log.error("first line\nsecond line = still the message")
+    raw, seals = listener.receive()
+    assert seals is None
+    text = b"first line\nsecond line = still the message"
+    assert b"MESSAGE\n" + struct.pack("<Q", len(text)) + text + b"\n" in raw
+    assert parse_journal_entry(raw)["MESSAGE"] == text.decode()
+    try:
+        raise ValueError("NVML said no")
+    except ValueError:
+        log.exception("observation failed")
+    entry = listener.entry()
+    assert entry["PRIORITY"] == "3"
+    assert entry["MESSAGE"].startswith("observation failed\nTraceback (most recent call last):")
+    assert entry["MESSAGE"].endswith("ValueError: NVML said no")
+    assert entry["EXCEPTION_TEXT"].splitlines()[-1] == "ValueError: NVML said no"
+
+
+def test_an_entry_too_big_for_a_datagram_travels_in_a_sealed_memfd(journal):
+    """4 MiB is past any datagram the kernel takes (EMSGSIZE): the entry goes in a memfd,
+    sealed against change as journald requires, passed alone over the socket."""
+    log, listener = journal
+    big = "x" * (4 << 20)
+    log.info("dump %s", big)
+    raw, seals = listener.receive()
+    assert seals is not None
+    wanted = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+    assert seals & wanted == wanted
+    assert parse_journal_entry(raw)["MESSAGE"] == "dump " + big
+    log.info("small again")
+    assert listener.receive()[1] is None
+
+
+def test_journald_gone_sends_the_line_to_stderr(tmp_path, capsys):
+    """journald restarting (its socket gone for a moment): the line is not lost and nothing
+    raises into the daemon; it goes to stderr, the unit's journal stream under systemd."""
+    handler = systemd.journald_handler("spotdrain-agent", socket_path=tmp_path / "gone.socket")
+    assert handler is not None
+    log = logging.getLogger(f"spotdrain.test.journal.{uuid.uuid4().hex}")
+    log.propagate = False
+    log.addHandler(handler)
+    try:
+        log.warning("node %s: still here", "node-a")
+    finally:
+        log.removeHandler(handler)
+        handler.close()
+    assert "WARNING node node-a: still here" in capsys.readouterr().err
+
+
+def test_journald_handler_only_under_systemd(monkeypatch, tmp_path):
+    """No journal to reach (run by hand, or journald's socket missing): no handler, so
+    configure_logging falls back to plain text."""
+    monkeypatch.setattr(systemd, "journal_reachable", lambda: False)
+    assert systemd.journald_handler("spotdrain-agent") is None
+    monkeypatch.setattr(systemd, "journal_reachable", lambda: True)
+    monkeypatch.setattr(systemd, "JOURNAL_SOCKET", tmp_path / "journal.socket")
+    handler = systemd.journald_handler("spotdrain-agent")
+    assert isinstance(handler, systemd.JournalHandler)
+    assert handler.socket_path == str(tmp_path / "journal.socket")
+    handler.close()
 
 
 def test_journal_reachable_only_when_stderr_is_the_journal(tmp_path, monkeypatch):

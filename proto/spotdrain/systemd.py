@@ -1,5 +1,6 @@
 """systemd integration for both daemons: sd_notify and the journal. No dependency but the
-standard library; systemd-python is used for the journal when it is installed.
+standard library: both speak systemd's datagram protocols themselves, so a pip install needs
+no libsystemd headers and no compiler.
 
 sd_notify (sd_notify(3)): one datagram of newline-separated `KEY=value` fields to the
 AF_UNIX socket named by $NOTIFY_SOCKET. The name is a filesystem path, or an abstract name
@@ -7,18 +8,24 @@ written with a leading `@` that stands for the NUL byte of Linux's abstract name
 cloud-init once got wrong). Not under systemd means no $NOTIFY_SOCKET: every call returns
 False and does nothing, so the daemons call these helpers unconditionally.
 
-Journal: under systemd, `configure_logging` sends structured entries through systemd-python's
-`JournalHandler`, with NODE_ID and RECLAIM_ID fields (see `ContextFilter`); otherwise plain
-text to stderr, as before.
+Journal: under systemd, `configure_logging` sends structured entries with `JournalHandler`,
+which speaks journald's native protocol (https://systemd.io/JOURNAL_NATIVE_PROTOCOL/): one
+datagram an entry to /run/systemd/journal/socket, with NODE_ID and RECLAIM_ID fields (see
+`ContextFilter`); otherwise plain text to stderr.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
+import errno
+import fcntl
 import logging
 import os
+import re
 import socket
 import stat
+import struct
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -127,10 +134,10 @@ async def keep_status(
 class ContextFilter(logging.Filter):
     """Gives every record the journal fields NODE_ID and RECLAIM_ID.
 
-    systemd-python's JournalHandler.emit passes the whole `record.__dict__` to journal.send
-    as fields, unchanged, and journald keeps only valid field names (upper case, digits,
-    `_`); so `extra={"node_id": ...}` alone would be dropped, and this filter copies it to
-    NODE_ID (likewise reclaim_id). Where a record has no node_id, the daemon's own
+    `JournalHandler` sends a record's attributes whose names are valid journal field names
+    (upper case, digits, `_`) as fields; so `extra={"node_id": ...}` alone would not be sent,
+    and this filter copies it to NODE_ID (likewise reclaim_id). Where a record has no
+    node_id, the daemon's own
     (`ContextFilter(node_id=...)`) is used. The agent's log lines follow the pattern
     "node %s reclamation %s: ...", and their arguments fill the fields when no extra does.
     Attached to the handler, so it sees records from every logger.
@@ -180,20 +187,135 @@ def journal_reachable() -> bool:
     return st is None or stat.S_ISCHR(st.st_mode)
 
 
+# journald's native protocol: an entry is a run of fields, each `NAME=value\n`, or, for a value
+# that holds a newline (a traceback, a multi-line message), `NAME\n`, the value's length as a
+# 64-bit little-endian integer, the value and `\n`. Names: upper case, digits and `_`, not
+# starting with `_` (those are the fields journald itself vouches for), at most 64 characters.
+_FIELD_NAME = re.compile(r"[A-Z0-9][A-Z0-9_]{0,63}")
+# syslog(3) levels, as systemd-python's JournalHandler maps them.
+_PRIORITIES = (
+    (logging.CRITICAL, 2),
+    (logging.ERROR, 3),
+    (logging.WARNING, 4),
+    (logging.INFO, 6),
+)
+_DEBUG_PRIORITY = 7
+
+
+def journal_field(name: str, value: object) -> bytes:
+    """One field of a native journal entry, in the binary-safe form when the value needs it."""
+    data = value if isinstance(value, bytes) else str(value).encode("utf-8", "replace")
+    key = name.encode("ascii")
+    if b"\n" in data:
+        return key + b"\n" + struct.pack("<Q", len(data)) + data + b"\n"
+    return key + b"=" + data + b"\n"
+
+
+def syslog_priority(levelno: int) -> int:
+    return next((p for level, p in _PRIORITIES if levelno >= level), _DEBUG_PRIORITY)
+
+
+class JournalHandler(logging.Handler):
+    """Structured log entries to journald over its native datagram protocol, standard library
+    only (the compiled systemd-python binding needs libsystemd's headers and a compiler).
+
+    Each record is one entry: MESSAGE (the formatted record, traceback included), PRIORITY,
+    SYSLOG_IDENTIFIER, LOGGER, THREAD_NAME, PROCESS_NAME, CODE_FILE, CODE_LINE, CODE_FUNC,
+    CODE_ARGS and EXCEPTION_TEXT where there are any, and every attribute of the record whose
+    name is a valid field name (NODE_ID and RECLAIM_ID from `ContextFilter`, a MESSAGE_ID given
+    through `extra=`). The socket is unconnected and non-blocking: a journald that is
+    restarting or behind never holds up a drain; the line goes to stderr instead, which under
+    systemd is the unit's journal stream. An entry too big for one datagram travels in a
+    sealed memfd, as the protocol provides.
+    """
+
+    def __init__(self, identifier: str, socket_path: Path | str = JOURNAL_SOCKET) -> None:
+        super().__init__()
+        self.identifier = identifier
+        self.socket_path = str(socket_path)
+        self._sock = socket.socket(
+            socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+        )
+        self._fallback = logging.StreamHandler(sys.stderr)
+        self._fallback.setFormatter(logging.Formatter(TEXT_FORMAT))
+
+    def entry(self, record: logging.LogRecord) -> bytes:
+        """The datagram's payload for `record`."""
+        fields: dict[str, object] = {
+            "MESSAGE": self.format(record),
+            "PRIORITY": syslog_priority(record.levelno),
+            "SYSLOG_IDENTIFIER": self.identifier,
+            "LOGGER": record.name,
+            "THREAD_NAME": record.threadName,
+            "PROCESS_NAME": record.processName,
+            "CODE_FILE": record.pathname,
+            "CODE_LINE": record.lineno,
+            "CODE_FUNC": record.funcName,
+        }
+        if record.args:
+            fields["CODE_ARGS"] = str(record.args)
+        if record.exc_text:  # set by format() when there is exc_info
+            fields["EXCEPTION_TEXT"] = record.exc_text
+        for name, value in vars(record).items():
+            if _FIELD_NAME.fullmatch(name) and value is not None:
+                fields[name] = value
+        return b"".join(journal_field(name, value) for name, value in fields.items())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            payload = self.entry(record)
+        except Exception:  # a log line must never raise into the daemon
+            self.handleError(record)
+            return
+        try:
+            self._send(payload)
+        except OSError:
+            self._fallback.handle(record)
+
+    def _send(self, payload: bytes) -> None:
+        try:
+            self._sock.sendto(payload, self.socket_path)
+        except OSError as e:
+            if e.errno != errno.EMSGSIZE:
+                raise
+            self._send_memfd(payload)
+
+    def _send_memfd(self, payload: bytes) -> None:
+        # Too big for a datagram: the entry goes in a memfd, sealed so journald can trust that
+        # it no longer changes, passed alone (empty payload) with SCM_RIGHTS.
+        fd = os.memfd_create("spotdrain-journal", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.write(fd, payload)
+            fcntl.fcntl(
+                fd,
+                fcntl.F_ADD_SEALS,
+                fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL,
+            )
+            self._sock.sendmsg(
+                [],
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))],
+                0,
+                self.socket_path,
+            )
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self._sock.close()
+        super().close()
+
+
 def journald_handler(
-    identifier: str, *, sender: Callable[..., None] | None = None
-) -> logging.Handler | None:
+    identifier: str, *, socket_path: Path | str | None = None
+) -> JournalHandler | None:
     """A handler writing structured entries to journald, or None when not running under
-    systemd with the journal reachable, or systemd-python is not installed. `sender`
-    replaces journal.send (tests), and skips the reachability check."""
-    if sender is None and not journal_reachable():
-        return None
-    try:
-        from systemd.journal import JournalHandler  # noqa: PLC0415 (optional at run time)
-    except ImportError:
-        return None
-    kwargs = {} if sender is None else {"sender_function": sender}
-    return JournalHandler(SYSLOG_IDENTIFIER=identifier, **kwargs)
+    systemd with the journal reachable. `socket_path` replaces journald's socket (tests), and
+    skips the reachability check."""
+    if socket_path is None:
+        if not journal_reachable():
+            return None
+        socket_path = JOURNAL_SOCKET
+    return JournalHandler(identifier, socket_path)
 
 
 def configure_logging(program: str, level: str, node_id: str = "") -> logging.Handler:

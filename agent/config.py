@@ -12,6 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from spotdrain.agent.reclamation import Margins
+from spotdrain.agent.sources import module as source_module
+from spotdrain.agent.sources.settings import (
+    AdvisoryPolicy,
+    SourcesConfig,
+    parse_advisory,
+    parse_sources,
+)
 from spotdrain.cli import ArgumentParser, UsageError, host_port
 
 PROG = "spotdrain-agent"
@@ -57,6 +64,11 @@ class AgentConfig:
     gate_port_offset: float = 1000
     # Prometheus metrics (HOST:PORT; empty: off).
     metrics_listen: str = ""
+    # Notice sources ([sources] in the file) and what an advisory does ([advisory]).
+    sources: SourcesConfig = field(default_factory=SourcesConfig)
+    advisory: AdvisoryPolicy = field(default_factory=AdvisoryPolicy)
+    # Each source to run, its settings checked at start: name -> that source's Config.
+    source_configs: dict[str, Any] = field(default_factory=dict)
 
 
 # flag name -> (config key, type, help). Margins live under [margins] in the file.
@@ -98,6 +110,13 @@ def parser() -> ArgumentParser:
     p.add_argument("--spot", choices=["true", "false"], default=None, help="spot or on-demand")
     for name in MARGINS:
         p.add_argument("--" + name.replace("_", "-"), default=None, help=f"margins.{name}")
+    p.add_argument(
+        "--sources",
+        default=None,
+        help="run exactly these notice sources, comma-separated (file,aws,gcp,azure,shutdown); "
+        "turns [sources] auto off",
+    )
+    p.add_argument("--dmi-dir", default=None, help="sources.dmi_dir: where auto reads DMI")
     return p
 
 
@@ -119,6 +138,12 @@ def from_sources(flags: dict[str, Any], doc: dict[str, Any], origin: str = "") -
     margins_doc = doc.pop("margins", {})
     if not isinstance(margins_doc, dict):
         raise UsageError(f"{where}[margins] must be a table")
+    sources_doc = doc.pop("sources", None)
+    if flags.get("dmi_dir") is not None:
+        sources_doc = {**(sources_doc if isinstance(sources_doc, dict) else {}),
+                       "dmi_dir": flags["dmi_dir"]}  # fmt: skip
+    sources = parse_sources(sources_doc, where, flags.get("sources"))
+    advisory = parse_advisory(doc.pop("advisory", None), where)
     known = set(SETTINGS) | {"insecure", "spot"}
     unknown = sorted(set(doc) - known) + [
         f"margins.{k}" for k in sorted(set(margins_doc) - set(MARGINS))
@@ -183,7 +208,27 @@ def from_sources(flags: dict[str, Any], doc: dict[str, Any], origin: str = "") -
         values["margins"] = Margins(**margins)
     except ValueError as e:
         raise UsageError(str(e)) from e
+    values["sources"] = sources
+    values["advisory"] = advisory
+    values["source_configs"] = source_configs(sources, values, flags, where)
     return AgentConfig(**values)
+
+
+def source_configs(
+    sources: SourcesConfig, values: dict[str, Any], flags: dict[str, Any], where: str
+) -> dict[str, Any]:
+    """Each source that will run, its table checked now: a bad endpoint is exit 2 at start,
+    not a source that fails later. The file source's path is --notice-file when given (it
+    always was), else sources.file.path, else notice_file."""
+    out = {}
+    for name in sources.names():
+        table = dict(sources.tables.get(name, {}))
+        if name == "file":
+            if flags.get("notice_file") is not None or "path" not in table:
+                table["path"] = str(values.get("notice_file", AgentConfig.notice_file))
+            table.setdefault("poll_s", values.get("notice_poll_s", AgentConfig.notice_poll_s))
+        out[name] = source_module(name).Config.from_table(table, where)
+    return out
 
 
 def _convert(raw: Any, kind: type, source: str) -> Any:

@@ -66,6 +66,8 @@ class DrainRunner:
         self._taint_calls: dict[str, asyncio.Task[None]] = {}
         self._taint_retries: dict[str, asyncio.Task[None]] = {}
         self._blind_resume: asyncio.Task[None] | None = None
+        # Sources waiting for a reclamation to settle (a logind lock, an Azure acknowledgement).
+        self._settling: dict[str, list[asyncio.Future[str]]] = {}
 
     # --- inputs ------------------------------------------------------------------------------
 
@@ -74,6 +76,31 @@ class DrainRunner:
 
     def feed(self, reclaim_id: str, event: r.Event) -> None:
         self._queue.put_nowait((reclaim_id, event))
+
+    def record(self, kind: str, details: dict[str, Any]) -> None:
+        """An event of the node's own that belongs to no reclamation (a source down, an
+        advisory), stored in the outbox and sent like every other."""
+        self._emit(kind, "", None, self.clock(), details)
+
+    async def settled(self, key: str) -> str:
+        """Wait until the reclamation of notice `key` has an outcome: verified empty
+        ("drained"), past O ("overrun"), cancelled or resumed. Returns the outcome."""
+        rid = r.reclaim_id_for(self.cfg.node_id, key)
+        rec = self.live.get(rid) or self.recent.get(rid)
+        if rec is None and self.bundles.exists(rid):  # settled before this agent started
+            rec = next((b for b in self.bundles.load_all() if b.reclaim_id == rid), None)
+        if rec is not None and rec.outcome:
+            return rec.outcome
+        waiter = asyncio.get_running_loop().create_future()
+        self._settling.setdefault(rid, []).append(waiter)
+        try:
+            return await waiter
+        finally:
+            waiters = self._settling.get(rid, [])
+            if waiter in waiters:
+                waiters.remove(waiter)
+            if not waiters:
+                self._settling.pop(rid, None)
 
     # --- the owner's switch ------------------------------------------------------------------
 
@@ -250,6 +277,10 @@ class DrainRunner:
         commands = rec.handle(event)
         self.bundles.save(rec)
         self._execute(rec, commands)
+        if rec.outcome:
+            for waiter in self._settling.get(rec.reclaim_id, ()):
+                if not waiter.done():
+                    waiter.set_result(rec.outcome)
         if rec.finished:
             self.live.pop(rec.reclaim_id, None)
             self.recent[rec.reclaim_id] = rec

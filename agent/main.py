@@ -24,10 +24,10 @@ from spotdrain.agent.docker_engine import DockerEngine, DockerUnavailable
 from spotdrain.agent.drain_runner import DrainRunner
 from spotdrain.agent.gpu import GpuError, Nvml
 from spotdrain.agent.link import CoordinatorLink
-from spotdrain.agent.notice_watcher import watch
 from spotdrain.agent.outbox import Outbox
 from spotdrain.agent.rentals import JOB_KINDS, PlainWorkloads
 from spotdrain.agent.slot_gate import Interrupted
+from spotdrain.agent.source_hub import SourceHub
 from spotdrain.agent.workers import WorkerManager
 from spotdrain.background import Background
 from spotdrain.cli import UsageError, fail_usage
@@ -102,7 +102,31 @@ class Agent:
         self.link.on_command = self.command
         self.link.heartbeat_slots = lambda: self.workers.slots() + self.plain.job_slots()
         self.control = ControlSocket(cfg.socket, cfg.socket_group, self.control_request)
-        self.watching = asyncio.Event()
+        self.sources = SourceHub(cfg.node_id, self.drains, cfg.advisory, cfg.state_dir)
+        self.sources.build(cfg.source_configs)
+        file_source = self.sources.sources.get("file")
+        # READY waits for the notice file's watch (a notice written after READY is never
+        # missed); the other sources report their health instead.
+        self.watching = getattr(file_source, "watching", None) or asyncio.Event()
+        if file_source is None:
+            self.watching.set()
+        self.registry.register(
+            GaugeCollector(
+                "spotdrain_notice_source_up",
+                "1 while a notice source reads its provider, 0 once it is reported down.",
+                ["source"],
+                lambda: [([h["source"]], float(h["up"])) for h in self.sources.status()],
+            )
+        )
+        self.registry.register(
+            GaugeCollector(
+                "spotdrain_notice_source_last_ok_timestamp_seconds",
+                "When each notice source last read its provider successfully (epoch seconds).",
+                ["source"],
+                lambda: [([h["source"]], h["last_ok"]) for h in self.sources.status()
+                         if h["last_ok"] is not None],  # fmt: skip
+            )
+        )
         self._tasks = Background()
         self._supervised: dict[asyncio.Task[Any], str] = {}
 
@@ -244,6 +268,8 @@ class Agent:
             "paused": pause is not None,
             "drain": drain,
             "coordinator_connected": self.link.connected.is_set(),
+            "sources": self.sources.status(),
+            "at_risk": self.sources.at_risk(),
             "workers": [
                 {"worker_id": w, "slots_in_use": used, "capacity": cap, "state": st}
                 for w, used, cap, st in self.workers.slots()
@@ -262,10 +288,6 @@ class Agent:
                 for j in self.plain.jobs.values()
             ],
         }
-
-    async def watch_notices(self) -> None:
-        async for parsed in watch(self.cfg.notice_file, self.cfg.notice_poll_s, self.watching):
-            self.drains.notice(parsed)
 
     async def keep_inventory(self) -> None:
         while True:
@@ -325,7 +347,8 @@ class Agent:
         await self._adopt()
         tasks: dict[str, Coroutine[Any, Any, None]] = {
             "drains": self.drains.run(),
-            "notices": self.watch_notices(),
+            **{f"source {name}": src.run() for name, src in self.sources.sources.items()},
+            "advisories": self.sources.keep_advisories(),
             "link": self.link.run(),
             "inventory": self.keep_inventory(),
             "watchdog": systemd.keep_watchdog(self.healthy),
@@ -336,7 +359,8 @@ class Agent:
             ready = asyncio.create_task(self.watching.wait())
             await asyncio.wait({ready, *running}, return_when=asyncio.FIRST_COMPLETED)
             if ready.done():
-                log.info("node %s: agent up, watching %s", self.cfg.node_id, self.cfg.notice_file)
+                log.info("node %s: agent up, notice sources %s", self.cfg.node_id,
+                         ", ".join(self.sources.sources))  # fmt: skip
                 running[asyncio.create_task(self.tell_systemd(), name="systemd")] = "systemd"
             else:
                 ready.cancel()
@@ -385,7 +409,14 @@ class Agent:
     def describe(self) -> str:
         """One STATUS= line: what the agent is doing, as `systemctl status` shows it."""
         s = self.status()
-        parts = [f"watching {self.cfg.notice_file}", f"{len(s['workers'])} workers"]
+        watched = [
+            str(src.cfg.path) if name == "file" else name
+            for name, src in self.sources.sources.items()
+        ]
+        parts = [f"watching {', '.join(watched)}", f"{len(s['workers'])} workers"]
+        broken = self.sources.broken()
+        if broken:
+            parts.insert(0, "notice source down: " + ", ".join(broken))
         parts.append(
             "coordinator connected" if s["coordinator_connected"] else "coordinator unreachable"
         )

@@ -202,6 +202,8 @@ def start_agent(
         "--coordinator", coordinator.address,
         "--node-id", node_id,
         "--notice-file", str(notice_file),
+        # The file alone: a test machine's DMI or system bus must not turn other sources on.
+        "--sources", "file",
         "--state-dir", str(state_dir),
         "--docker-host", docker_host,
         "--deadline-file", str(deadline_file),

@@ -1,0 +1,135 @@
+"""The agent's side of every notice source: one `Sink` for all of them.
+
+Notices go to the drain runner, which keeps the one persisted filter (a reclamation per notice
+key, bundles on disk), so a notice seen by two reads, two sources or two agent lifetimes is one
+reclamation. Advisories go through the advisory book (agent/advisories.py), saved in the state
+directory. Health changes become `notice_source_down` / `notice_source_up` events, a metric, and
+a line in `spotctl status` and the unit's STATUS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from spotdrain.agent.advisories import AdvisoryBook, Drain, Record
+from spotdrain.agent.drain_runner import DrainRunner
+from spotdrain.agent.notice import Notice, NoticeInvalid
+from spotdrain.agent.sources import module as source_module
+from spotdrain.agent.sources.base import Advisory, Health, NoticeSource
+from spotdrain.agent.sources.settings import AdvisoryPolicy
+from spotdrain.agent.state import write_atomic
+
+log = logging.getLogger("spotdrain.agent.sources")
+
+
+class SourceHub:
+    def __init__(
+        self,
+        node_id: str,
+        drains: DrainRunner,
+        policy: AdvisoryPolicy,
+        state_dir: Path,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.node_id = node_id
+        self.drains = drains
+        self.clock = clock
+        self._book_path = state_dir / "advisories.json"
+        self.book = AdvisoryBook(policy, self._load_book())
+        self.sources: dict[str, NoticeSource] = {}
+        self._wake = asyncio.Event()
+
+    def build(self, configs: dict[str, Any]) -> None:
+        """One Source per configured source, in the order given."""
+        for name, cfg in configs.items():
+            self.sources[name] = source_module(name).Source(cfg, self, self.clock)
+
+    # --- the Sink ----------------------------------------------------------------------------
+
+    def notice(self, parsed: Notice | NoticeInvalid) -> None:
+        self.drains.notice(parsed)
+
+    def advisory(self, advisory: Advisory) -> None:
+        self._carry_out(self.book.handle(advisory, self.clock()))
+
+    def record(self, source: str, kind: str, details: dict[str, Any]) -> None:
+        self.drains.record(kind, {"source": source, **details})
+
+    def health_changed(self, health: Health) -> None:
+        if health.up:
+            down_s = self.clock() - health.down_since if health.down_since else 0.0
+            log.info("node %s: notice source %s is back", self.node_id, health.source)
+            self.drains.record(
+                "notice_source_up", {"source": health.source, "down_s": round(down_s, 3)}
+            )
+        else:
+            log.warning(
+                "node %s: notice source %s is down: %s", self.node_id, health.source, health.error
+            )
+            self.drains.record(
+                "notice_source_down",
+                {"source": health.source, "error": health.error, "failures": health.failures},
+            )
+
+    async def settled(self, key: str) -> str:
+        return await self.drains.settled(key)
+
+    # --- what the agent shows ----------------------------------------------------------------
+
+    def status(self) -> list[dict[str, Any]]:
+        return [s.health.describe() for s in self.sources.values()]
+
+    def broken(self) -> list[str]:
+        return [f"{s.name} ({s.health.error})" for s in self.sources.values() if not s.health.up]
+
+    def at_risk(self) -> list[dict[str, Any]]:
+        return [
+            {"key": e.key, "source": e.source, "reason": e.reason, "expires_at": e.expires_at}
+            for e in self.book.active()
+        ]
+
+    # --- the advisory timer ------------------------------------------------------------------
+
+    async def keep_advisories(self) -> None:
+        """Lift advisories at their expiry; sleeps until the earliest one."""
+        while True:
+            due = self.book.next_expiry()
+            timeout = None if due is None else max(0.0, due - self.clock())
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            self._carry_out(self.book.handle(None, self.clock()))
+
+    def _carry_out(self, commands: list[Record | Drain]) -> None:
+        if not commands:
+            return
+        for cmd in commands:
+            match cmd:
+                case Record(kind, details):
+                    log.info("node %s: %s %s", self.node_id, kind, details)
+                    self.drains.record(kind, details)
+                case Drain(notice):
+                    self.drains.notice(notice)
+                case _:
+                    raise TypeError(cmd)
+        write_atomic(self._book_path, self.book.saved(), mode=0o600)
+        self._wake.set()
+
+    def _load_book(self) -> dict[str, dict[str, Any]]:
+        try:
+            doc = json.loads(self._book_path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            log.warning("node %s: %s unreadable (%s); starting a new one", self.node_id,
+                        self._book_path, e)  # fmt: skip
+            return {}
+        return doc if isinstance(doc, dict) else {}

@@ -1,0 +1,61 @@
+"""HTTP for the metadata sources: one GET or PUT to a link-local endpoint, bounded in time and
+size, with every failure as one `ReadFailed` (the source's health decides what it means)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import aiohttp
+
+MAX_BODY = 64 * 1024  # a metadata document is a few hundred bytes
+
+
+class ReadFailed(Exception):
+    """The endpoint could not be read: refused, timed out, 5xx, or an oversized body."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    body: bytes
+    headers: dict[str, str]
+
+
+def session() -> aiohttp.ClientSession:
+    # No proxy from the environment: metadata endpoints are link-local and must be reached
+    # directly. One connection kept alive per source.
+    return aiohttp.ClientSession(
+        trust_env=False,
+        connector=aiohttp.TCPConnector(limit=2, force_close=False),
+        auto_decompress=False,
+    )
+
+
+async def fetch(
+    http: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    headers: dict[str, str],
+    timeout_s: float,
+) -> Reply:
+    try:
+        async with http.request(
+            method,
+            url,
+            headers=headers,
+            allow_redirects=False,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
+            body = await resp.content.read(MAX_BODY + 1)
+            if len(body) > MAX_BODY:
+                raise ReadFailed(f"{method} {url}: answer larger than {MAX_BODY} bytes")
+            if resp.status >= 500:
+                raise ReadFailed(f"{method} {url}: HTTP {resp.status}")
+            return Reply(resp.status, body, {k.lower(): v for k, v in resp.headers.items()})
+    except TimeoutError:
+        raise ReadFailed(f"{method} {url}: no answer in {timeout_s:g} s") from None
+    except aiohttp.ClientError as e:
+        raise ReadFailed(f"{method} {url}: {e.__class__.__name__}: {e}") from None
+    except asyncio.CancelledError:
+        raise

@@ -119,3 +119,13 @@ class NoticeSource(Protocol):
     async def run(self) -> None:
         """Read the provider until cancelled; report to the sink given at construction."""
         ...
+
+
+def boot_id(path: str = "/proc/sys/kernel/random/boot_id") -> str:
+    """This boot's id: a notice that can come once per boot (a preemption, the host's own
+    shutdown) is keyed by it, so an agent restarted mid-drain finds the same reclamation."""
+    try:
+        with open(path) as f:
+            return f.read().strip()[:64] or "unknown-boot"
+    except OSError:
+        return "unknown-boot"

@@ -38,12 +38,14 @@ async def fetch(
     url: str,
     headers: dict[str, str],
     timeout_s: float,
+    body: str | None = None,
 ) -> Reply:
     try:
         async with http.request(
             method,
             url,
             headers=headers,
+            data=body,
             allow_redirects=False,
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:

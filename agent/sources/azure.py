@@ -1,0 +1,232 @@
+"""Azure: Scheduled Events from the instance metadata service, polled every `poll_s`.
+
+`GET /metadata/scheduledevents?api-version=2020-07-01` (header `Metadata: true`) returns
+{DocumentIncarnation, Events: [{EventId, EventType, Resources, NotBefore, ...}]}. Events whose
+Resources name this VM (its name from `/metadata/instance/compute/name`, or `vm_name`):
+- `Preempt`, `Terminate`: a notice keyed by EventId, D = NotBefore ("Mon, 19 Sep 2016 18:29:47
+  GMT"), or T0 + 30 s when it is empty;
+- `Reboot`, `Redeploy`, `Freeze`: an advisory;
+- an event that leaves the document before its NotBefore was called off: a cancel.
+With `acknowledge = true`, once the node is verified empty the agent POSTs
+{"StartRequests": [{"EventId": ...}]} so the platform may go ahead early (`notice_acknowledged`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+import aiohttp
+
+from spotdrain.agent.notice import Notice, NoticeInvalid, content_hash
+from spotdrain.agent.sources.base import Advisory, Health, Sink
+from spotdrain.agent.sources.http import ReadFailed, fetch, session
+from spotdrain.agent.sources.settings import check_keys, endpoint, number
+from spotdrain.cli import UsageError
+
+EVENTS = "/metadata/scheduledevents?api-version=2020-07-01"
+VM_NAME = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
+HEADERS = {"Metadata": "true"}
+NOTICES = {"Preempt", "Terminate"}
+ADVISORIES = {"Reboot": "reboot", "Redeploy": "redeploy", "Freeze": "freeze"}
+EMPTY_NOT_BEFORE_S = 30.0
+# The first read turns Scheduled Events on for the VM, which Azure says can take two minutes.
+FIRST_READ_S = 120.0
+MAX_EVENTS = 100
+
+
+@dataclass(frozen=True)
+class Config:
+    endpoint: str = "http://169.254.169.254"
+    poll_s: float = 1.0
+    acknowledge: bool = False
+    vm_name: str = ""  # empty: ask the metadata service
+    timeout_s: float = 2.0
+
+    @classmethod
+    def from_table(cls, table: dict[str, Any], where: str) -> Config:
+        check_keys(table, {"endpoint", "poll_s", "acknowledge", "vm_name", "timeout_s"},
+                   where, "azure")  # fmt: skip
+        ack = table.get("acknowledge", False)
+        if not isinstance(ack, bool):
+            raise UsageError(f"{where}sources.azure.acknowledge must be true or false")
+        vm = table.get("vm_name", "")
+        if not isinstance(vm, str) or len(vm) > 128 or not vm.isprintable():
+            raise UsageError(f"{where}sources.azure.vm_name must be a short string")
+        return cls(
+            endpoint=endpoint(table.get("endpoint"), f"{where}sources.azure.endpoint",
+                              cls.endpoint),  # fmt: skip
+            poll_s=number(table.get("poll_s", cls.poll_s), f"{where}sources.azure.poll_s",
+                          0.1, 60),  # fmt: skip
+            acknowledge=ack,
+            vm_name=vm,
+            timeout_s=number(table.get("timeout_s", cls.timeout_s),
+                             f"{where}sources.azure.timeout_s", 0.05, 30),  # fmt: skip
+        )
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """One event of the document, as far as this VM is concerned."""
+
+    event_id: str
+    event_type: str
+    not_before: float | None
+    description: str = ""
+
+
+@dataclass
+class Document:
+    incarnation: int
+    events: dict[str, Scheduled] = field(default_factory=dict)  # for this VM, by EventId
+
+
+def parse_document(body: bytes, vm_name: str) -> Document | NoticeInvalid:
+    def invalid(why: str) -> NoticeInvalid:
+        return NoticeInvalid(f"scheduled events: {why}", content_hash(body))
+
+    try:
+        doc = json.loads(body)
+    except ValueError as e:
+        return invalid(f"not JSON ({e})")
+    if not isinstance(doc, dict) or not isinstance(doc.get("Events"), list):
+        return invalid("no Events list")
+    incarnation = doc.get("DocumentIncarnation")
+    if isinstance(incarnation, bool) or not isinstance(incarnation, int):
+        return invalid(f"DocumentIncarnation must be an integer, got {incarnation!r}")
+    out = Document(incarnation)
+    for ev in doc["Events"][:MAX_EVENTS]:
+        if not isinstance(ev, dict):
+            return invalid("an event is not an object")
+        resources = ev.get("Resources")
+        if not isinstance(resources, list) or vm_name not in resources:
+            continue  # another VM's event (an availability set shares the document)
+        event_id, kind = ev.get("EventId"), ev.get("EventType")
+        if not isinstance(event_id, str) or not event_id or len(event_id) > 128:
+            return invalid(f"EventId must be a short string, got {event_id!r}")
+        if kind not in NOTICES and kind not in ADVISORIES:
+            return invalid(f"event {event_id}: unknown EventType {kind!r}")
+        raw = ev.get("NotBefore") or ""
+        try:
+            not_before = parsedate_to_datetime(raw).timestamp() if raw else None
+        except (TypeError, ValueError):
+            return invalid(f"event {event_id}: NotBefore {raw!r} is not a date")
+        description = str(ev.get("Description", ""))[:200]
+        out.events[event_id] = Scheduled(event_id, kind, not_before, description)
+    return out
+
+
+class Source:
+    name = "azure"
+
+    def __init__(self, cfg: Config, sink: Sink, clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.sink = sink
+        self.clock = clock
+        self.health = Health(self.name, sink, clock)
+        self.vm_name = cfg.vm_name
+        self._incarnation: int | None = None
+        self._known: dict[str, Scheduled] = {}
+        self._invalid: NoticeInvalid | None = None
+        self._acks: set[asyncio.Task[None]] = set()
+
+    async def run(self) -> None:
+        async with session() as http:
+            try:
+                due = time.monotonic()
+                first = True
+                while True:
+                    try:
+                        await self.poll(http, FIRST_READ_S if first else self.cfg.timeout_s)
+                        first = False
+                        self.health.ok()
+                        due = max(due + self.cfg.poll_s, time.monotonic())
+                        wait = due - time.monotonic()
+                    except ReadFailed as e:
+                        wait = self.health.failed(str(e))
+                        due = time.monotonic() + wait
+                    await asyncio.sleep(wait)
+            finally:
+                for task in self._acks:
+                    task.cancel()
+
+    async def poll(self, http: aiohttp.ClientSession, timeout_s: float) -> None:
+        if not self.vm_name:
+            reply = await fetch(http, "GET", self.cfg.endpoint + VM_NAME, HEADERS, timeout_s)
+            name = reply.body.decode("utf-8", "replace").strip()
+            if reply.status != 200 or not name or len(name) > 128:
+                raise ReadFailed(f"GET {VM_NAME}: HTTP {reply.status}")
+            self.vm_name = name
+        reply = await fetch(http, "GET", self.cfg.endpoint + EVENTS, HEADERS, timeout_s)
+        if reply.status != 200:
+            raise ReadFailed(f"GET {EVENTS}: HTTP {reply.status}")
+        parsed = parse_document(reply.body, self.vm_name)
+        if isinstance(parsed, NoticeInvalid):
+            if parsed != self._invalid:
+                self._invalid = parsed
+                self.sink.notice(parsed)
+            return
+        self._invalid = None
+        if parsed.incarnation == self._incarnation:
+            return  # nothing changed: the incarnation moves with every change to the document
+        self._incarnation = parsed.incarnation
+        self.changed(parsed.events)
+
+    def changed(self, events: dict[str, Scheduled]) -> None:
+        now = self.clock()
+        for event_id, ev in events.items():
+            if event_id in self._known:
+                continue
+            self._known[event_id] = ev
+            key = f"azure:{event_id}"
+            if ev.event_type in NOTICES:
+                deadline = ev.not_before if ev.not_before else now + EMPTY_NOT_BEFORE_S
+                self.sink.notice(Notice(key=key, notice_id=event_id, action="terminate",
+                                        terminate_at=deadline, source="azure"))  # fmt: skip
+                if self.cfg.acknowledge:
+                    task = asyncio.get_running_loop().create_task(self._acknowledge(key, ev))
+                    self._acks.add(task)
+                    task.add_done_callback(self._acks.discard)
+            else:
+                self.sink.advisory(Advisory(key, "azure", ADVISORIES[ev.event_type],
+                                            not_before=ev.not_before,
+                                            detail=ev.description))  # fmt: skip
+        for event_id in sorted(set(self._known) - set(events)):
+            ev = self._known.pop(event_id)
+            if ev.not_before is not None and now >= ev.not_before:
+                continue  # it went ahead; nothing to call off
+            key = f"azure:{event_id}"
+            if ev.event_type in NOTICES:
+                self.sink.notice(Notice(key=key, notice_id=event_id, action="cancel",
+                                        terminate_at=None, source="azure"))  # fmt: skip
+            else:
+                self.sink.advisory(Advisory(key, "azure", ADVISORIES[ev.event_type],
+                                            withdrawn=True))  # fmt: skip
+
+    async def _acknowledge(self, key: str, ev: Scheduled) -> None:
+        """Once the node is verified empty, tell the platform it may go ahead now."""
+        outcome = await self.sink.settled(key)
+        if outcome != "drained":
+            return  # overrun, cancelled: not empty by our own check, so no early go-ahead
+        body = json.dumps({"StartRequests": [{"EventId": ev.event_id}]})
+        async with session() as http:
+            for _ in range(5):
+                try:
+                    reply = await fetch(http, "POST", self.cfg.endpoint + EVENTS,
+                                        {**HEADERS, "Content-Type": "application/json"},
+                                        self.cfg.timeout_s, body=body)  # fmt: skip
+                    if reply.status < 300:
+                        self.sink.record(self.name, "notice_acknowledged",
+                                         {"event_id": ev.event_id, "status": reply.status})
+                        return
+                    error = f"HTTP {reply.status}"
+                except ReadFailed as e:
+                    error = str(e)
+                await asyncio.sleep(1.0)
+            self.sink.record(self.name, "notice_acknowledge_failed",
+                             {"event_id": ev.event_id, "error": error})  # fmt: skip

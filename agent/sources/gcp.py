@@ -8,7 +8,9 @@
 
 Each key is read with `?wait_for_change=true&last_etag=E&timeout_sec=N`: the server answers at
 once when the value's ETag is no longer E, else when it changes, else after N seconds with the
-same ETag. The GET is re-armed after every answer and after every error (with backoff).
+same ETag. The GET is re-armed after every answer; after an error (with backoff) the next read
+is a plain GET, answered at once, so the source is known to be back without waiting for a
+change.
 """
 
 from __future__ import annotations
@@ -82,8 +84,9 @@ class Source:
         """One key as a chain of hanging GETs; `seen(value, etag)` at the first answer and at
         every answer whose ETag moved."""
         etag = ""
+        plain = True  # the first read, and the first after an error: answered at once
         while True:
-            if etag:
+            if not plain:
                 url = (f"{self.cfg.endpoint}{path}?wait_for_change=true&last_etag={etag}"
                        f"&timeout_sec={int(self.cfg.hang_s)}")  # fmt: skip
                 timeout = self.cfg.hang_s + 5.0
@@ -98,7 +101,9 @@ class Source:
                     raise ReadFailed(f"GET {path}: no usable ETag in the answer")
             except ReadFailed as e:
                 await asyncio.sleep(self.health.failed(str(e)))
+                plain = True  # a hanging GET would only say "up" at the next change
                 continue
+            plain = False
             self.health.ok()
             if new_etag != etag:
                 etag = new_etag

@@ -1,0 +1,370 @@
+"""Each cloud's notice source against the test suite's own emulator of its metadata service
+(tests/cloudmeta.py), failure modes included. The sink is a recorder: what the source told the
+agent, in order. Deadlines are checked against an injected clock."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import pytest
+
+from cloudmeta import AwsImds, AzureMetadata, GceMetadata, aws_maintenance_event, iso_utc, rfc1123
+from spotdrain.agent.notice import Notice, NoticeInvalid
+from spotdrain.agent.sources import aws, azure, gcp
+from spotdrain.agent.sources.base import Advisory, Health
+
+NOW = 1_800_000_000.0  # the injected clock: deadlines computed from it are exact
+
+
+class Recorder:
+    """A Sink that keeps what it is told; `settle(key, outcome)` ends a `settled` wait."""
+
+    def __init__(self) -> None:
+        self.told: list[Any] = []
+        self.changed = asyncio.Event()
+        self._settle: dict[str, asyncio.Future[str]] = {}
+
+    def _add(self, item: Any) -> None:
+        self.told.append(item)
+        self.changed.set()
+
+    def notice(self, parsed: Notice | NoticeInvalid) -> None:
+        self._add(parsed)
+
+    def advisory(self, advisory: Advisory) -> None:
+        self._add(advisory)
+
+    def record(self, source: str, kind: str, details: dict[str, Any]) -> None:
+        self._add((kind, details))
+
+    def health_changed(self, health: Health) -> None:
+        self._add(("up" if health.up else "down", health.source))
+
+    async def settled(self, key: str) -> str:
+        fut = self._settle.setdefault(key, asyncio.get_running_loop().create_future())
+        return await fut
+
+    def settle(self, key: str, outcome: str) -> None:
+        self._settle.setdefault(key, asyncio.get_running_loop().create_future())
+        self._settle[key].set_result(outcome)
+
+    async def until(self, predicate, timeout: float = 10.0) -> list[Any]:
+        async with asyncio.timeout(timeout):
+            while not predicate(self.told):
+                self.changed.clear()
+                await self.changed.wait()
+        return self.told
+
+    def of(self, kind: type) -> list[Any]:
+        return [t for t in self.told if isinstance(t, kind)]
+
+
+@contextlib.asynccontextmanager
+async def running(source):
+    """The source's task for the block; a source that crashed meanwhile fails the test here."""
+    task = asyncio.create_task(source.run())
+    try:
+        yield source
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def has(kind: type, n: int = 1, **fields):
+    def check(told: list[Any]) -> bool:
+        found = [t for t in told if isinstance(t, kind)
+                 and all(getattr(t, k) == v for k, v in fields.items())]
+        return len(found) >= n
+    return check
+
+
+# --- AWS ---------------------------------------------------------------------------------------
+
+
+def aws_source(imds: AwsImds, sink: Recorder) -> aws.Source:
+    cfg = aws.Config.from_table({"endpoint": imds.url, "poll_s": 0.1}, "")
+    return aws.Source(cfg, sink, clock=lambda: NOW)
+
+
+async def test_aws_instance_action_is_a_notice_with_its_time_as_deadline():
+    """A spot interruption: instance-action appears with terminate at T+120; the source tells
+    one notice whose D is that time, and the same document read again tells nothing more."""
+    with AwsImds() as imds:
+        sink = Recorder()
+        async with running(aws_source(imds, sink)):
+            await imds.await_seen(lambda s: s.path.endswith("instance-action") and s.status == 404)
+            imds.set_instance_action("terminate", iso_utc(NOW + 120))
+            await sink.until(has(Notice))
+            polls = len(imds.seen)
+            await imds.await_seen(lambda s: s.path.endswith("instance-action"),
+                                  count=len([s for s in imds.seen
+                                             if s.path.endswith("instance-action")]) + 3)
+        assert len(imds.seen) > polls
+        notices = sink.of(Notice)
+        assert len(notices) == 1
+        assert notices[0].action == "terminate" and notices[0].terminate_at == NOW + 120
+        # Every read carried a token; the token was taken once.
+        gets = [s for s in imds.seen if s.method == "GET"]
+        assert gets and all(s.headers.get("X-aws-ec2-metadata-token") for s in gets)
+        assert len([s for s in imds.seen if s.method == "PUT"]) == 1
+
+
+async def test_aws_expired_token_is_renewed_at_the_first_401():
+    with AwsImds() as imds:
+        sink = Recorder()
+        async with running(aws_source(imds, sink)):
+            await imds.await_seen(lambda s: s.status == 404)
+            imds.expire_tokens()
+            imds.set_instance_action("stop", iso_utc(NOW + 120))
+            await sink.until(has(Notice))
+        statuses = [(s.method, s.status) for s in imds.seen]
+        assert ("GET", 401) in statuses
+        first_401 = statuses.index(("GET", 401))
+        assert ("PUT", 200) in statuses[first_401:]  # renewed after the 401, then read again
+        assert sink.of(Notice)[0].action == "stop"
+        assert not [t for t in sink.told if t == ("down", "aws")]  # one 401 is not an outage
+
+
+async def test_aws_token_put_that_fails_takes_the_source_down_then_up():
+    with AwsImds() as imds:
+        imds.fail_token_put(4, status=503)
+        sink = Recorder()
+        async with running(aws_source(imds, sink)) as source:
+            await sink.until(lambda told: ("up", "aws") in told)
+            assert source.health.up
+        assert sink.told[:2] == [("down", "aws"), ("up", "aws")]
+
+
+async def test_aws_malformed_instance_action_is_invalid_once_and_no_notice():
+    with AwsImds() as imds:
+        imds.set_instance_action("terminate", iso_utc(NOW + 120))
+        imds.malformed_next(50, path="/latest/meta-data/spot/instance-action")
+        sink = Recorder()
+        async with running(aws_source(imds, sink)):
+            await sink.until(has(NoticeInvalid))
+            await imds.await_seen(lambda s: s.path.endswith("instance-action"), count=5)
+        assert len(sink.of(NoticeInvalid)) == 1
+        assert not sink.of(Notice)
+
+
+async def test_aws_refused_endpoint_is_down_then_up_when_it_answers_again():
+    with AwsImds() as imds:
+        sink = Recorder()
+        async with running(aws_source(imds, sink)) as source:
+            await imds.await_seen(lambda s: s.status == 404)
+            imds.refuse()
+            await sink.until(lambda told: ("down", "aws") in told)
+            assert not source.health.up and "instance-action" in source.health.error
+            imds.accept()
+            await sink.until(lambda told: ("up", "aws") in told)
+
+
+async def test_aws_rebalance_and_maintenance_are_advisories_withdrawn_when_over():
+    with AwsImds() as imds:
+        sink = Recorder()
+        event = aws_maintenance_event("system-reboot", event_id="instance-event-0abc",
+                                      not_before=NOW + 3600)
+        imds.set_rebalance(iso_utc(NOW))
+        imds.set_maintenance([event])
+        async with running(aws_source(imds, sink)):
+            await sink.until(has(Advisory, 2))
+            imds.set_maintenance([{**event, "State": "canceled"}])
+            await sink.until(has(Advisory, withdrawn=True))
+        received = [a for a in sink.of(Advisory) if not a.withdrawn]
+        assert sorted(a.reason for a in received) == ["maintenance", "rebalance"]
+        maint = next(a for a in received if a.reason == "maintenance")
+        assert maint.key == "aws:maintenance:instance-event-0abc"
+        assert maint.not_before == pytest.approx(NOW + 3600, abs=1)
+        withdrawn = [a for a in sink.of(Advisory) if a.withdrawn]
+        assert [a.key for a in withdrawn] == [maint.key]  # the rebalance stays up
+        assert not sink.of(Notice)
+
+
+# --- Google Cloud ------------------------------------------------------------------------------
+
+
+def gcp_source(server: GceMetadata, sink: Recorder) -> gcp.Source:
+    cfg = gcp.Config.from_table({"endpoint": server.url, "hang_s": 30}, "")
+    return gcp.Source(cfg, sink, clock=lambda: NOW)
+
+
+async def test_gcp_preemption_is_a_notice_at_t0_plus_notice_s_from_a_hanging_get():
+    with GceMetadata() as server:
+        sink = Recorder()
+        async with running(gcp_source(server, sink)) as source:
+            await asyncio.to_thread(server.wait_hanging, 2)
+            server.set_preempted(True)
+            await sink.until(has(Notice))
+        notice = sink.of(Notice)[0]
+        assert notice.terminate_at == NOW + 30 and notice.source == "gcp"
+        assert notice.key == f"gcp:preempted:{source.boot}"
+        hanging = [s for s in server.seen if s.query.get("wait_for_change") == "true"]
+        assert hanging and all(s.headers.get("Metadata-Flavor") == "Google" for s in hanging)
+
+
+async def test_gcp_hang_ended_early_is_re_armed_and_tells_nothing():
+    with GceMetadata() as server:
+        sink = Recorder()
+        async with running(gcp_source(server, sink)):
+            await asyncio.to_thread(server.wait_hanging, 2)
+            before = len(server.seen)
+            assert server.end_hanging_early() == 2
+            await server.await_seen(count=before + 2)  # both re-armed, same last_etag
+            await asyncio.to_thread(server.wait_hanging, 2)
+            server.set_preempted(True)
+            await sink.until(has(Notice))
+        assert len(sink.of(Notice)) == 1 and not sink.of(Advisory)
+        rearmed = server.seen[before:before + 2]
+        assert {s.query.get("last_etag") for s in rearmed} == {
+            server._etag("preempted", "FALSE"), server._etag("maintenance-event", "NONE")}
+
+
+async def test_gcp_migration_is_an_advisory_and_terminate_maintenance_a_notice():
+    with GceMetadata() as server:
+        sink = Recorder()
+        async with running(gcp_source(server, sink)):
+            await asyncio.to_thread(server.wait_hanging, 2)
+            server.set_maintenance_event("MIGRATE_ON_HOST_MAINTENANCE")
+            await sink.until(has(Advisory))
+            server.set_maintenance_event("NONE")
+            await sink.until(has(Advisory, withdrawn=True))
+            server.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
+            await sink.until(has(Notice))
+        advisories = sink.of(Advisory)
+        assert [(a.reason, a.withdrawn) for a in advisories] == [("migrate", False),
+                                                                  ("migrate", True)]
+        assert sink.of(Notice)[0].terminate_at == NOW + 60
+
+
+async def test_gcp_unreachable_server_is_down_then_up_and_re_armed():
+    with GceMetadata() as server:
+        sink = Recorder()
+        async with running(gcp_source(server, sink)):
+            await asyncio.to_thread(server.wait_hanging, 2)
+            server.refuse()
+            await sink.until(lambda told: ("down", "gcp") in told)
+            server.accept()
+            await sink.until(lambda told: ("up", "gcp") in told)
+            server.set_preempted(True)
+            await sink.until(has(Notice))
+
+
+async def test_gcp_unexpected_value_is_invalid_not_a_notice():
+    with GceMetadata() as server:
+        server.malformed_next(1, path="/computeMetadata/v1/instance/preempted")
+        sink = Recorder()
+        async with running(gcp_source(server, sink)):
+            await sink.until(has(NoticeInvalid))
+        assert not sink.of(Notice)
+
+
+# --- Azure -------------------------------------------------------------------------------------
+
+
+def azure_event(event_id: str, kind: str = "Preempt", vm: str = "gpu-node-0",
+                not_before: float | None = NOW + 30) -> dict:
+    return {"EventId": event_id, "EventType": kind, "ResourceType": "VirtualMachine",
+            "Resources": [vm], "EventStatus": "Scheduled",
+            "NotBefore": rfc1123(not_before) if not_before else "",
+            "Description": "", "EventSource": "Platform", "DurationInSeconds": -1}
+
+
+def azure_source(server: AzureMetadata, sink: Recorder, **table) -> azure.Source:
+    cfg = azure.Config.from_table({"endpoint": server.url, "poll_s": 0.1, **table}, "")
+    return azure.Source(cfg, sink, clock=lambda: NOW)
+
+
+async def test_azure_preempt_for_this_vm_is_a_notice_and_another_vms_is_ignored():
+    with AzureMetadata(vm_name="gpu-node-0") as server:
+        sink = Recorder()
+        async with running(azure_source(server, sink)):
+            server.set_events([azure_event("other-1", vm="gpu-node-9"),
+                               azure_event("mine-1", not_before=NOW + 30)])
+            await sink.until(has(Notice))
+            server.bump_incarnation()  # a new document, nothing new for this VM
+            await server.await_seen(lambda s: s.path == "/metadata/scheduledevents", count=20)
+        notices = sink.of(Notice)
+        assert [(n.key, n.terminate_at) for n in notices] == [("azure:mine-1", NOW + 30)]
+        assert all(s.headers.get("Metadata") == "true" for s in server.seen)
+
+
+async def test_azure_empty_not_before_is_t0_plus_30_and_a_vanished_event_is_a_cancel():
+    with AzureMetadata() as server:
+        sink = Recorder()
+        async with running(azure_source(server, sink)):
+            server.set_events([azure_event("e-1", not_before=None)])
+            await sink.until(has(Notice))
+            assert sink.of(Notice)[0].terminate_at == NOW + 30
+            server.set_events([])
+            await sink.until(has(Notice, 2))
+        assert [(n.action, n.key) for n in sink.of(Notice)] == [
+            ("terminate", "azure:e-1"), ("cancel", "azure:e-1")]
+
+
+async def test_azure_reboot_is_an_advisory_and_malformed_document_invalid():
+    with AzureMetadata() as server:
+        sink = Recorder()
+        async with running(azure_source(server, sink)):
+            server.set_events([azure_event("r-1", kind="Reboot", not_before=NOW + 600)])
+            await sink.until(has(Advisory))
+            server.malformed_next(1, path="/metadata/scheduledevents")
+            await sink.until(has(NoticeInvalid))
+        assert sink.of(Advisory)[0].reason == "reboot" and not sink.of(Notice)
+
+
+async def test_azure_acknowledges_only_once_the_node_is_verified_empty():
+    with AzureMetadata() as server:
+        sink = Recorder()
+        async with running(azure_source(server, sink, acknowledge=True)):
+            server.set_events([azure_event("p-1"), azure_event("p-2", kind="Terminate")])
+            await sink.until(has(Notice, 2))
+            assert server.acknowledged == []  # nothing before the drain settles
+            sink.settle("azure:p-2", "overrun")  # not empty by our own check: no go-ahead
+            sink.settle("azure:p-1", "drained")
+            await sink.until(lambda told: any(t[0] == "notice_acknowledged" for t in told
+                                              if isinstance(t, tuple)))
+        assert server.acknowledged == ["p-1"]
+
+
+async def test_azure_refused_then_back():
+    with AzureMetadata() as server:
+        sink = Recorder()
+        async with running(azure_source(server, sink)):
+            await server.await_seen(lambda s: s.status == 200, count=2)
+            server.refuse()
+            await sink.until(lambda told: ("down", "azure") in told)
+            server.accept()
+            await sink.until(lambda told: ("up", "azure") in told)
+
+
+# --- configuration -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module, table, message", [
+    (aws, {"endpoint": "169.254.169.254"}, "sources.aws.endpoint must be http://HOST[:PORT]"),
+    (aws, {"endpoint": "http://x:99999"}, "sources.aws.endpoint is not a URL"),
+    (aws, {"poll_s": float("nan")}, "sources.aws.poll_s must be between"),
+    (aws, {"poll_s": 0}, "sources.aws.poll_s must be between"),
+    (gcp, {"notice_s": float("inf")}, "sources.gcp.notice_s must be between"),
+    (gcp, {"endpont": "http://x"}, "unknown setting sources.gcp.endpont"),
+    (azure, {"acknowledge": "yes"}, "sources.azure.acknowledge must be true or false"),
+])
+def test_a_bad_source_setting_is_one_clear_error(module, table, message):
+    from spotdrain.cli import UsageError
+
+    with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        module.Config.from_table(table, "")
+
+
+def test_health_goes_down_after_three_failures_and_backs_off():
+    sink = Recorder()
+    health = Health("aws", sink, clock=time.time)
+    delays = [health.failed("refused") for _ in range(5)]
+    assert delays == [0.2, 0.4, 0.8, 1.6, 3.2]
+    assert sink.told == [("down", "aws")]
+    health.ok()
+    assert sink.told == [("down", "aws"), ("up", "aws")] and health.failures == 0

@@ -87,7 +87,8 @@ class ManualClock:
 @dataclass
 class Seen:
     """One request as received: `at` is time.monotonic() on arrival, `status` what it was
-    answered (None while it is still being answered, e.g. a hanging GET)."""
+    answered (None while it is still being answered, e.g. a hanging GET, or if its connection
+    was dropped first, as by refuse())."""
 
     method: str
     path: str
@@ -203,13 +204,11 @@ class _Emulator:
                 handler.transport.abort()
 
     async def _teardown(self) -> None:
+        # Hanging GETs see _closing and answer; cleanup() then waits (up to its shutdown
+        # timeout) for every handler to finish before it closes the connections.
         self._notify()
-        await asyncio.sleep(0)
-        if self._listening:
-            await self._site.stop()
-            self._listening = False
-        self._drop_connections()
         await self._runner.cleanup()
+        self._listening = False
 
     # -- state changes --
 

@@ -46,6 +46,9 @@ class AgentConfig:
     # In a directory of its own: workloads bind-mount the directory, since a file mount would
     # keep showing the old inode after an atomic replace.
     deadline_file: Path = Path("/run/spotdrain/workload/deadline.json")
+    # Each workload container's own status directory, <status_dir>/<container name>,
+    # bind-mounted read-write at SPOTDRAIN_STATUS_DIR, for its reports (agent/status_dirs.py).
+    status_dir: Path = Path("/run/spotdrain/status")
     margins: Margins = field(default_factory=Margins)
     docker_call_timeout_s: float = 2.0  # each kill/list call; then signal the PID ourselves
     nvml_timeout_s: float = 2.0  # an NVML call that takes longer is an error, not "empty"
@@ -84,6 +87,7 @@ SETTINGS: dict[str, tuple[type, str]] = {
     "node_group": (str, "node group (capacity pool) of this node"),
     "provider": (str, "who owns this node, for rental reputation (default: the node id)"),
     "deadline_file": (Path, "deadline file that workloads read"),
+    "status_dir": (Path, "root of the workloads' status directories (one per container)"),
     "docker_call_timeout_s": (float, "per-call Docker API timeout"),
     "nvml_timeout_s": (float, "per-call NVML timeout"),
     "notice_poll_s": (float, "fallback poll interval for the notice file"),

@@ -2,7 +2,8 @@
 # Prepares this machine to run the tests. Idempotent; needs root only when it has to install.
 #   - Debian packages: Docker (the engine the tests start themselves), busybox-static (the test
 #     images' userland), python3-venv, a C compiler (the fake NVML library), PostgreSQL (the
-#     server the store tests start themselves, tests/pgserver.py).
+#     server the store tests start themselves, tests/pgserver.py), dbus-daemon (the private bus
+#     the shutdown source's tests run a fake logind on).
 #   - .venv in the repository root, with the project installed editable with its test extras,
 #     reinstalled whenever pyproject.toml changes.
 set -euo pipefail
@@ -12,7 +13,7 @@ venv="$repo/.venv"
 stamp="$venv/.spotdrain-install-stamp"
 
 packages=(docker.io busybox-static debootstrap python3-venv gcc libc6-dev ca-certificates
-          build-essential debhelper lintian systemd postgresql)
+          build-essential debhelper lintian systemd postgresql dbus-daemon)
 missing=()
 for package in "${packages[@]}"; do
     if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed'; then

@@ -55,8 +55,10 @@ class CapacityKeeper:
             await self.keep(path=path)
 
     def serving(self, model: str) -> list[wm.Worker]:
-        """A model's workers that count toward its capacity: starting or ready, not draining."""
-        return self.fleet.registry.serving(model)
+        """A model's workers that count toward its capacity: starting or ready, not draining,
+        and not on a node at risk (an advisory): those serve on, but are replaced elsewhere."""
+        at_risk = self.fleet.nodes.at_risk
+        return [w for w in self.fleet.registry.serving(model) if not at_risk(w.node_id)]
 
     async def enough(self, model: str) -> bool:
         row = await self.fleet.store.model(model)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from spotdrain.coordinator.store import NewEvent, Store
@@ -27,6 +27,11 @@ class EventLog:
         self._new_event = asyncio.Condition()
         self._soon: list[tuple[float, str, str, dict[str, Any], str]] = []
         self._recorder: asyncio.Task[None] | None = None
+        # What an agent's event sets in motion, by kind (an advisory: replacements elsewhere).
+        self._reactions: dict[str, Callable[[NewEvent], Awaitable[None]]] = {}
+
+    def react(self, reactions: dict[str, Callable[[NewEvent], Awaitable[None]]]) -> None:
+        self._reactions.update(reactions)
 
     async def record(
         self, kind: str, node_id: str, details: dict[str, Any], reclaim_id: str = ""
@@ -89,10 +94,14 @@ class EventLog:
         """Store an agent's batch (checked by the caller) as one transaction; the uids to
         acknowledge. A resent event is counted once, like it is stored once."""
         ids = await self.store.add_events(events)
-        for ev, stored in zip(events, ids, strict=True):
-            if stored is not None:
-                self._observe(ev)
+        fresh = [ev for ev, stored in zip(events, ids, strict=True) if stored is not None]
+        for ev in fresh:
+            self._observe(ev)
         await self.notify()
+        for ev in fresh:  # once per event, however often the agent resends it
+            reaction = self._reactions.get(ev.kind)
+            if reaction is not None:
+                await reaction(ev)
         return [ev.uid for ev in events]
 
     async def notify(self) -> None:

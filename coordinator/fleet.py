@@ -30,6 +30,7 @@ from spotdrain.coordinator.recovery import Recovery
 from spotdrain.coordinator.registry import WorkerRegistry
 from spotdrain.coordinator.rental_book import RentalBook
 from spotdrain.coordinator.replacement import Replacement
+from spotdrain.coordinator.risks import Risks
 from spotdrain.coordinator.routes import RouteEntry, RouteTable
 from spotdrain.coordinator.store import Store
 
@@ -69,6 +70,9 @@ class Fleet:
         self.rentals = RentalBook(self)
         self.capacity = CapacityKeeper(self)
         self.replacement = Replacement(self, acquirers or {}, avoid_s)
+        self.risks = Risks(self)
+        events.react({"advisory_received": self.risks.received,
+                      "advisory_lifted": self.risks.lifted})  # fmt: skip
         self.reports = AgentReports(self)
         self.recovery = Recovery(self, node_gone_s)
 

@@ -29,6 +29,8 @@ class NodeIndex:
         self.rows: dict[str, NodeRow] = {}
         self.taints: dict[str, dict[str, TaintRow]] = {}
         self.avoided: dict[str, float] = {}  # node group -> until
+        # Nodes whose agents reported an advisory: node -> {advisory key: until}.
+        self.risks: dict[str, dict[str, float]] = {}
         self.rental_gpus: dict[str, int] = {}
         self.groups = Counter[str]()
         # One queue of commands per connected agent stream, and when each last spoke.
@@ -143,7 +145,16 @@ class NodeIndex:
             gpus_total=max(len(row.gpus), 1),
             gpus_in_use=self.gpus_in_use(node_id),
             group_avoided=until is not None and until > self.clock(),
+            at_risk=self.at_risk(node_id),
         )
+
+    def at_risk(self, node_id: str) -> bool:
+        """Whether an advisory reported by the node's agent is still in force."""
+        risks = self.risks.get(node_id)
+        if not risks:
+            return False
+        now = self.clock()
+        return any(until > now for until in risks.values())
 
     def pick(self, request: PlacementRequest, prefer: str = "") -> tuple[str | None, dict]:
         """The node a placement goes to: `prefer` if the gate admits it, else the least loaded

@@ -20,6 +20,7 @@ PATHS = ("operator", "rental", "rental_end_restart", "recovery", "reregistration
 # provider's notice win over everything), then policy, then reachability, then capacity.
 WORKLOAD_DISABLED = "workload_disabled"
 TAINTED = "tainted"
+AT_RISK = "at_risk"  # its agent reported an advisory: replacements go elsewhere, nothing new here
 RENDER_ON_SPOT = "render_on_spot"
 GROUP_AVOIDED = "group_avoided"  # its group was reclaimed recently (acquirer.AvoidanceWindow)
 NOT_CONNECTED = "not_connected"
@@ -38,6 +39,7 @@ class NodeView:
     gpus_total: int
     gpus_in_use: int  # includes GPUs promised to placements not yet started: no double booking
     group_avoided: bool = False
+    at_risk: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ def admit(node: NodeView, request: PlacementRequest) -> str | None:
         return WORKLOAD_DISABLED
     if node.tainted:
         return TAINTED
+    if node.at_risk:
+        return AT_RISK
     if request.kind == "render" and node.spot:
         return RENDER_ON_SPOT
     if node.group_avoided:

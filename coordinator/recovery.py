@@ -58,6 +58,7 @@ class Recovery:
         fleet.drains.load(await store.active_drains())
         fleet.drains.replace_on_stop = set(await store.replace_on_stop())
         fleet.capacity.backoff = await store.start_backoffs()
+        fleet.risks.load(await store.node_risks(now))
         self._unasked = await fleet.replacement.unasked(now)
 
     async def recover(self) -> None:

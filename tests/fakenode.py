@@ -4,6 +4,7 @@ stream that registers, reports and obeys, driven by the test. And `Ops`, an oper
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -97,6 +98,14 @@ class FakeNode:
         await self.stub.SetWorkload(pb.SetWorkloadRequest(
             node_id=self.node_id, enabled=True, reclaim_id="rcl-pause"))
 
+    async def event(self, kind: str, details: dict, uid: str = "") -> str:
+        """One lifecycle event of this node's own, as its outbox sends it; the uid."""
+        uid = uid or f"{self.node_id}-{kind}-{time.monotonic_ns()}"
+        await self.outgoing.put(pb.AgentMessage(events=pb.EventBatch(events=[pb.Event(
+            uid=uid, kind=kind, node_id=self.node_id, wall_time=time.time(),
+            details_json=json.dumps(details))])))
+        return uid
+
     async def disconnect(self) -> None:
         self.stream.cancel()
         await asyncio.sleep(0.2)
@@ -133,3 +142,20 @@ class Ops:
         while (await self.workers())[worker_id].state != state:
             assert time.monotonic() < deadline, f"{worker_id} never {state}"
             await asyncio.sleep(0.05)
+
+
+async def obey_starts(node: FakeNode, started: list[str]) -> None:
+    """Answer every start command at once, as a quick agent would; note the rest."""
+    while True:
+        msg = await node.command(timeout=3600)
+        if msg.WhichOneof("body") == "start_worker":
+            wid = msg.start_worker.worker_id
+            await node.outgoing.put(pb.AgentMessage(worker=pb.WorkerReport(
+                worker_id=wid, state="started", gate_address=f"127.0.0.1:{msg.start_worker.port}",
+                capacity=msg.start_worker.capacity)))
+            started.append(wid)
+
+
+async def events(ops: Ops, kind: str) -> list[dict]:
+    return [json.loads(e.event.details_json) | {"reclaim_id": e.event.reclaim_id}
+            for e in await ops.events(kind)]

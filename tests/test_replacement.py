@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fakenode import FakeNode, Ops, eventually
+from fakenode import FakeNode, Ops, events, eventually, obey_starts
 from harness import start_coordinator
 from spotdrain.v1 import spotdrain_pb2 as pb
 
@@ -47,23 +47,6 @@ def acquirers_file(tmp_path: Path, mode: str, timeout_s: float = 5) -> tuple[Pat
         f"timeout_s = {timeout_s}\n"
     )
     return config, out
-
-
-async def obey_starts(node: FakeNode, started: list[str]) -> None:
-    """Answer every start command at once, as a quick agent would; note the rest."""
-    while True:
-        msg = await node.command(timeout=3600)
-        if msg.WhichOneof("body") == "start_worker":
-            wid = msg.start_worker.worker_id
-            await node.outgoing.put(pb.AgentMessage(worker=pb.WorkerReport(
-                worker_id=wid, state="started", gate_address=f"127.0.0.1:{msg.start_worker.port}",
-                capacity=msg.start_worker.capacity)))
-            started.append(wid)
-
-
-async def events(ops: Ops, kind: str) -> list[dict]:
-    return [json.loads(e.event.details_json) | {"reclaim_id": e.event.reclaim_id}
-            for e in await ops.events(kind)]
 
 
 async def test_a_hard_notice_asks_another_group_and_avoids_its_own(tmp_path, pki):

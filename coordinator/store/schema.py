@@ -8,7 +8,7 @@ can never drift apart; a database of a version this code does not know is refuse
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 BASE = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -122,6 +122,19 @@ CREATE TABLE start_backoff (
 CREATE TABLE missing_rentals (
     rental_id TEXT PRIMARY KEY,
     since {real} NOT NULL
+);
+""",
+    4: """
+-- Nodes at risk: an advisory (rebalance recommendation, maintenance, live migration) a node's
+-- agent reported. No new placements there until it is lifted or `until` passes; its workers
+-- keep serving while replacements start elsewhere.
+CREATE TABLE node_risks (
+    node_id TEXT NOT NULL,
+    advisory_key TEXT NOT NULL,
+    source TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    until {real} NOT NULL,
+    PRIMARY KEY (node_id, advisory_key)
 );
 """,
 }

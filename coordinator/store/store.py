@@ -456,6 +456,32 @@ class Store:
         )
         return {g: t for g, t in rows}
 
+    # --- nodes at risk (advisories) ----------------------------------------------------------
+
+    async def set_risk_later(
+        self, node_id: str, key: str, source: str, reason: str, until: float
+    ) -> None:
+        """A node's advisory; the same key again keeps its first window (it is one advisory)."""
+        await self._defer(
+            "INSERT INTO node_risks VALUES (?, ?, ?, ?, ?) "
+            "ON CONFLICT(node_id, advisory_key) DO NOTHING",
+            (node_id, key, source, reason, until),
+        )
+
+    async def clear_risk_later(self, node_id: str, key: str) -> None:
+        await self._defer(
+            "DELETE FROM node_risks WHERE node_id = ? AND advisory_key = ?", (node_id, key)
+        )
+
+    async def node_risks(self, now: float) -> list[tuple[str, str, str, str, float]]:
+        """(node, key, source, reason, until) of every advisory still in force at `now`."""
+        rows = await self._read(
+            "SELECT node_id, advisory_key, source, reason, until FROM node_risks "
+            "WHERE until > ? ORDER BY node_id, advisory_key",
+            (now,),
+        )
+        return [tuple(r) for r in rows]
+
     # --- taints ------------------------------------------------------------------------------
 
     async def add_taint(self, node_id: str, reclaim_id: str, reason: str) -> None:

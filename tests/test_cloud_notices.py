@@ -1,0 +1,162 @@
+"""Real agents hearing a cloud themselves: AWS's metadata service emulated on loopback
+(tests/cloudmeta.py), a real coordinator, real containers. An advisory prepares without
+draining; a notice that follows drains with the replacement already serving; a broken source
+is reported and a malformed notice taints nothing."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from test_capacity_live import RouteWatcher
+from test_pause import spotctl, wait_state
+
+from cloudmeta import AwsImds, iso_utc
+from harness import AgentOptions, start_agent, wait_until
+from images.fake_model import ensure_model_image
+from spotdrain.v1 import spotdrain_pb2 as pb
+from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.docker
+
+
+def aws_options(tmp_path, node: str, imds: AwsImds, ttl_s: float = 1800) -> AgentOptions:
+    toml = tmp_path / f"{node}.toml"
+    toml.write_text(f'[sources.aws]\nendpoint = "{imds.url}"\npoll_s = 0.2\n'
+                    f'[advisory]\naction = "prepare"\nttl_s = {ttl_s}\n')
+    return AgentOptions(grace_s=4.0, overrun_s=1.0, default_notice_s=20.0,
+                        extra=["--config", str(toml), "--sources", "file,aws"])
+
+
+def worker_states(admin) -> dict[str, tuple[str, str]]:
+    return {w.worker_id: (w.node_id, w.state)
+            for w in admin.ListWorkers(pb.ListWorkersRequest(), timeout=10).workers}
+
+
+def test_a_rebalance_recommendation_prepares_and_the_notice_after_it_drains(
+    tmp_path, docker_engine, coordinator, pki, gpus, nvml_lib
+):
+    """fake-model wants 2 replicas, on node-a (AWS) and node-b; node-c is free. node-a's IMDS
+    shows a rebalance recommendation: the replacement starts on node-c while node-a keeps
+    serving, never drained. 5 s later the instance action comes: node-a drains, and the
+    router's view never has fewer than two ready workers."""
+    image = ensure_model_image(docker_engine.client)
+    imds = AwsImds()
+    agents = {"node-a": start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus,
+                                    nvml_lib, aws_options(tmp_path, "node-a", imds))}
+    for n in ("node-b", "node-c"):
+        agents[n] = start_agent(tmp_path, n, coordinator, docker_engine.host, gpus, nvml_lib,
+                                AgentOptions(grace_s=4.0, overrun_s=1.0))
+    admin = pb_grpc.AdminStub(coordinator.channel())
+    events = coordinator.admin()
+    watcher = None
+    try:
+        wait_until(lambda: sum(n.connected for n in events.nodes()) == 3, 20, "three nodes")
+        admin.SetModelReplicas(pb.SetModelReplicasRequest(
+            model="fake-model", replicas=1, image=image, slots=4), timeout=30)
+        first = events.wait_for("worker_starting", node="node-a", timeout=20)
+        admin.SetModelReplicas(pb.SetModelReplicasRequest(model="fake-model", replicas=2),
+                               timeout=30)
+        second = events.wait_for("worker_starting", node="node-b", timeout=20)
+        for started in (first, second):
+            wait_state(coordinator, started["worker_id"], "ready", timeout=90)
+        watcher = RouteWatcher(coordinator, pki)
+        wait_until(lambda: watcher.armed, 10, "the router to see two workers")
+
+        imds.set_rebalance(iso_utc())
+        advised = events.wait_for("advisory_received", node="node-a", timeout=10)
+        assert (advised["source"], advised["reason"], advised["action"]) == (
+            "aws", "rebalance", "prepare")
+        replacement = events.wait_for("worker_starting", node="node-c", timeout=20)
+        assert replacement["wall_time"] >= advised["wall_time"]
+        wait_state(coordinator, replacement["worker_id"], "ready", timeout=90)
+        assert worker_states(admin)[first["worker_id"]] == ("node-a", "ready")
+        assert spotctl(agents["node-a"], "status")["state"] == "available"
+        assert not [e for e in events.events("node-a") if e["kind"] in (
+            "worker_draining", "tainted", "sigterm_sent")]
+
+        time.sleep(5)  # the scenario's own pause between the warning and the notice
+        deadline = int(time.time()) + 20  # AWS gives whole seconds
+        imds.set_instance_action("terminate", iso_utc(deadline))
+        notice = events.wait_for("notice_received", node="node-a", timeout=10)
+        assert notice["source"] == "aws-instance-action"
+        assert notice["terminate_at"] == deadline  # D is the provider's time, not T0 + default
+        events.wait_for("verified_empty", node="node-a", timeout=30)
+        states = worker_states(admin)
+        assert states[replacement["worker_id"]] == ("node-c", "ready")
+        assert states[second["worker_id"]] == ("node-b", "ready")
+        assert watcher.fewest is not None and watcher.fewest >= 2
+    finally:
+        imds.close()
+        for agent in agents.values():
+            agent.proc.stop()
+
+
+def test_an_advisory_alone_is_lifted_at_its_ttl_and_the_node_takes_work_again(
+    tmp_path, docker_engine, coordinator, gpus, nvml_lib
+):
+    imds = AwsImds()
+    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
+                        aws_options(tmp_path, "node-a", imds, ttl_s=3))
+    admin = pb_grpc.AdminStub(coordinator.channel())
+    events = coordinator.admin()
+    try:
+        wait_until(lambda: any(n.connected for n in events.nodes()), 20, "node-a")
+        imds.set_rebalance(iso_utc())
+        events.wait_for("advisory_received", node="node-a", timeout=10)
+        with pytest.raises(Exception, match="at_risk"):
+            admin.StartWorker(pb.StartWorkerRequest(node_id="node-a", model="m", image="img",
+                                                    slots=1), timeout=10)
+        assert spotctl(agent, "status")["at_risk"][0]["reason"] == "rebalance"
+        lifted = events.wait_for("advisory_lifted", node="node-a", timeout=15)
+        assert lifted["why"] == "ttl"
+        wait_until(lambda: _admitted(admin), 10, "node-a to take work again")
+        # IMDS still shows the recommendation; it is not raised a second time.
+        polls = len(imds.seen)
+        wait_until(lambda: len(imds.seen) > polls + 9, 10, "more polls")
+        assert len([e for e in events.events("node-a") if e["kind"] == "advisory_received"]) == 1
+    finally:
+        imds.close()
+        agent.proc.stop()
+
+
+def _admitted(admin) -> bool:
+    try:
+        admin.StartWorker(pb.StartWorkerRequest(node_id="node-a", model="m", image="img",
+                                                slots=1), timeout=10)
+        return True
+    except Exception as e:  # noqa: BLE001 - the refusal until the node is open again
+        assert "at_risk" in str(e)
+        return False
+
+
+def test_a_broken_source_is_reported_and_a_malformed_notice_taints_nothing(
+    tmp_path, docker_engine, coordinator, gpus, nvml_lib
+):
+    imds = AwsImds()
+    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
+                        aws_options(tmp_path, "node-a", imds))
+    events = coordinator.admin()
+    try:
+        wait_until(lambda: any(n.connected for n in events.nodes()), 20, "node-a")
+        status = spotctl(agent, "status")
+        assert [(s["source"], s["up"]) for s in status["sources"]] == [("file", True),
+                                                                       ("aws", True)]
+        imds.refuse()
+        down = events.wait_for("notice_source_down", node="node-a", timeout=15)
+        assert down["source"] == "aws" and "instance-action" in down["error"]
+        assert [s["up"] for s in spotctl(agent, "status")["sources"]] == [True, False]
+        imds.accept()
+        up = events.wait_for("notice_source_up", node="node-a", timeout=15)
+        assert up["source"] == "aws"
+
+        imds.set_instance_action("terminate", iso_utc(time.time() + 60))
+        imds.malformed_next(1000, path="/latest/meta-data/spot/instance-action")
+        invalid = events.wait_for("notice_invalid", node="node-a", timeout=10)
+        assert "sha256:" in invalid["content_hash"]
+        assert spotctl(agent, "status")["state"] == "available"
+        assert not [e for e in events.events("node-a") if e["kind"] in (
+            "notice_received", "tainted")]
+    finally:
+        imds.close()
+        agent.proc.stop()

@@ -12,7 +12,11 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$repo/.venv"
 stamp="$venv/.spotdrain-install-stamp"
 
+# libsystemd-dev, pkg-config and python3-dev: only because packaging/debian/control still lists
+# them as Build-Depends (dpkg-buildpackage checks them); nothing compiles against them now that
+# the journal is spoken to without systemd-python. Drop them here when control drops them.
 packages=(docker.io busybox-static debootstrap python3-venv gcc libc6-dev ca-certificates
+          libsystemd-dev pkg-config python3-dev
           build-essential debhelper lintian systemd postgresql dbus-daemon)
 missing=()
 for package in "${packages[@]}"; do

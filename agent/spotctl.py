@@ -543,6 +543,16 @@ def render_status(doc: dict[str, Any]) -> str:
             f"grace deadline in {drain['grace_in_s']:.1f} s, "
             f"deadline in {drain['deadline_in_s']:.1f} s"
         )
+    for src in doc.get("sources", []):
+        if src["up"]:
+            seen = f", last read {_iso(src['last_ok'])}" if src.get("last_ok") else ""
+            lines.append(f"  notice source {src['source']}: up{seen}")
+        else:
+            lines.append(f"  notice source {src['source']}: DOWN ({src['error']})")
+    for adv in doc.get("at_risk", []):
+        lines.append(
+            f"  at risk: {adv['reason']} from {adv['source']} until {_iso(adv['expires_at'])}"
+        )
     for w in doc.get("workers", []):
         lines.append(
             f"  worker {w['worker_id']}: {w['state']}, slots {w['slots_in_use']}/{w['capacity']}"

@@ -256,6 +256,22 @@ def test_spotctl_status_shows_rentals_and_jobs():
     assert "render job w-1: draining" in text
 
 
+def test_spotctl_status_names_a_broken_source_and_an_advisory():
+    from spotdrain.agent.spotctl import render_status
+
+    text = render_status({
+        "node": "node-a", "state": "available", "paused": False, "drain": None,
+        "sources": [{"source": "file", "up": True, "error": "", "last_ok": 1795990000.0},
+                    {"source": "aws", "up": False, "error": "GET ...: no answer in 0.5 s",
+                     "last_ok": None}],
+        "at_risk": [{"key": "k", "source": "aws", "reason": "rebalance",
+                     "expires_at": 1795990000.0}],
+    })
+    assert "notice source file: up, last read 2026-11-29T" in text
+    assert "notice source aws: DOWN (GET ...: no answer in 0.5 s)" in text
+    assert "at risk: rebalance from aws until 2026-11-29T" in text
+
+
 def test_the_readme_edits_are_a_whole_agent_config():
     """A packaged agent.toml with only the coordinator, the node id and the TLS files starts:
     the paths a packaged daemon needs have defaults that match the unit's directories."""

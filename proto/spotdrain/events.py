@@ -27,6 +27,17 @@ KINDS = frozenset(
         "workload_disabled",
         "workload_enabled",
         "notice_cancelled",
+        # notice sources and early warnings
+        "notice_source_down",
+        "notice_source_up",
+        "notice_acknowledged",
+        "notice_acknowledge_failed",
+        "advisory_received",
+        "advisory_lifted",
+        # what a workload reports through its status directory (spotdrain.workload)
+        "checkpoint_started",
+        "checkpoint_committed",
+        "workload_report_invalid",
         # recorded by the coordinator itself
         "identity_refused",
         "node_registered",

@@ -23,9 +23,11 @@ from spotdrain.agent.link import CoordinatorLink, TaintError
 from spotdrain.agent.notice import Notice, NoticeInvalid
 from spotdrain.agent.outbox import Outbox
 from spotdrain.agent.state import BundleStore, LocalTaints, write_deadline_file
+from spotdrain.agent.status_dirs import StatusDirs
 from spotdrain.agent.workers import WorkerManager
 from spotdrain.background import Background
 from spotdrain.metrics import ReclamationMetrics
+from spotdrain.workload import Report
 
 log = logging.getLogger("spotdrain.agent.drain")
 RECENT_KEPT = 8  # finished reclamations kept in memory (see DrainRunner.recent)
@@ -53,6 +55,9 @@ class DrainRunner:
         self.clock = clock
         self.bundles = BundleStore(cfg.state_dir)
         self.local_taints = LocalTaints(cfg.state_dir)
+        # Workloads' checkpoint reports: read as they land, recorded in the reclamation that
+        # signalled the container (information only: never a deadline, never verification).
+        self.status = StatusDirs(cfg.status_dir, self._on_report, self._on_report_invalid)
         self.live: dict[str, r.Reclamation] = {}
         # The last few finished ones: a rental's exit at G may be reported just after its
         # reclamation has verified the node empty and finished.
@@ -175,6 +180,7 @@ class DrainRunner:
 
     async def run(self) -> None:
         self._rebuild()
+        self._spawn(self.status.watch())
         while True:
             timeout = self._until_next_deadline()
             if timeout is not None and timeout <= 0:
@@ -415,7 +421,47 @@ class DrainRunner:
             self.feed(rid, r.SignalRoundDone(self.clock(), signal))
 
     async def _watch_exit(self, rid: str, container_id: str, name: str) -> None:
-        self.feed(rid, await self.docker.wait_exit(container_id, name))
+        exited = await self.docker.wait_exit(container_id, name)
+        # What it reported before it exited is recorded before its exit (docs/design.md
+        # "Workload status directory"): every report it wrote is complete by now.
+        self.status.collect(name)
+        self.feed(rid, exited)
+
+    # --- workload reports --------------------------------------------------------------------
+
+    def _reclamation_for(self, name: str) -> r.Reclamation | None:
+        """The live reclamation a container's report belongs to: the one that knows it (it
+        signalled or gated it), else the newest one still draining (it may not have reached
+        it yet: the machine holds the report until it does)."""
+        draining = [rec for rec in self.live.values() if not rec.lifted and rec.phase != "done"]
+        known = [rec for rec in draining if name in rec.names.values()]
+        pool = known or draining
+        return max(pool, key=lambda rec: rec.t0, default=None)
+
+    def _on_report(self, name: str, report: Report) -> None:
+        rec = self._reclamation_for(name)
+        if rec is None:
+            # A periodic checkpoint outside any reclamation: nothing to put it in.
+            log.debug("node %s: report from %s outside a reclamation: %s", self.cfg.node_id,
+                      name, report)
+            return
+        self.feed(
+            rec.reclaim_id,
+            r.WorkloadReported(
+                self.clock(), name, report.kind, report.generation, report.nbytes, report.at
+            ),
+        )
+
+    def _on_report_invalid(self, name: str, entry: str, why: str) -> None:
+        rec = self._reclamation_for(name)
+        now = self.clock()
+        self._emit(
+            "workload_report_invalid",
+            rec.reclaim_id if rec else "",
+            now - rec.t0 if rec else None,
+            now,
+            {"name": name, "file": entry, "reason": why},
+        )
 
     async def _observe(self, rid: str) -> None:
         """Verification by observation: Docker and NVML must both answer, and both be empty."""

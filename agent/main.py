@@ -89,6 +89,7 @@ class Agent:
             refuse_start=lambda: self.drains.refuse_start(),
             report_rental=self._report_rental,
             report_worker=self.link.report_worker,
+            status_root=cfg.status_dir,
         )
         self.drains = DrainRunner(
             cfg,

@@ -20,6 +20,10 @@ SIGTERM = "SIGTERM"
 SIGKILL = "SIGKILL"
 # Drain kinds the SIGTERM round leaves alone (see SignalContainers).
 SIGTERM_SKIPS_KINDS = frozenset({"inference", "rental"})
+# Reports held for a container the reclamation has not signalled yet (a job that saw the
+# deadline file before its SIGTERM): at most this many each, so a chatty one cannot grow the
+# bundle without bound.
+PENDING_REPORTS_KEPT = 16
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,20 @@ class Cancelled:
     now: float
 
 
+@dataclass(frozen=True)
+class WorkloadReported:
+    """A report a container wrote into its status directory (spotdrain.workload), as the agent
+    read it at `now`. Information only: it never moves a deadline and never counts towards
+    verification (docs/design.md "Workload status directory")."""
+
+    now: float
+    name: str  # the container's name (its status directory's)
+    report: str  # "checkpoint_started" or "checkpoint_committed"
+    generation: int
+    nbytes: int | None = None
+    reported_at: float = 0.0  # the workload's own clock
+
+
 Event = (
     TaintAnswered
     | TaintUnanswered
@@ -142,6 +160,7 @@ Event = (
     | TaintsLifted
     | Tick
     | Cancelled
+    | WorkloadReported
 )
 
 # --- commands: what the shell must do ------------------------------------------------------
@@ -290,6 +309,9 @@ class Reclamation:
     outcome: str = ""  # "", "drained", "overrun", "cancelled", "resumed"
     resumed: bool = False  # a pause the owner has ended
     lift_acknowledged: bool = False  # the coordinator lifted the taints of a cancel or resume
+    sigterm_at: dict[str, float] = field(default_factory=dict)  # container id -> its SIGTERM
+    # Workload reports by container name, held until the container is signalled or exits.
+    pending_reports: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     # --- construction ----------------------------------------------------------------------
 
@@ -405,6 +427,8 @@ class Reclamation:
                 return self._tick(now)
             case Cancelled(now):
                 return self._cancelled(now)
+            case WorkloadReported():
+                return self._reported(event)
         raise TypeError(event)
 
     def next_wakeup(self) -> float | None:
@@ -488,7 +512,10 @@ class Reclamation:
         self.names[ev.container] = ev.name
         new = ev.container not in self.signalled
         self.signalled[ev.container] = ev.signal
+        if ev.signal == SIGTERM:
+            self.sigterm_at.setdefault(ev.container, ev.now)
         commands: list[Command] = [Emit(kind, details)]
+        commands += self._held_reports(ev.container, ev.now)
         if new and ev.container not in self.exited:
             commands.append(WatchExits((ev.container,)))
         return commands
@@ -504,6 +531,7 @@ class Reclamation:
             self.gated.append(container)
             self.names[container] = name
             commands.append(Emit("worker_draining", {"container": container, "name": name}))
+            commands += self._held_reports(container, None)
             if container not in self.exited:
                 new.append(container)
         if new:
@@ -543,14 +571,66 @@ class Reclamation:
     def _exited(self, now: float, container: str, name: str, code: int) -> list[Command]:
         if container in self.exited:
             return []
+        self.names.setdefault(container, name)
+        # Reports it made before it exited come first (the shell read them before this event).
+        commands: list[Command] = self._held_reports(container, None)
         self.exited[container] = code
-        commands: list[Command] = [
+        commands.append(
             Emit("container_exited", {"container": container, "name": name, "exit_code": code})
-        ]
+        )
         if all(c in self.exited for c in [*self.signalled, *self.gated]):
             # The last exit: verify now rather than at the next periodic observation.
             commands += self._observe(now)
         return commands
+
+    def _reported(self, ev: WorkloadReported) -> list[Command]:
+        """A checkpoint report. Recorded between the container's SIGTERM and its exit: one that
+        arrives before the signal is held until then, one after the exit is dropped. Nothing
+        here touches a deadline, a signal or verification."""
+        container = next((c for c, n in self.names.items() if n == ev.name), None)
+        if container is not None and container in self.exited:
+            return []
+        doc: dict[str, Any] = {
+            "report": ev.report,
+            "generation": ev.generation,
+            "seen_at": ev.now,
+            "reported_at": ev.reported_at,
+        }
+        if ev.nbytes is not None:
+            doc["bytes"] = ev.nbytes
+        if container is None or (
+            container not in self.signalled and container not in self.gated
+        ):
+            held = self.pending_reports.setdefault(ev.name, [])
+            if len(held) < PENDING_REPORTS_KEPT:
+                held.append(doc)
+            return []
+        return [self._report_emit(container, doc, ev.now)]
+
+    def _held_reports(self, container: str, now: float | None) -> list[Command]:
+        name = self.names.get(container, "")
+        return [
+            self._report_emit(container, doc, now if now is not None else doc["seen_at"])
+            for doc in self.pending_reports.pop(name, [])
+        ]
+
+    def _report_emit(self, container: str, doc: dict[str, Any], at: float) -> Emit:
+        """The event for one report, stamped at `at`: when it was read, or, for one held
+        until its container's SIGTERM, that SIGTERM (so the timeline keeps its order)."""
+        at = max(at, doc["seen_at"])
+        details: dict[str, Any] = {
+            "container": container,
+            "name": self.names.get(container, ""),
+            "generation": doc["generation"],
+        }
+        if "bytes" in doc:
+            details["bytes"] = doc["bytes"]
+        sigterm = self.sigterm_at.get(container)
+        details["since_sigterm_s"] = None if sigterm is None else round(max(at - sigterm, 0.0), 3)
+        if doc["seen_at"] < (sigterm or doc["seen_at"]):
+            details["before_sigterm"] = True
+        details["reported_at"] = doc["reported_at"]
+        return Emit(doc["report"], details, at=at)
 
     def _observe(self, now: float) -> list[Command]:
         if self.verified_at is not None or self.lifted:

@@ -4,7 +4,9 @@ Neither has a slot gate or a route. A rental (StartRental) runs the renter's ima
 renter, the platform or a reclaim ends it; a job (StartWorker of kind batch or render) runs until
 it exits. Both get the directory of the deadline file bind-mounted read-only (the directory, not
 the file: the file is replaced by rename, and a file mount would keep the old inode), with
-SPOTDRAIN_DEADLINE_FILE naming the file inside the container.
+SPOTDRAIN_DEADLINE_FILE naming the file inside the container, and a status directory of their own
+bind-mounted read-write at SPOTDRAIN_STATUS_DIR, for their checkpoint reports
+(agent/status_dirs.py).
 
 A drain needs nothing from here: the reclamation's signal rounds find these containers by their
 labels (docs/design.md "Four drain paths"): jobs get SIGTERM after the taint and SIGKILL at G;
@@ -23,16 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotdrain.agent.docker_engine import (
-    KIND_LABEL,
-    NODE_LABEL,
-    RENTAL_KIND,
-    DockerEngine,
-    DockerUnavailable,
-)
+from spotdrain.agent.docker_engine import RENTAL_KIND, DockerEngine, DockerUnavailable
 from spotdrain.agent.reclamation import SIGKILL, SIGTERM
+from spotdrain.agent.status_dirs import CONTAINER_STATUS_DIR, make_status_dir
 from spotdrain.agent.workers import MODEL_LABEL, WORKER_LABEL
 from spotdrain.background import Background
+from spotdrain.workload import DEADLINE_FILE_ENV, KIND_LABEL, NODE_LABEL, STATUS_DIR_ENV
 
 log = logging.getLogger("spotdrain.agent.rentals")
 
@@ -89,6 +87,7 @@ class PlainWorkloads:
         report_rental: Callable[[str, dict[str, Any]], None],
         report_worker: Callable[[str, dict[str, Any]], None],
         stop_grace_s: float = STOP_GRACE_S,
+        status_root: Path | None = None,
     ) -> None:
         self.node_id = node_id
         self.docker = docker
@@ -97,6 +96,7 @@ class PlainWorkloads:
         self.report_rental = report_rental
         self.report_worker = report_worker
         self.stop_grace_s = stop_grace_s
+        self.status_root = status_root  # None: no status directories (reports are skipped)
         self.rentals: dict[str, PlainContainer] = {}
         self.jobs: dict[str, PlainContainer] = {}
         self.adopted = False  # adopt_running() has listed the engine once
@@ -262,17 +262,18 @@ class PlainWorkloads:
         env: dict[str, str],
     ) -> str | None:
         host_dir = self.deadline_file.parent
-        env = {
-            **env,
-            "SPOTDRAIN_DEADLINE_FILE": f"{CONTAINER_DEADLINE_DIR}/{self.deadline_file.name}",
-        }
+        env = {**env, DEADLINE_FILE_ENV: f"{CONTAINER_DEADLINE_DIR}/{self.deadline_file.name}"}
         binds = {str(host_dir): {"bind": CONTAINER_DEADLINE_DIR, "mode": "ro"}}
         try:
             host_dir.mkdir(parents=True, exist_ok=True)
+            if self.status_root is not None:
+                status = make_status_dir(self.status_root, name)
+                binds[str(status)] = {"bind": CONTAINER_STATUS_DIR, "mode": "rw"}
+                env[STATUS_DIR_ENV] = CONTAINER_STATUS_DIR
             container_id, _ = await self.docker.run_container(
                 image, name=name, labels=labels, env=env, binds=binds
             )
-        except (DockerUnavailable, OSError) as e:
+        except (DockerUnavailable, OSError, ValueError) as e:
             log.warning("node %s: %s %s did not start: %s", self.node_id, kind, key, e)
             self._report(kind, key, {"state": "stopped", "exit_code": -1, "reason": str(e)})
             self._stop_asked.pop(key, None)

@@ -152,6 +152,14 @@ class Agent:
     argv: list[str]
     env: dict[str, str]
     log_path: Path
+    status_root: Path = Path()  # <status_root>/<container name>: a container's status dir
+
+    def status_dir(self, container_name: str) -> Path:
+        """Made as the agent makes it for the containers it starts (a test starting its own
+        container bind-mounts this at SPOTDRAIN_STATUS_DIR)."""
+        from spotdrain.agent.status_dirs import make_status_dir  # noqa: PLC0415
+
+        return make_status_dir(self.status_root, container_name)
 
     def write_notice(self, doc: dict[str, Any] | bytes) -> None:
         """Atomically, by rename, as a relay does."""
@@ -197,6 +205,7 @@ def start_agent(
     notice_dir.mkdir(parents=True, exist_ok=True)
     notice_file = notice_dir / "notice.json"
     deadline_file = base / "workload" / "deadline.json"
+    status_root = base / "status"
     argv = [
         str(BIN / "spotdrain-agent"),
         "--coordinator", coordinator.address,
@@ -207,6 +216,7 @@ def start_agent(
         "--state-dir", str(state_dir),
         "--docker-host", docker_host,
         "--deadline-file", str(deadline_file),
+        "--status-dir", str(status_root),
         "--grace-s", str(opts.grace_s),
         "--overrun-s", str(opts.overrun_s),
         "--default-notice-s", str(opts.default_notice_s),
@@ -230,7 +240,7 @@ def start_agent(
     base.mkdir(parents=True, exist_ok=True)
     agent = Agent(
         Proc(node_id, argv, log_path, env), node_id, state_dir, notice_file, deadline_file,
-        argv, env, log_path,
+        argv, env, log_path, status_root,
     )
     wait_until(lambda: "agent up" in agent.proc.log() or _died(agent.proc), 20,
                f"agent {node_id} to start")

@@ -264,6 +264,32 @@ def test_reports_land_whole_and_in_order(tmp_path):
     assert got[1] == workload.Report("checkpoint_committed", 0, 1234.5, 0)
 
 
+def test_a_reader_that_takes_reports_at_once_never_breaks_the_writer(tmp_path):
+    """The agent removes each report the moment it has read it, which may be right after the
+    rename: the writer has nothing left to do to the file by then (a chmod after the rename
+    once failed a job with FileNotFoundError)."""
+    reporter = workload.Reporter(tmp_path)
+    stop = threading.Event()
+    taken: list[int] = []
+
+    def agent() -> None:
+        while not stop.is_set() or any(not n.startswith(".") for n in os.listdir(tmp_path)):
+            for name in sorted(os.listdir(tmp_path)):
+                if not name.startswith("."):
+                    taken.append(parse_report((tmp_path / name).read_bytes()).generation)
+                    os.unlink(tmp_path / name)
+
+    t = threading.Thread(target=agent)
+    t.start()
+    try:
+        for g in range(300):
+            reporter.checkpoint_started(g)
+    finally:
+        stop.set()
+        t.join()
+    assert taken == list(range(300))
+
+
 def test_a_report_cut_short_leaves_nothing_under_a_reports_name(tmp_path, monkeypatch):
     """A crash between write and rename (here fsync fails) leaves at most a dot-file, which
     the agent never reads as a report."""

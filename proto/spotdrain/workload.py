@@ -193,12 +193,14 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
-        os.write(fd, data)
+        os.fchmod(fd, mode)  # before the rename: a reader may take (and remove) it at once
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    os.chmod(path, mode)
 
 
 # --- SIGTERM or the deadline file, once --------------------------------------------------------

@@ -1,0 +1,197 @@
+"""Workload status directories: one per container, under the agent's status root, bind-mounted
+read-write into the container at $SPOTDRAIN_STATUS_DIR (docs/design.md "Workload status
+directory"). The workload writes its checkpoint reports there (spotdrain.workload); the agent
+watches the root and every container's directory through inotify, reads each report once,
+hands it on, and removes it.
+
+Everything in a status directory comes from the workload, so it is read as hostile input: only
+regular files, opened without following links and without blocking (a FIFO or a link to a
+host file is refused unread), at most spotdrain.workload.MAX_REPORT_BYTES each, and at most
+INVALID_EVENTS_PER_CONTAINER malformed ones reported per container; the rest are dropped with a
+log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import re
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+from spotdrain.workload import MAX_REPORT_BYTES, Report, ReportInvalid, parse_report
+
+log = logging.getLogger("spotdrain.agent.status")
+
+# Where a container's status directory appears inside it.
+CONTAINER_STATUS_DIR = "/run/spotdrain/status"
+INVALID_EVENTS_PER_CONTAINER = 10
+# A Docker container name: what a status directory may be called.
+_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}$")
+
+# (container name, the report) for a good one; (container name, None, file, why) for a bad one.
+OnReport = Callable[[str, Report], None]
+OnInvalid = Callable[[str, str, str], None]
+
+
+def make_status_dir(root: Path, name: str) -> Path:
+    """The status directory of container `name` under `root`, made empty and writable by the
+    workload (which may not run as root). Reports left by an earlier container of the same name
+    are not this one's: removed unread."""
+    if not _NAME.match(name):
+        raise ValueError(f"not a container name: {name!r}")
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / name
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+    path.mkdir(exist_ok=True)
+    for old in path.iterdir():
+        if old.is_dir() and not old.is_symlink():
+            continue  # a directory the workload made: never a report, left alone
+        old.unlink(missing_ok=True)
+    os.chmod(path, 0o777)
+    return path
+
+
+class StatusDirs:
+    def __init__(
+        self, root: Path, on_report: OnReport, on_invalid: OnInvalid, poll_s: float = 1.0
+    ) -> None:
+        self.root = root
+        self.on_report = on_report
+        self.on_invalid = on_invalid
+        self.poll_s = poll_s
+        self._invalid_counts: dict[str, int] = {}
+
+    def dir_for(self, name: str) -> Path:
+        return make_status_dir(self.root, name)
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def collect(self, name: str) -> int:
+        """Read every report now in container `name`'s directory, oldest first; how many.
+        Called on inotify events and before a container's exit is recorded, so a report
+        written just before the exit is in the timeline before the exit is."""
+        if not _NAME.match(name):
+            return 0
+        try:
+            entries = sorted(e for e in os.listdir(self.root / name) if not e.startswith("."))
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
+        for entry in entries:
+            self._read_one(name, entry)
+        return len(entries)
+
+    def collect_all(self) -> None:
+        try:
+            names = sorted(os.listdir(self.root))
+        except FileNotFoundError:
+            return
+        for name in names:
+            self.collect(name)
+
+    def _read_one(self, name: str, entry: str) -> None:
+        path = self.root / name / entry
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return  # read already (by a collect racing an inotify event)
+        except OSError as e:
+            why = "a symbolic link" if e.errno == errno.ELOOP else f"unreadable ({e.strerror})"
+            self._invalid(name, entry, why, path)
+            return
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                self._invalid(name, entry, "not a regular file", path)
+                return
+            raw = os.read(fd, MAX_REPORT_BYTES + 1)
+        finally:
+            os.close(fd)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return  # another reader took it first: it reports it, not us
+        try:
+            report = parse_report(raw)
+        except ReportInvalid as e:
+            self._invalid(name, entry, str(e), None)
+            return
+        self.on_report(name, report)
+
+    def _invalid(self, name: str, entry: str, why: str, remove: Path | None) -> None:
+        if remove is not None:
+            try:
+                if remove.is_dir() and not remove.is_symlink():
+                    remove.rmdir()
+                else:
+                    remove.unlink()
+            except OSError:
+                pass
+        count = self._invalid_counts.get(name, 0) + 1
+        self._invalid_counts[name] = count
+        if count > INVALID_EVENTS_PER_CONTAINER:
+            log.warning("status dir %s: %s ignored (%s); no more events for it", name, entry, why)
+            return
+        self.on_invalid(name, entry[:200], why[:500])
+
+    # --- watching ------------------------------------------------------------------------------
+
+    async def watch(self, ready: asyncio.Event | None = None) -> None:
+        """Read reports as they land: inotify on the root (new container directories) and on
+        each container's directory (MOVED_TO and CLOSE_WRITE: a report is complete). Without
+        inotify, every `poll_s`."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            from asyncinotify import Inotify, Mask  # noqa: PLC0415
+        except ImportError as e:  # pragma: no cover (a dependency of the package)
+            log.warning("inotify unavailable for %s (%s); polling", self.root, e)
+            inotify = None
+        else:
+            try:
+                inotify = Inotify()
+            except OSError as e:
+                log.warning("inotify unavailable for %s (%s); polling", self.root, e)
+                inotify = None
+        if inotify is None:
+            if ready is not None:
+                ready.set()
+            while True:
+                self.collect_all()
+                await asyncio.sleep(self.poll_s)
+        with inotify:
+            dir_mask = Mask.CREATE | Mask.MOVED_TO | Mask.ONLYDIR
+            file_mask = Mask.CLOSE_WRITE | Mask.MOVED_TO | Mask.ONLYDIR | Mask.DONT_FOLLOW
+            inotify.add_watch(self.root, dir_mask)
+            watched: dict[str, object] = {}
+
+            def watch_dir(name: str) -> None:
+                if name in watched or not _NAME.match(name):
+                    return
+                try:
+                    watched[name] = inotify.add_watch(self.root / name, file_mask)
+                except OSError:
+                    return  # gone again, or not a directory
+                self.collect(name)  # what landed before the watch was in place
+
+            for name in sorted(os.listdir(self.root)):
+                watch_dir(name)
+            if ready is not None:
+                ready.set()
+            async for event in inotify:
+                if Mask.IGNORED in event.mask and event.watch is not None:
+                    # A container's directory went away: a new one of that name is watched anew.
+                    if event.watch.path.parent == self.root:
+                        watched.pop(event.watch.path.name, None)
+                    continue
+                if event.name is None or event.watch is None:
+                    continue
+                if event.watch.path == self.root:
+                    if Mask.ISDIR in event.mask:
+                        watch_dir(event.name.name)
+                    continue
+                parent = event.watch.path.name
+                if parent in watched and not event.name.name.startswith("."):
+                    self._read_one(parent, event.name.name)

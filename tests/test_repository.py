@@ -10,6 +10,7 @@ so a new one shows up here until it is documented. Every command and spotctl ver
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import subprocess
 from functools import cache
@@ -20,6 +21,7 @@ import pytest
 from harness import BIN
 from spotdrain.agent import config as agent_config
 from spotdrain.agent import spotctl
+from spotdrain.agent.sources import MODULES, module
 from spotdrain.coordinator import main as coordinator_main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -251,6 +253,9 @@ def test_every_agent_setting_is_in_configuration_md():
     doc = configuration_doc()
     keys = [*agent_config.SETTINGS, "insecure", "spot"]
     keys += [f"margins.{name}" for name in agent_config.MARGINS]
+    keys += ["sources.auto", "sources.dmi_dir", "advisory.action", "advisory.ttl_s"]
+    for source in MODULES:  # each notice source's own table, from its Config
+        keys += [f"sources.{source}.{f.name}" for f in dataclasses.fields(module(source).Config)]
     assert len(keys) > 25
     missing = [key for key in keys if f"`{key}`" not in doc]
     missing += [flag for flag in flags(agent_config.parser())

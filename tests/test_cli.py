@@ -215,11 +215,16 @@ def test_the_packaged_config_file_names_every_setting_and_parses(tmp_path):
     text = (Path(__file__).parent.parent / "packaging" / "agent.toml").read_text()
     for name in [*config.SETTINGS, "insecure", "spot", *config.MARGINS]:
         assert f"# {name} = " in text, name
-    uncommented = re.sub(r"(?m)^# ([a-z_]+ = )", r"\1", text)
+    for key in ["sources.auto", "sources.dmi_dir", "advisory.action", "advisory.ttl_s"]:
+        assert f"# {key.split('.')[1]} = " in text, key
+    uncommented = re.sub(r"(?m)^# ([a-z_]+ = |\[sources\.[a-z]+\])", r"\1", text)
     toml = tmp_path / "agent.toml"
     toml.write_text(uncommented)
     cfg = config.load(["--config", str(toml)])
     assert cfg.node_id == "gpu-host-17" and cfg.margins.grace_s == 10.0
+    # Every source's table is there to turn on, each with its defaults as shown.
+    assert list(cfg.source_configs) == ["file", "aws", "gcp", "azure", "shutdown"]
+    assert cfg.source_configs["aws"] == type(cfg.source_configs["aws"])()
 
 
 def test_spotctl_workers_start_and_list(coordinator):

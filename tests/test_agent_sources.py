@@ -157,3 +157,25 @@ def test_a_saved_book_from_another_version_loses_only_the_bad_entry():
              "bad": {"key": "bad", "colour": "blue"}}
     book = AdvisoryBook(AdvisoryPolicy(), saved)
     assert [e.key for e in book.active()] == ["good"]
+
+
+async def test_the_units_status_line_names_a_broken_source_first(tmp_path):
+    """`systemctl status` shows the agent's STATUS= line: a source that is down leads it, and
+    the event for it is in the outbox for the coordinator."""
+    from spotdrain.agent.main import Agent
+
+    cfg = config.from_sources({"sources": "file,aws"}, {
+        **BASE, "state_dir": str(tmp_path / "state"), "notice_file": str(tmp_path / "n.json"),
+        "socket": str(tmp_path / "a.sock"), "deadline_file": str(tmp_path / "w" / "d.json"),
+        "status_dir": str(tmp_path / "status")})
+    agent = Agent(cfg)
+    try:
+        assert agent.describe().startswith(f"watching {tmp_path / 'n.json'}, aws; 0 workers")
+        for _ in range(3):
+            agent.sources.sources["aws"].health.failed("GET /latest/api/token: refused")
+        assert agent.describe().startswith(
+            "notice source down: aws (GET /latest/api/token: refused); watching ")
+        [(kind, details)] = [(e.kind, e.details) for e in agent.outbox.pending(10)]
+        assert kind == "notice_source_down" and details["source"] == "aws"
+    finally:
+        await agent.shutdown()

@@ -7,7 +7,9 @@ and the timelines. Run it with tests/demo.sh (README.md); everything it starts, 
     workers land on node-a and node-b, behind their slot gates. Alice rents a GPU on node-a.
     Batch jobs each "hold" a GPU on node-a:
       quick     exits at once on SIGTERM
-      ckpt      checkpoints for a few seconds, then exits
+      ckpt      the reference checkpointing job (examples/checkpoint_job): holds state in
+                memory and on SIGTERM writes its final checkpoint to a bucket (a directory),
+                reporting it through its status directory; the timeline shows its steps
       stubborn  ignores SIGTERM (killed at the grace deadline G)
     Clients stream short answers through the router the whole time; one long answer is on
     node-a when its owner pauses it.
@@ -36,6 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import docker.types  # noqa: E402
+
 from dockerenv import (  # noqa: E402
     ensure_engine,
     ensure_images,
@@ -52,10 +56,19 @@ from harness import (  # noqa: E402
     start_router,
     wait_until,
 )
+from images.checkpoint_job import ensure_checkpoint_job_image  # noqa: E402
 from images.fake_model import ensure_model_image  # noqa: E402
 from pki import Pki  # noqa: E402
+from spotdrain.agent.rentals import CONTAINER_DEADLINE_DIR  # noqa: E402
+from spotdrain.agent.status_dirs import CONTAINER_STATUS_DIR  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2 as pb  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc  # noqa: E402
+from spotdrain.workload import (  # noqa: E402
+    DEADLINE_FILE_ENV,
+    KIND_LABEL,
+    NODE_LABEL,
+    STATUS_DIR_ENV,
+)
 
 PREFIX = "spotdrain-demo-"
 
@@ -124,8 +137,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description="spotdrain demo: a pause and a notice, end to end")
     ap.add_argument("--deadline", type=float, default=30.0,
                     help="seconds from the pause or notice to its deadline D (default 30)")
-    ap.add_argument("--checkpoint-s", type=float, default=4.0,
-                    help="how long the checkpointing job takes after SIGTERM")
+    ap.add_argument("--checkpoint-mb", type=float, default=256.0,
+                    help="state the checkpointing job holds, and writes at its final checkpoint")
     ap.add_argument("--keep", action="store_true", help="keep the work dir for inspection")
     args = ap.parse_args()
     if args.deadline < 6:
@@ -147,6 +160,7 @@ def main() -> int:
         rental_image = ensure_rental_image(engine.client, images["base"])
         say("building the fake model image (first run on a machine: about a minute)")
         image = ensure_model_image(engine.client)
+        job_image = ensure_checkpoint_job_image(engine.client)
         for prefix in (PREFIX, "spotdrain-w-", "spotdrain-rental-"):
             remove_test_containers(engine.client, prefix)
         lib = build(work / "nvml")
@@ -181,19 +195,19 @@ def main() -> int:
             "ondemand-b), each with 2 fake GPUs (real pynvml)")
 
         client = engine.client
-        jobs = {
-            "quick": ("exits_on_term", {}),
-            "ckpt": ("checkpoints", {"CHECKPOINT_S": str(args.checkpoint_s)}),
-            "stubborn": ("ignores_term", {}),
+        containers = {
+            "quick": run_workload(client, name=PREFIX + "quick", node_id="node-a",
+                                  kind="exits_on_term"),
+            "ckpt": run_checkpoint_job(client, job_image, agents["node-a"], PREFIX + "ckpt",
+                                       work / "bucket", args.checkpoint_mb),
+            "stubborn": run_workload(client, name=PREFIX + "stubborn", node_id="node-a",
+                                     kind="ignores_term"),
         }
-        containers = {}
-        for i, (name, (behaviour, env)) in enumerate(jobs.items()):
-            c = run_workload(client, name=PREFIX + name, node_id="node-a", kind=behaviour,
-                             env={**env, "SPOTDRAIN_DEADLINE_FILE": "/run/spotdrain/deadline.json"})
+        for i, c in enumerate(containers.values()):
             c.reload()
             gpus["node-a"].add_process(c.attrs["State"]["Pid"], gpu=i % 2)
-            containers[name] = c
-        say("node-a runs batch jobs quick, ckpt and stubborn, each holding a GPU")
+        say(f"node-a runs batch jobs quick, ckpt ({args.checkpoint_mb:.0f} MB of state, its "
+            "bucket a directory) and stubborn, each holding a GPU")
 
         ops = pb_grpc.AdminStub(coord.channel())
         router = start_router(work / "router", coord)
@@ -253,6 +267,14 @@ def main() -> int:
         for name, c in containers.items():
             c.reload()
             say(f"node-a {name}: {c.status}, exit code {c.attrs['State']['ExitCode']}")
+        manifests = sorted((work / "bucket" / "manifests").glob("gen-*.json"))
+        ckpt_ok = bool(manifests)
+        if manifests:
+            newest = json.loads(manifests[-1].read_bytes())
+            say(f"ckpt's bucket: generation {newest['generation']} committed, "
+                f"{newest['bytes']} bytes in {len(newest['objects'])} objects (manifest last)")
+        else:
+            say("ckpt's bucket holds no committed generation")
         say(f"the long answer on node-a: {long_answer[0][0] if long_answer else 'still open'}")
         ended = renter.GetRental(pb.GetRentalRequest(rental_id=rental.rental_id))
         say(f"alice's rental: {ended.state}, ended by {ended.ended_by or '-'}, "
@@ -293,7 +315,7 @@ def main() -> int:
         say(f"router: {stats}")
         say(f"outcomes: node-a {result_a}, node-b {result_b}; alice's rental ended by "
             f"{ended.ended_by}")
-        ok = (result_a == "drained" and result_b == "drained" and act1[1] == 0
+        ok = (result_a == "drained" and result_b == "drained" and act1[1] == 0 and ckpt_ok
               and act1[3] == 0 and traffic.failed == 0 and ended.ended_by == "reclaim")
         return 0 if ok else 1
     finally:
@@ -309,6 +331,31 @@ def main() -> int:
             say(f"kept {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def run_checkpoint_job(client, image: str, agent, name: str, bucket: Path, state_mb: float):
+    """The reference job as a batch container of node-a, mounted the way the agent mounts the
+    jobs it starts: the deadline file's directory read-only, its status directory read-write,
+    and its bucket."""
+    bucket.mkdir(parents=True, exist_ok=True)
+    agent.deadline_file.parent.mkdir(parents=True, exist_ok=True)
+    mounts = [
+        docker.types.Mount(CONTAINER_DEADLINE_DIR, str(agent.deadline_file.parent),
+                           type="bind", read_only=True),
+        docker.types.Mount(CONTAINER_STATUS_DIR, str(agent.status_dir(name)), type="bind"),
+        docker.types.Mount("/bucket", str(bucket), type="bind"),
+    ]
+    env = {DEADLINE_FILE_ENV: f"{CONTAINER_DEADLINE_DIR}/{agent.deadline_file.name}",
+           STATUS_DIR_ENV: CONTAINER_STATUS_DIR, "CHECKPOINT_BUCKET": "/bucket",
+           "CHECKPOINT_STATE_MB": str(state_mb)}
+    c = client.containers.run(image, name=name, environment=env, mounts=mounts,
+                              labels={NODE_LABEL: agent.node_id, KIND_LABEL: "batch"},
+                              network_mode="none", detach=True)
+    wait_until(lambda: b"job: ready" in c.logs() or c.reload() or c.status == "exited", 120,
+               f"{name} to be ready")
+    if b"job: ready" not in c.logs():
+        raise RuntimeError(f"{name} did not start: {c.logs().decode(errors='replace')}")
+    return c
 
 
 def outcome(admin, node: str) -> str | None:

@@ -164,13 +164,13 @@ def host(
             "/etc/spotdrain/coordinator.env",
             f'SPOTDRAIN_COORDINATOR_LISTEN={coordinator}\nSPOTDRAIN_COORDINATOR_OPTS="--insecure"\n'.encode(),
         )
+        # The shipped agent.toml with only README's edits ("coordinator, node_id" and the
+        # identity: insecure here, TLS files on a real host): the paths are the defaults.
+        _, shipped = system.sh("cat /etc/spotdrain/agent.toml")
         system.put(
             "/etc/spotdrain/agent.toml",
-            (
-                f'coordinator = "{coordinator}"\nnode_id = "{NODE}"\n'
-                'notice_file = "/run/spotdrain/notice.json"\nstate_dir = "/var/lib/spotdrain"\n'
-                'docker_host = "unix:///run/docker.sock"\ninsecure = true\n'
-            ).encode(),
+            (f'coordinator = "{coordinator}"\nnode_id = "{NODE}"\ninsecure = true\n'
+             + shipped).encode(),
         )
         started = time.monotonic()
         system.sh("systemctl daemon-reload")

@@ -27,7 +27,9 @@ What each emulator answers follows the providers' documentation:
   mandatory, duplicate query names rejected, X-Forwarded-For rejected, GET only, format=text
   needed on a leaf node).
 
-Run one alone for a benchmark process: `python tests/cloudmeta.py aws|gcp|azure --port N`.
+Run one alone for a benchmark process: `python tests/cloudmeta.py aws|gcp|azure --port N`;
+with `--control` it takes calls of its setters on stdin, one JSON line each, and answers each
+with the wall-clock time at which the change became visible (`control()`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import hashlib
 import json
 import secrets
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -708,19 +711,67 @@ EMULATORS: dict[str, type[_Emulator]] = {"aws": AwsImds, "gcp": GceMetadata,
                                          "azure": AzureMetadata}
 
 
+def control(emulator: _Emulator, lines, out) -> None:
+    """Serve one call a line until end of input: {"call": NAME, "args": [...], "kwargs": {...}}
+    names a public method (or property) of the emulator; the answer is one JSON line,
+    {"result": ..., "changed_wall": W} with W the time.time() at which the latest state change
+    became visible (changed_at on this process's wall clock; null before any), or {"error": ...}.
+    """
+    for line in lines:
+        try:
+            request = json.loads(line)
+            name = request["call"]
+            if not isinstance(name, str) or name.startswith("_"):
+                raise AttributeError(f"no public member {name!r}")
+            member = getattr(emulator, name)
+            result = (member(*request.get("args", ()), **request.get("kwargs", {}))
+                      if callable(member) else member)
+            changed = emulator.changed_at
+            wall = None if changed is None else time.time() - (time.monotonic() - changed)
+            answer = {"result": _plain(result), "changed_wall": wall}
+        except Exception as e:  # the caller's mistake, answered, not fatal
+            answer = {"error": f"{e.__class__.__name__}: {e}"}
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Seen):
+        return {"method": value.method, "path": value.path, "status": value.status,
+                "at": value.at}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve one cloud metadata emulator until killed.")
     parser.add_argument("cloud", choices=sorted(EMULATORS))
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--control", action="store_true",
+                        help="take calls on stdin, one JSON line each, answered on stdout; "
+                             "end of input stops it")
     args = parser.parse_args(argv)
     stop = threading.Event()
+
+    def stopped(*_: object) -> None:
+        stop.set()
+        if args.control:
+            raise SystemExit(0)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, stopped)
     with EMULATORS[args.cloud](host=args.host, port=args.port) as emulator:
         print(emulator.url, flush=True)
-        stop.wait()
-
+        if args.control:
+            control(emulator, sys.stdin, sys.stdout)
+        else:
+            stop.wait()
 
 if __name__ == "__main__":
     main()

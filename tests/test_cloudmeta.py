@@ -442,3 +442,32 @@ def test_cli_serves_one_emulator_until_killed(cloud):
         finally:
             proc.terminate()
             assert proc.wait(10) == 0
+
+
+def test_cli_control_channel_calls_setters_and_stamps_the_change_on_the_wall_clock():
+    """--control: one JSON call a line on stdin, one answer a line; a setter's answer carries
+    the time.time() at which the change became visible; private names and mistakes are
+    answered with an error, not fatal; end of input stops it."""
+    script = Path(__file__).with_name("cloudmeta.py")
+    with subprocess.Popen([sys.executable, str(script), "gcp", "--control"],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as proc:
+        def ask(request: dict) -> dict:
+            proc.stdin.write(json.dumps(request) + "\n")
+            proc.stdin.flush()
+            return json.loads(proc.stdout.readline())
+
+        url = proc.stdout.readline().strip()
+        assert ask({"call": "value", "args": ["preempted"]}) == {"result": "FALSE",
+                                                               "changed_wall": None}
+        before = time.time()
+        answer = ask({"call": "set_preempted", "args": [True]})
+        assert answer["result"] is None and before <= answer["changed_wall"] <= time.time()
+        status, _, body = call(url + "/computeMetadata/v1/instance/preempted",
+                               headers={"Metadata-Flavor": "Google"})
+        assert (status, body) == (200, b"TRUE")
+        assert ask({"call": "hanging"})["result"] == 0
+        assert [s["status"] for s in ask({"call": "seen"})["result"]] == [200]
+        assert "no public member" in ask({"call": "_values"})["error"]
+        assert "TypeError" in ask({"call": "set_preempted"})["error"]
+        proc.stdin.close()
+        assert proc.wait(10) == 0

@@ -79,6 +79,7 @@ class ContainerInfo:
     kind: str
     pid: int
     labels: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+    image: str = ""  # as the container was created from (its contract is tracked by image)
 
 
 class DockerEngine:
@@ -145,6 +146,7 @@ class DockerEngine:
                     kind=labels.get(KIND_LABEL, ""),
                     pid=cached.pid if cached else 0,
                     labels=dict(labels) if with_labels else {},
+                    image=str(row.get("Image") or ""),
                 )
             )
         return found
@@ -160,7 +162,7 @@ class DockerEngine:
                 except docker.errors.NotFound:
                     continue
                 pid = int(state.get("Pid") or 0)
-            fresh[info.id] = ContainerInfo(info.id, info.name, info.kind, pid)
+            fresh[info.id] = ContainerInfo(info.id, info.name, info.kind, pid, image=info.image)
         self.inventory = fresh
 
     # --- signalling --------------------------------------------------------------------------
@@ -186,15 +188,21 @@ class DockerEngine:
             yield await done
 
     async def _signal_one(self, target: ContainerInfo, signal: str) -> ContainerSignalled:
+        def sent(via: str) -> ContainerSignalled:
+            return ContainerSignalled(
+                self.clock(), target.id, target.name, signal, via,
+                image=target.image, kind=target.kind,
+            )  # fmt: skip
+
         try:
             await self._call(self._api.kill, target.id, signal=signal)
-            return ContainerSignalled(self.clock(), target.id, target.name, signal, "api")
+            return sent("api")
         except docker.errors.NotFound:
             # Gone between listing and killing: nothing left to signal.
-            return ContainerSignalled(self.clock(), target.id, target.name, signal, "api")
+            return sent("api")
         except docker.errors.APIError as e:
             if e.response is not None and e.response.status_code == 409:  # not running any more
-                return ContainerSignalled(self.clock(), target.id, target.name, signal, "api")
+                return sent("api")
             api_error = str(e)
         except DockerUnavailable as e:
             api_error = str(e)
@@ -228,7 +236,7 @@ class DockerEngine:
             target.name,
             pid,
         )
-        return ContainerSignalled(self.clock(), target.id, target.name, signal, "pid")
+        return sent("pid")
 
     async def kill(self, container_id: str, name: str, signal: str) -> ContainerSignalled:
         info = self.inventory.get(container_id) or ContainerInfo(container_id, name, "", 0)

@@ -69,6 +69,9 @@ class ContainerSignalled:
     signal: str
     via: str  # "api" or "pid" (the engine hung; docs/design.md step 4)
     error: str = ""  # non-empty: neither route delivered it
+    # What the coordinator tracks the workload's contract by (coordinator/contracts.py).
+    image: str = ""
+    kind: str = ""
 
 
 @dataclass(frozen=True)
@@ -509,6 +512,9 @@ class Reclamation:
         if ev.error:
             details["error"] = ev.error
             return [Emit("signal_failed", {**details, "signal": ev.signal})]
+        for key in ("image", "kind"):
+            if getattr(ev, key):
+                details[key] = getattr(ev, key)
         self.names[ev.container] = ev.name
         new = ev.container not in self.signalled
         self.signalled[ev.container] = ev.signal

@@ -19,6 +19,7 @@ Against the coordinator; [...] stands for --coordinator HOST:PORT and either --i
   spotctl [...] reputation NODE | --provider PROVIDER [--json]
   spotctl [...] models list [--json]
   spotctl [...] models set-replicas MODEL N [--image IMAGE] [--slots S] [--json]
+  spotctl [...] workloads [--json]
 
 --json prints one JSON object a line, with the proto's field names (optional fields absent when
 unset); `workers list --json` keeps printing one array, as it always has.
@@ -128,6 +129,8 @@ def parser() -> ArgumentParser:
     mr.add_argument("--image", default="", help="needed the first time a model is set")
     mr.add_argument("--slots", type=count, default=0, help="per worker (default: 4)")
     _json_flag(mr)
+    _json_flag(sub.add_parser(
+        "workloads", help="workload images: how their reclamations ended, which are flagged"))
     return p
 
 
@@ -509,6 +512,35 @@ async def models(stub: pb_grpc.AdminStub, args: Any) -> int:
     return emit(args, [m], render_models([m]))
 
 
+async def workloads(stub: pb_grpc.AdminStub, args: Any) -> int:
+    reply = await stub.ListWorkloadContracts(pb.ListWorkloadContractsRequest())
+    rows = [
+        {"image": c.image, "kind": c.kind, "exited": c.exited, "killed": c.killed,
+         "overrun": c.overrun, "reclamations": c.reclamations, "share": c.share,
+         "flagged": c.flagged, "flagged_at": c.flagged_at if c.HasField("flagged_at") else None}
+        for c in reply.contracts
+    ]  # fmt: skip
+    if args.json:
+        print(json.dumps({"budget": reply.budget, "min_reclamations": reply.min_reclamations,
+                          "no_spot_for_flagged": reply.no_spot_for_flagged,
+                          "workloads": rows}, sort_keys=True))  # fmt: skip
+        return 0
+    lines = [f"{'image':<40} {'kind':<9} {'reclaimed':>9} {'exited':>7} {'killed':>7} "
+             f"{'overrun':>7} {'share':>7}  flagged"]  # fmt: skip
+    for r in rows:
+        lines.append(
+            f"{r['image']:<40} {r['kind']:<9} {r['reclamations']:>9} {r['exited']:>7} "
+            f"{r['killed']:>7} {r['overrun']:>7} {r['share']:>7.2%}  "
+            f"{'FLAGGED' if r['flagged'] else '-'}"
+        )
+    lines.append(
+        f"budget {reply.budget:.2%} of at least {reply.min_reclamations} reclamations; flagged "
+        f"images {'kept off' if reply.no_spot_for_flagged else 'allowed on'} spot nodes"
+    )
+    print("\n".join(lines))
+    return 0
+
+
 async def local(args: Any) -> int:
     try:
         answer = await control_socket.request(args.socket, args.command)
@@ -575,6 +607,7 @@ ADMIN_COMMANDS = {
     "node": node,
     "reputation": reputation,
     "models": models,
+    "workloads": workloads,
 }
 
 

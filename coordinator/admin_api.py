@@ -177,6 +177,29 @@ class AdminServicer(pb_grpc.AdminServicer):
         )
 
     @grpc_errors
+    async def ListWorkloadContracts(  # noqa: N802
+        self, request: pb.ListWorkloadContractsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListWorkloadContractsReply:
+        self.coord.operator(context)
+        contracts = self.coord.fleet.contracts
+        rows = await self.coord.store.contracts()
+        contracts.load(rows)
+        reply = pb.ListWorkloadContractsReply(
+            budget=contracts.policy.budget,
+            min_reclamations=contracts.policy.min_reclamations,
+            no_spot_for_flagged=contracts.policy.no_spot_for_flagged,
+        )
+        for r in rows:
+            c = reply.contracts.add(
+                image=r.image, kind=r.kind, exited=r.exited, killed=r.killed,
+                overrun=r.overrun, reclamations=r.reclamations, share=r.failed_share,
+                flagged=r.flagged_at is not None,
+            )  # fmt: skip
+            if r.flagged_at is not None:
+                c.flagged_at = r.flagged_at
+        return reply
+
+    @grpc_errors
     async def StartWorker(  # noqa: N802
         self, request: pb.StartWorkerRequest, context: grpc.aio.ServicerContext
     ) -> pb.WorkerInfo:

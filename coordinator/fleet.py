@@ -22,6 +22,7 @@ from spotdrain.coordinator import workers as wm
 from spotdrain.coordinator.acquirer import DEFAULT_AVOID_S, Acquirer
 from spotdrain.coordinator.agent_reports import AgentReports
 from spotdrain.coordinator.capacity_keeper import CapacityKeeper
+from spotdrain.coordinator.contracts import ContractPolicy, Contracts
 from spotdrain.coordinator.drains import Drains
 from spotdrain.coordinator.eventlog import EventLog
 from spotdrain.coordinator.gate import Gate
@@ -54,6 +55,7 @@ class Fleet:
         acquirers: dict[str, Acquirer] | None = None,
         avoid_s: float = DEFAULT_AVOID_S,
         node_gone_s: float = NODE_GONE_S,
+        contract_policy: ContractPolicy | None = None,
     ) -> None:
         self.store = store
         self.events = events
@@ -73,6 +75,9 @@ class Fleet:
         self.risks = Risks(self)
         events.react({"advisory_received": self.risks.received,
                       "advisory_lifted": self.risks.lifted})  # fmt: skip
+        self.contracts = Contracts(self, contract_policy)
+        events.react({"container_exited": self.contracts.ended,
+                      "overrun": self.contracts.ended})  # fmt: skip
         self.reports = AgentReports(self)
         self.recovery = Recovery(self, node_gone_s)
 

@@ -60,7 +60,10 @@ class Gate:
         if kind not in WORKER_KINDS:
             raise ValueError(f"worker kind must be one of {WORKER_KINDS}, got {kind!r}")
         fleet = self.fleet
-        await self.admit(node_id, PlacementRequest(kind=kind, gpus=1, path=path), {"model": model})
+        # A flagged image is kept off spot nodes here too (--no-spot-for-flagged).
+        off_spot = fleet.contracts.keeps_off_spot(image, kind)
+        request = PlacementRequest(kind=kind, gpus=1, path=path, off_spot=off_spot)
+        await self.admit(node_id, request, {"model": model, "image": image})
         if not port:
             try:
                 port = fleet.registry.free_port(node_id)

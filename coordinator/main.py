@@ -17,6 +17,7 @@ from spotdrain import limits, systemd
 from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port
 from spotdrain.coordinator.acquirer import acquirers_from_config, avoid_s_from_config
 from spotdrain.coordinator.admin_api import AdminServicer
+from spotdrain.coordinator.contracts import DEFAULT_BUDGET, DEFAULT_MIN, ContractPolicy
 from spotdrain.coordinator.pauses import Pauses
 from spotdrain.coordinator.public_api import RentalsServicer, RoutesServicer
 from spotdrain.coordinator.service import AgentLinkServicer, Coordinator
@@ -71,6 +72,24 @@ def parser() -> ArgumentParser:
         help="TOML file: replacement acquirers per node group and the avoidance window "
         "(default: none; see README)",
     )
+    p.add_argument(
+        "--contract-budget",
+        type=float,
+        default=DEFAULT_BUDGET,
+        help="share of an image's reclamations that may end killed at G or overrun before it is "
+        f"flagged (default {DEFAULT_BUDGET})",
+    )
+    p.add_argument(
+        "--contract-min",
+        type=int,
+        default=DEFAULT_MIN,
+        help=f"reclamations an image needs before it is judged (default {DEFAULT_MIN})",
+    )
+    p.add_argument(
+        "--no-spot-for-flagged",
+        action="store_true",
+        help="keep images whose workload contract is flagged off spot nodes (the placement gate)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -108,6 +127,12 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
     ):
         if not math.isfinite(value) or value <= 0:
             raise UsageError(f"{flag} must be a positive number of seconds, got {value}")
+    try:
+        contract_policy = ContractPolicy(
+            args.contract_budget, args.contract_min, args.no_spot_for_flagged
+        )
+    except ValueError as e:
+        raise UsageError(f"--contract-budget/--contract-min: {e}") from e
     creds = None if args.insecure else server_credentials(*tls)  # type: ignore[arg-type]
     acquirers, avoid_s = load_acquirers(args.acquirers)
     try:
@@ -115,12 +140,12 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
     except StoreError as e:
         raise UsageError(str(e)) from e
     try:
-        return await _serve(args, host, port, creds, store, acquirers, avoid_s)
+        return await _serve(args, host, port, creds, store, acquirers, avoid_s, contract_policy)
     finally:
         await store.close()
 
 
-async def _serve(args, host, port, creds, store, acquirers, avoid_s) -> int:  # noqa: ANN001
+async def _serve(args, host, port, creds, store, acquirers, avoid_s, contracts) -> int:  # noqa: ANN001
     if args.insecure:
         warn_insecure(PROG)
     coord = Coordinator(
@@ -131,6 +156,7 @@ async def _serve(args, host, port, creds, store, acquirers, avoid_s) -> int:  # 
         node_gone_s=args.node_gone_s,
         acquirers=acquirers,
         avoid_s=avoid_s,
+        contract_policy=contracts,
     )
     pauses = Pauses(coord.registry)
     pauses.install()

@@ -22,6 +22,9 @@ WORKLOAD_DISABLED = "workload_disabled"
 TAINTED = "tainted"
 AT_RISK = "at_risk"  # its agent reported an advisory: replacements go elsewhere, nothing new here
 RENDER_ON_SPOT = "render_on_spot"
+# Its image cannot honour the workload contract (coordinator/contracts.py) and the coordinator
+# runs with --no-spot-for-flagged.
+CONTRACT_FLAGGED = "contract_flagged"
 GROUP_AVOIDED = "group_avoided"  # its group was reclaimed recently (acquirer.AvoidanceWindow)
 NOT_CONNECTED = "not_connected"
 NOT_ENOUGH_GPUS = "not_enough_gpus"
@@ -47,6 +50,7 @@ class PlacementRequest:
     kind: str
     gpus: int = 1
     path: str = "operator"
+    off_spot: bool = False  # policy keeps this workload off spot nodes (a flagged contract)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -67,6 +71,8 @@ def admit(node: NodeView, request: PlacementRequest) -> str | None:
         return AT_RISK
     if request.kind == "render" and node.spot:
         return RENDER_ON_SPOT
+    if request.off_spot and node.spot:
+        return CONTRACT_FLAGGED
     if node.group_avoided:
         return GROUP_AVOIDED
     if not node.connected:

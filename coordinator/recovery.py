@@ -59,6 +59,7 @@ class Recovery:
         fleet.drains.replace_on_stop = set(await store.replace_on_stop())
         fleet.capacity.backoff = await store.start_backoffs()
         fleet.risks.load(await store.node_risks(now))
+        fleet.contracts.load(await store.contracts())
         self._unasked = await fleet.replacement.unasked(now)
 
     async def recover(self) -> None:

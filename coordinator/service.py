@@ -22,6 +22,7 @@ from spotdrain.coordinator import convert
 from spotdrain.coordinator import messages as msg
 from spotdrain.coordinator import workers as wm
 from spotdrain.coordinator.acquirer import DEFAULT_AVOID_S, Acquirer
+from spotdrain.coordinator.contracts import ContractPolicy
 from spotdrain.coordinator.errors import BadRequest, Refused, abort_for, grpc_errors
 from spotdrain.coordinator.eventlog import EventLog
 from spotdrain.coordinator.fleet import Fleet
@@ -47,6 +48,7 @@ class Coordinator:
         acquirers: dict[str, Acquirer] | None = None,
         avoid_s: float = DEFAULT_AVOID_S,
         node_gone_s: float = 600.0,
+        contract_policy: ContractPolicy | None = None,
     ):
         self.store = store
         self.insecure = insecure
@@ -63,6 +65,24 @@ class Coordinator:
             acquirers=acquirers,
             avoid_s=avoid_s,
             node_gone_s=node_gone_s,
+            contract_policy=contract_policy,
+        )
+        self.registry.register(
+            GaugeCollector(
+                "spotdrain_workload_reclamations",
+                "Reclamations of each workload image by how its container ended: exited before "
+                "G, killed at G, or overrun (still there at O).",
+                ["image", "kind", "end"],
+                self.fleet.contracts.samples,
+            )
+        )
+        self.registry.register(
+            GaugeCollector(
+                "spotdrain_workload_contract_flagged",
+                "1 for a workload image whose killed and overrun share passed the contract budget.",
+                ["image", "kind"],
+                self.fleet.contracts.flagged_samples,
+            )
         )
         self.registry.register(
             GaugeCollector(

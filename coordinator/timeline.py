@@ -50,3 +50,37 @@ def fold(record: dict[str, Any], kind: str, wall_time: float, details: dict[str,
             record["spare_s"] = float(details["spare_s"])
     if kind == "notice_cancelled" and details.get("lifted") and not record["outcome"]:
         record["outcome"] = "cancelled"
+    _contract(record, kind, wall_time, details)
+
+
+# How a signalled container's reclamation ended, for its image's contract
+# (coordinator/contracts.py): it exited before G, it was killed at G, or it was still there at O.
+EXITED, KILLED, OVERRUN = "exited", "killed", "overrun"
+
+
+def _contract(record: dict[str, Any], kind: str, wall_time: float, details: dict[str, Any]) -> None:
+    """Each container the reclamation SIGTERMed, by image and kind, and its end once known.
+    Newly known ends go to record["_contract"] as (image, kind, end) for the store to count in
+    the same transaction (each event is folded once, so each end is counted once)."""
+    containers: dict[str, dict[str, Any]] = record.setdefault("containers", {})
+    new: list[tuple[str, str, str]] = record.setdefault("_contract", [])
+    cid = details.get("container")
+    if kind == "sigterm_sent" and isinstance(cid, str) and cid not in containers:
+        image, wkind = details.get("image"), details.get("kind")
+        if isinstance(image, str) and image and isinstance(wkind, str) and len(containers) < 1000:
+            containers[cid] = {"image": image[:300], "kind": wkind[:40],
+                               "name": str(details.get("name", ""))[:300], "end": ""}  # fmt: skip
+    elif kind == "overrun":
+        # Work still there at O: final for every tracked container not yet ended (O is past).
+        still = details.get("still_running")
+        names = {n for n in still if isinstance(n, str)} if isinstance(still, list) else set()
+        for c in containers.values():
+            if not c["end"] and c["name"] in names:
+                c["end"] = OVERRUN
+                new.append((c["image"], c["kind"], OVERRUN))
+    elif kind == "container_exited" and isinstance(cid, str) and cid in containers:
+        c = containers[cid]
+        if not c["end"]:
+            grace = record["grace_deadline"]
+            c["end"] = KILLED if grace and wall_time >= grace else EXITED
+            new.append((c["image"], c["kind"], c["end"]))

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from spotdrain.coordinator.store.backend import StoreError, StoreUnavailable
 from spotdrain.coordinator.store.rows import (
+    ContractRow,
     DrainRow,
     EventRow,
     ModelRow,
@@ -21,6 +22,7 @@ from spotdrain.coordinator.store.store import Store
 
 __all__ = [
     "SCHEMA_VERSION",
+    "ContractRow",
     "DrainRow",
     "EventRow",
     "ModelRow",

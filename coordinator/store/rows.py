@@ -88,3 +88,23 @@ class StartBackoff:
     model: str
     failures: int
     retry_at: float
+
+
+@dataclass(frozen=True)
+class ContractRow:
+    """How one workload image's (and kind's) reclamations ended (coordinator/contracts.py)."""
+
+    image: str
+    kind: str
+    exited: int  # exited before the grace deadline G: the contract kept
+    killed: int  # still there at G, SIGKILLed
+    overrun: int  # still there at O
+    flagged_at: float | None = None
+
+    @property
+    def reclamations(self) -> int:
+        return self.exited + self.killed + self.overrun
+
+    @property
+    def failed_share(self) -> float:
+        return (self.killed + self.overrun) / self.reclamations if self.reclamations else 0.0

@@ -8,7 +8,7 @@ can never drift apart; a database of a version this code does not know is refuse
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 BASE = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -135,6 +135,19 @@ CREATE TABLE node_risks (
     reason TEXT NOT NULL,
     until {real} NOT NULL,
     PRIMARY KEY (node_id, advisory_key)
+);
+""",
+    5: """
+-- Per workload image and kind: how its reclamations ended (coordinator/contracts.py). Counted
+-- in the transaction that stores the event deciding each end, so each is counted once.
+CREATE TABLE workload_contracts (
+    image TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    exited INTEGER NOT NULL,
+    killed INTEGER NOT NULL,
+    overrun INTEGER NOT NULL,
+    flagged_at {real},
+    PRIMARY KEY (image, kind)
 );
 """,
 }

@@ -23,6 +23,7 @@ from typing import Any
 from spotdrain.coordinator import timeline
 from spotdrain.coordinator.store.backend import Backend, Conn, Result
 from spotdrain.coordinator.store.rows import (
+    ContractRow,
     DrainRow,
     EventRow,
     ModelRow,
@@ -41,6 +42,7 @@ _EVENT_COLUMNS = (
 )
 _DRAIN_COLUMNS = "node_id, reclaim_id, reason, terminate_at, grace_deadline, started_at, ended_at"
 _TAINT_COLUMNS = "node_id, reclaim_id, key, effect, reason, since"
+_CONTRACT_COLUMNS = "image, kind, exited, killed, overrun, flagged_at"
 EVENTS_PER_TRANSACTION = 100
 _INSERT_EVENT = (
     "INSERT INTO events (uid, kind, node_id, reclaim_id, wall_time, t_offset_s, details_json, "
@@ -609,6 +611,37 @@ class Store:
             return  # another node's reclamation: a node touches only its own records
         timeline.fold(record, ev.kind, ev.wall_time, ev.details)
         record["_started"] = record["t0"] or record.get("_started") or ev.wall_time
+        for image, kind, end in record.pop("_contract", []):
+            await self._count_contract_later(image, kind, end)
+
+    # --- workload contracts --------------------------------------------------------------------
+
+    async def _count_contract_later(self, image: str, kind: str, end: str) -> None:
+        column = {"exited": "exited", "killed": "killed", "overrun": "overrun"}[end]
+        await self._defer(
+            "INSERT INTO workload_contracts VALUES (?, ?, 0, 0, 0, NULL) ON CONFLICT DO NOTHING",
+            (image, kind),
+        )
+        await self._defer(
+            f"UPDATE workload_contracts SET {column} = {column} + 1 WHERE image = ? AND kind = ?",
+            (image, kind),
+        )
+
+    async def contracts(self) -> list[ContractRow]:
+        rows = await self._read(
+            f"SELECT {_CONTRACT_COLUMNS} FROM workload_contracts "
+            f"ORDER BY image{self._c}, kind{self._c}"
+        )
+        return [ContractRow(*r) for r in rows]
+
+    async def flag_contract(self, image: str, kind: str, at: float) -> bool:
+        """Mark an image's contract flagged; False when it was flagged already (once only)."""
+        result = await self._write(
+            "UPDATE workload_contracts SET flagged_at = ? "
+            "WHERE image = ? AND kind = ? AND flagged_at IS NULL",
+            (at, image, kind),
+        )
+        return result.rowcount > 0
 
     async def events_after(self, from_id: int, limit: int = 1000) -> list[EventRow]:
         rows = await self._read(
@@ -654,3 +687,24 @@ class Store:
         record = json.loads(row[0])
         record["_started"] = row[1]
         return record
+
+    async def reclamations_page(
+        self, before: tuple[float, str] | None = None, limit: int = 50
+    ) -> list[tuple[dict[str, Any], float]]:
+        """One page of reclamations, newest first: at most `limit`, each with its sort key
+        (started_at), all older than `before` (started_at, reclaim_id) when given. Keyset
+        pagination, never OFFSET; read on a reader connection, off the writer."""
+        order = f"ORDER BY started_at DESC, reclaim_id{self._c} DESC LIMIT ?"
+        if before is None:
+            rows = await self._read(f"SELECT record_json, started_at FROM reclamations {order}",
+                                    (limit,))  # fmt: skip
+        else:
+            rows = await self._read(
+                "SELECT record_json, started_at FROM reclamations WHERE started_at < ? "
+                f"OR (started_at = ? AND reclaim_id{self._c} < ?) {order}",
+                (before[0], before[0], before[1], limit),
+            )
+        records = [json.loads(r[0]) for r in rows]
+        # Without the fold's own bookkeeping (`_started`, `_contract`).
+        return [({k: v for k, v in rec.items() if not k.startswith("_")}, r[1])
+                for rec, r in zip(records, rows, strict=True)]  # fmt: skip

@@ -350,6 +350,44 @@ class ListModelsReply(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[Model]
     def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
 
+class ListWorkloadContractsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkloadContract(_message.Message):
+    __slots__ = ("image", "kind", "exited", "killed", "overrun", "reclamations", "share", "flagged", "flagged_at")
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    EXITED_FIELD_NUMBER: _ClassVar[int]
+    KILLED_FIELD_NUMBER: _ClassVar[int]
+    OVERRUN_FIELD_NUMBER: _ClassVar[int]
+    RECLAMATIONS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    FLAGGED_FIELD_NUMBER: _ClassVar[int]
+    FLAGGED_AT_FIELD_NUMBER: _ClassVar[int]
+    image: str
+    kind: str
+    exited: int
+    killed: int
+    overrun: int
+    reclamations: int
+    share: float
+    flagged: bool
+    flagged_at: float
+    def __init__(self, image: _Optional[str] = ..., kind: _Optional[str] = ..., exited: _Optional[int] = ..., killed: _Optional[int] = ..., overrun: _Optional[int] = ..., reclamations: _Optional[int] = ..., share: _Optional[float] = ..., flagged: _Optional[bool] = ..., flagged_at: _Optional[float] = ...) -> None: ...
+
+class ListWorkloadContractsReply(_message.Message):
+    __slots__ = ("contracts", "budget", "min_reclamations", "no_spot_for_flagged")
+    CONTRACTS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MIN_RECLAMATIONS_FIELD_NUMBER: _ClassVar[int]
+    NO_SPOT_FOR_FLAGGED_FIELD_NUMBER: _ClassVar[int]
+    contracts: _containers.RepeatedCompositeFieldContainer[WorkloadContract]
+    budget: float
+    min_reclamations: int
+    no_spot_for_flagged: bool
+    def __init__(self, contracts: _Optional[_Iterable[_Union[WorkloadContract, _Mapping]]] = ..., budget: _Optional[float] = ..., min_reclamations: _Optional[int] = ..., no_spot_for_flagged: _Optional[bool] = ...) -> None: ...
+
 class StartWorkerRequest(_message.Message):
     __slots__ = ("node_id", "model", "image", "slots", "port", "kind")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]

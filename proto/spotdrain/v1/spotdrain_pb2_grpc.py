@@ -262,6 +262,11 @@ class AdminStub:
                 request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListModelsReply.FromString,
                 _registered_method=True)
+        self.ListWorkloadContracts = channel.unary_unary(
+                '/spotdrain.v1.Admin/ListWorkloadContracts',
+                request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListWorkloadContractsRequest.SerializeToString,
+                response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListWorkloadContractsReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -332,6 +337,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListWorkloadContracts(self, request, context):
+        """How each workload image's reclamations ended, and which images are flagged for failing
+        the workload contract (docs/workloads.md "The workload SDK").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -379,6 +392,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListModelsRequest.FromString,
                     response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListModelsReply.SerializeToString,
+            ),
+            'ListWorkloadContracts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkloadContracts,
+                    request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListWorkloadContractsRequest.FromString,
+                    response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.ListWorkloadContractsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -628,6 +646,33 @@ class Admin:
             '/spotdrain.v1.Admin/ListModels',
             spotdrain_dot_v1_dot_spotdrain__pb2.ListModelsRequest.SerializeToString,
             spotdrain_dot_v1_dot_spotdrain__pb2.ListModelsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkloadContracts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spotdrain.v1.Admin/ListWorkloadContracts',
+            spotdrain_dot_v1_dot_spotdrain__pb2.ListWorkloadContractsRequest.SerializeToString,
+            spotdrain_dot_v1_dot_spotdrain__pb2.ListWorkloadContractsReply.FromString,
             options,
             channel_credentials,
             insecure,

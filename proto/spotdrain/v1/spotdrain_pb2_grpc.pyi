@@ -137,6 +137,10 @@ class AdminStub:
     SetModelReplicas: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.SetModelReplicasRequest, _spotdrain_pb2.Model]
     """Desired capacity: how many workers of a model the coordinator keeps placed."""
     ListModels: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.ListModelsRequest, _spotdrain_pb2.ListModelsReply]
+    ListWorkloadContracts: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.ListWorkloadContractsRequest, _spotdrain_pb2.ListWorkloadContractsReply]
+    """How each workload image's reclamations ended, and which images are flagged for failing
+    the workload contract (docs/workloads.md "The workload SDK").
+    """
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -163,6 +167,10 @@ class AdminAsyncStub(AdminStub):
     SetModelReplicas: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.SetModelReplicasRequest, _spotdrain_pb2.Model]  # type: ignore[assignment]
     """Desired capacity: how many workers of a model the coordinator keeps placed."""
     ListModels: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.ListModelsRequest, _spotdrain_pb2.ListModelsReply]  # type: ignore[assignment]
+    ListWorkloadContracts: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.ListWorkloadContractsRequest, _spotdrain_pb2.ListWorkloadContractsReply]  # type: ignore[assignment]
+    """How each workload image's reclamations ended, and which images are flagged for failing
+    the workload contract (docs/workloads.md "The workload SDK").
+    """
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------------------------------------------
@@ -240,6 +248,16 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         request: _spotdrain_pb2.ListModelsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_spotdrain_pb2.ListModelsReply, _abc.Awaitable[_spotdrain_pb2.ListModelsReply]]: ...
+
+    @_abc_1.abstractmethod
+    def ListWorkloadContracts(
+        self,
+        request: _spotdrain_pb2.ListWorkloadContractsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_spotdrain_pb2.ListWorkloadContractsReply, _abc.Awaitable[_spotdrain_pb2.ListWorkloadContractsReply]]:
+        """How each workload image's reclamations ended, and which images are flagged for failing
+        the workload contract (docs/workloads.md "The workload SDK").
+        """
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

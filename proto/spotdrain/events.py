@@ -41,6 +41,7 @@ KINDS = frozenset(
         # recorded by the coordinator itself
         "identity_refused",
         "node_registered",
+        "workload_contract_flagged",
     }
 )
 

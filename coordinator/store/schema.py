@@ -8,7 +8,7 @@ can never drift apart; a database of a version this code does not know is refuse
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 BASE = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -149,6 +149,18 @@ CREATE TABLE workload_contracts (
     flagged_at {real},
     PRIMARY KEY (image, kind)
 );
+""",
+    6: """
+-- The leader lease of coordinator replicas on PostgreSQL (coordinator/replica.py): one row, the
+-- term growing with each new leader, the expiry on the database's clock (epoch seconds). Every
+-- write of a leader is fenced by its term. Unused with one coordinator and on SQLite.
+CREATE TABLE leader_lease (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    holder TEXT NOT NULL,
+    term INTEGER NOT NULL,
+    expires_at {real} NOT NULL
+);
+INSERT INTO leader_lease VALUES (1, '', 0, 0);
 """,
 }
 

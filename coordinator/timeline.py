@@ -62,25 +62,28 @@ def _contract(record: dict[str, Any], kind: str, wall_time: float, details: dict
     """Each container the reclamation SIGTERMed, by image and kind, and its end once known.
     Newly known ends go to record["_contract"] as (image, kind, end) for the store to count in
     the same transaction (each event is folded once, so each end is counted once)."""
-    containers: dict[str, dict[str, Any]] = record.setdefault("containers", {})
-    new: list[tuple[str, str, str]] = record.setdefault("_contract", [])
+    containers: dict[str, dict[str, Any]] = record.get("containers", {})
     cid = details.get("container")
+
+    def ended(c: dict[str, Any], end: str) -> None:
+        c["end"] = end
+        record.setdefault("_contract", []).append((c["image"], c["kind"], end))
+
     if kind == "sigterm_sent" and isinstance(cid, str) and cid not in containers:
         image, wkind = details.get("image"), details.get("kind")
         if isinstance(image, str) and image and isinstance(wkind, str) and len(containers) < 1000:
             containers[cid] = {"image": image[:300], "kind": wkind[:40],
                                "name": str(details.get("name", ""))[:300], "end": ""}  # fmt: skip
+            record["containers"] = containers
     elif kind == "overrun":
         # Work still there at O: final for every tracked container not yet ended (O is past).
         still = details.get("still_running")
         names = {n for n in still if isinstance(n, str)} if isinstance(still, list) else set()
         for c in containers.values():
             if not c["end"] and c["name"] in names:
-                c["end"] = OVERRUN
-                new.append((c["image"], c["kind"], OVERRUN))
+                ended(c, OVERRUN)
     elif kind == "container_exited" and isinstance(cid, str) and cid in containers:
         c = containers[cid]
         if not c["end"]:
             grace = record["grace_deadline"]
-            c["end"] = KILLED if grace and wall_time >= grace else EXITED
-            new.append((c["image"], c["kind"], c["end"]))
+            ended(c, KILLED if grace and wall_time >= grace else EXITED)

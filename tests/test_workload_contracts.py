@@ -214,7 +214,11 @@ async def test_no_spot_for_flagged_through_the_gate_and_spotctl(tmp_path, pki):
                                                          else "exited")]
         for i in range(0, len(rows), 60):
             await send(a, rows[i:i + 60])
-        await eventually(lambda: ops.events("workload_contract_flagged"), lambda got: got)
+        # Flagged at the 20th reclamation already; wait until all 40 are stored.
+        await eventually(
+            lambda: ops.admin.ListWorkloadContracts(pb.ListWorkloadContractsRequest()),
+            lambda got: [c.reclamations for c in got.contracts] == [40])
+        assert len(await ops.events("workload_contract_flagged")) == 1
         out = await spotctl(coord, "workloads", "--json")
         doc = json.loads(out)
         assert doc["no_spot_for_flagged"] is True and doc["min_reclamations"] == 20

@@ -18,6 +18,9 @@ from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port
 from spotdrain.coordinator.acquirer import acquirers_from_config, avoid_s_from_config
 from spotdrain.coordinator.admin_api import AdminServicer
 from spotdrain.coordinator.contracts import DEFAULT_BUDGET, DEFAULT_MIN, ContractPolicy
+from spotdrain.coordinator.dashboard import Dashboard, DashboardConfig
+from spotdrain.coordinator.dashboard.app import is_loopback
+from spotdrain.coordinator.dashboard.auth import TokenError, load_token
 from spotdrain.coordinator.pauses import Pauses
 from spotdrain.coordinator.public_api import RentalsServicer, RoutesServicer
 from spotdrain.coordinator.service import AgentLinkServicer, Coordinator
@@ -90,6 +93,23 @@ def parser() -> ArgumentParser:
         action="store_true",
         help="keep images whose workload contract is flagged off spot nodes (the placement gate)",
     )
+    p.add_argument(
+        "--dashboard-listen",
+        default="",
+        help="serve the web dashboard on HOST:PORT (default: off; loopback only unless "
+        "--dashboard-public)",
+    )
+    p.add_argument(
+        "--dashboard-token-file",
+        default="",
+        help="file holding the operator token the dashboard's actions need (default: none, "
+        "the dashboard is read-only)",
+    )
+    p.add_argument(
+        "--dashboard-public",
+        action="store_true",
+        help="let --dashboard-listen bind a non-loopback address (see docs/operations.md)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -133,6 +153,7 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
         )
     except ValueError as e:
         raise UsageError(f"--contract-budget/--contract-min: {e}") from e
+    dashboard = dashboard_config(args)
     creds = None if args.insecure else server_credentials(*tls)  # type: ignore[arg-type]
     acquirers, avoid_s = load_acquirers(args.acquirers)
     try:
@@ -140,12 +161,14 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
     except StoreError as e:
         raise UsageError(str(e)) from e
     try:
-        return await _serve(args, host, port, creds, store, acquirers, avoid_s, contract_policy)
+        return await _serve(
+            args, host, port, creds, store, acquirers, avoid_s, contract_policy, dashboard
+        )
     finally:
         await store.close()
 
 
-async def _serve(args, host, port, creds, store, acquirers, avoid_s, contracts) -> int:  # noqa: ANN001
+async def _serve(args, host, port, creds, store, acquirers, avoid_s, contracts, dashboard) -> int:  # noqa: ANN001, E501
     if args.insecure:
         warn_insecure(PROG)
     coord = Coordinator(
@@ -194,6 +217,14 @@ async def _serve(args, host, port, creds, store, acquirers, avoid_s, contracts) 
             f"{PROG}: metrics on {args.metrics_listen.rpartition(':')[0]}:{metrics_port}",
             flush=True,
         )
+    web = None
+    if dashboard is not None:
+        web = Dashboard(coord, dashboard)
+        try:
+            web_port = await web.start()
+        except OSError as e:
+            raise UsageError(f"--dashboard-listen {args.dashboard_listen}: {e.strerror}") from e
+        print(f"{PROG}: dashboard on http://{_url_host(dashboard.host)}:{web_port}/", flush=True)
     for name in ["", *services]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     # Tests and the demo read the bound port from this line.
@@ -242,10 +273,38 @@ async def _serve(args, host, port, creds, store, acquirers, avoid_s, contracts) 
         systemd.stopping()
         log.info("stopping")
         await health_servicer.enter_graceful_shutdown()
+        if web is not None:
+            await web.close()
         await server.stop(grace=2.0)
         await coord.fleet.close()
         pauses.uninstall()
     return rc
+
+
+def dashboard_config(args) -> DashboardConfig | None:  # noqa: ANN001
+    """The --dashboard-* flags, checked before anything starts."""
+    if not args.dashboard_listen:
+        if args.dashboard_token_file or args.dashboard_public:
+            raise UsageError(
+                "--dashboard-token-file and --dashboard-public need --dashboard-listen"
+            )
+        return None
+    host, port = host_port(args.dashboard_listen, "--dashboard-listen")
+    if not is_loopback(host) and not args.dashboard_public:
+        # The fleet is readable without a credential: off loopback only when asked for.
+        raise UsageError(
+            f"--dashboard-listen {args.dashboard_listen} is not a loopback address; the "
+            "dashboard shows the fleet to anyone who reaches it: add --dashboard-public to mean it"
+        )
+    try:
+        token = load_token(args.dashboard_token_file) if args.dashboard_token_file else None
+    except TokenError as e:
+        raise UsageError(str(e)) from e
+    return DashboardConfig(host, port, token, public=args.dashboard_public)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def load_acquirers(path: str) -> tuple[dict, float]:

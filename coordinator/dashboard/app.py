@@ -1,0 +1,337 @@
+"""The dashboard's HTTP server (aiohttp): pages, the SVG, the live stream, the actions.
+
+Reads are bounded and one at a time (a page of nodes from the fleet's in-memory index, a page
+of reclamations by keyset, one timeline), so a dashboard never holds the store's readers from
+a Taint or a registration; actions are one at a time too, each through the API's own code
+(actions.py). GET never changes anything; a POST needs the operator token in a header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from spotdrain import timeline_svg
+from spotdrain.coordinator import convert
+from spotdrain.coordinator.dashboard import pages, static
+from spotdrain.coordinator.dashboard.actions import HTTP_STATUS, Api, ApiRefused
+from spotdrain.coordinator.dashboard.auth import TOKEN_HEADER, token_matches
+from spotdrain.coordinator.dashboard.live import LiveTimelines, TooManyWatchers
+from spotdrain.coordinator.errors import status_for
+from spotdrain.coordinator.service import Coordinator
+
+log = logging.getLogger("spotdrain.coordinator.dashboard")
+
+NODES_PER_PAGE = 100
+RECLAMATIONS_PER_PAGE = 50
+MAX_REQUEST_BYTES = 64 * 1024
+KEEPALIVE_S = 15.0
+HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+        "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+LOOPBACK_NAMES = {"localhost", "localhost.localdomain"}
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class DashboardConfig:
+    host: str
+    port: int
+    token: str | None = None  # None: read-only, every action refused
+    public: bool = False  # a non-loopback address was asked for, explicitly
+
+
+class Dashboard:
+    def __init__(self, coord: Coordinator, config: DashboardConfig) -> None:
+        self.coord = coord
+        self.config = config
+        self.api = Api(coord)
+        self._reads = asyncio.Semaphore(1)
+        self._actions = asyncio.Lock()
+        self.live = LiveTimelines(coord.events, coord.store, self._live_message)
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    # --- serving ----------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._guard], client_max_size=MAX_REQUEST_BYTES)
+        app.add_routes([
+            web.get("/", self.fleet_page),
+            web.get("/reclamations", self.reclamations_page),
+            web.get("/reclamations/{rid}", self.reclamation_page),
+            web.get("/reclamations/{rid}/svg", self.reclamation_svg),
+            web.get("/reclamations/{rid}/live", self.reclamation_live),
+            web.get("/static/dashboard.js", self._static(static.SCRIPT, "text/javascript")),
+            web.get("/static/dashboard.css", self._static(static.STYLE, "text/css")),
+            web.post("/api/nodes/{node}/pause", self.pause),
+            web.post("/api/nodes/{node}/resume", self.resume),
+            web.post("/api/nodes/{node}/spot", self.set_spot),
+            web.post("/api/models/{model}/replicas", self.set_replicas),
+        ])  # fmt: skip
+        return app
+
+    async def start(self) -> int:
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        sockets = site._server.sockets if site._server is not None else []  # noqa: SLF001
+        self.port = sockets[0].getsockname()[1] if sockets else self.config.port
+        return self.port
+
+    async def close(self) -> None:
+        await self.live.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    @web.middleware
+    async def _guard(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        # On loopback, only loopback names: a page elsewhere that rebinds its own name to
+        # 127.0.0.1 (DNS rebinding) cannot read the fleet through a visitor's browser.
+        if not self.config.public and not is_loopback(request.url.host or ""):
+            return web.Response(status=421, text="this dashboard answers loopback names only\n")
+        try:
+            response = await handler(request)
+        except web.HTTPException as e:
+            response = e
+        for name, value in HEADERS.items():
+            response.headers.setdefault(name, value)
+        return response
+
+    def _static(self, text: str, content_type: str) -> Callable[[web.Request], Awaitable[Any]]:
+        async def serve(request: web.Request) -> web.Response:
+            return web.Response(text=text, content_type=content_type)
+
+        return serve
+
+    def _html(self, title: str, body: str, status: int = 200) -> web.Response:
+        page = pages.layout(title, body, actions_on=self.config.token is not None)
+        return web.Response(text=page, content_type="text/html", status=status)
+
+    async def _read(self, call: Awaitable[Any]) -> Any:
+        async with self._reads:
+            return await call
+
+    # --- pages ------------------------------------------------------------------------------
+
+    async def fleet_page(self, request: web.Request) -> web.Response:
+        fleet = self.coord.fleet
+        after = request.query.get("after", "")
+        # The fleet's in-memory index, as ListNodes converts it; one page of it.
+        ids = sorted(n for n in fleet.nodes.rows if n > after)
+        page, more = ids[:NODES_PER_PAGE], len(ids) > NODES_PER_PAGE
+        rentals_by_node: dict[str, list[Any]] = {}
+        # Active rentals: bounded by the fleet's GPUs, one read for the page.
+        for rental in await self._read(fleet.rentals.list(active_only=True)):
+            if rental.node_id in page:
+                rentals_by_node.setdefault(rental.node_id, []).append(rental)
+        avoided = fleet.nodes.avoided_now()
+        nodes = [
+            convert.node_pb(
+                fleet.nodes.rows[n],
+                fleet.nodes.node_taints(n),
+                fleet.nodes.connected.get(n),
+                fleet.registry.count(n),
+                len(rentals_by_node.get(n, [])),
+                avoided.get(fleet.nodes.rows[n].node_group, 0.0),
+            )
+            for n in page
+        ]
+        workers = {n: [convert.worker_pb(w) for w in fleet.live_workers(n)] for n in page}
+        risks = {n: dict(fleet.nodes.risks.get(n, {})) for n in page}
+        models = await self._read(self.api.models())
+        body = pages.fleet(nodes, workers, rentals_by_node, risks, avoided, models,
+                           page[-1] if more else None, self.coord.clock())  # fmt: skip
+        return self._html("fleet", body)
+
+    async def reclamations_page(self, request: web.Request) -> web.Response:
+        before = _cursor(request.query.get("before", ""))
+        page = await self._read(
+            self.coord.store.reclamations_page(before, RECLAMATIONS_PER_PAGE + 1)
+        )
+        more = len(page) > RECLAMATIONS_PER_PAGE
+        page = page[:RECLAMATIONS_PER_PAGE]
+        last = f"{page[-1][1]!r}|{page[-1][0]['reclaim_id']}" if more else None
+        return self._html("reclamations", pages.reclamations([r for r, _ in page], last))
+
+    async def _timeline(self, request: web.Request) -> Any:
+        try:
+            return await self._read(self.api.timeline(request.match_info["rid"]))
+        except ApiRefused as e:
+            raise web.HTTPNotFound(text=f"{e}\n") from e
+        except Exception as e:  # noqa: BLE001 (a bad id: the API's own words)
+            code, message = status_for(e)
+            raise web.HTTPBadRequest(text=f"{message}\n") from e
+
+    async def reclamation_page(self, request: web.Request) -> web.Response:
+        tl = await self._timeline(request)
+        drawing = timeline_svg.render(tl)
+        body = pages.reclamation(tl, drawing, timeline_svg.outcome_text(tl.reclamation))
+        return self._html(f"reclamation {tl.reclamation.reclaim_id}", body)
+
+    async def reclamation_svg(self, request: web.Request) -> web.Response:
+        tl = await self._timeline(request)
+        return web.Response(text=timeline_svg.render(tl), content_type="image/svg+xml")
+
+    async def _live_message(self, reclaim_id: str) -> str | None:
+        tl = await self._read(self.api.timeline(reclaim_id))
+        return json.dumps({
+            "svg": timeline_svg.render(tl),
+            "outcome": timeline_svg.outcome_text(tl.reclamation),
+            "steps": len(tl.events),
+            "done": bool(tl.reclamation.outcome),
+        })  # fmt: skip
+
+    async def reclamation_live(self, request: web.Request) -> web.StreamResponse:
+        """Server-sent events: the whole drawing now, then again each time it gains a step."""
+        tl = await self._timeline(request)
+        reclaim_id = tl.reclamation.reclaim_id
+        try:
+            queue = self.live.watch(reclaim_id)
+        except TooManyWatchers as e:
+            raise web.HTTPServiceUnavailable(text=f"{e}\n") from e
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-store"})  # fmt: skip
+        try:
+            await response.prepare(request)
+            message = await self._live_message(reclaim_id)
+            while True:
+                if message is not None:
+                    await response.write(f"event: timeline\ndata: {message}\n\n".encode())
+                    if json.loads(message)["done"]:
+                        return response
+                try:
+                    message = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+                except TimeoutError:
+                    message = None
+                    await response.write(b": keepalive\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            return response
+        finally:
+            self.live.unwatch(reclaim_id, queue)
+
+    # --- actions ----------------------------------------------------------------------------
+
+    async def _act(
+        self, request: web.Request, action: Callable[[dict[str, Any]], Awaitable[str]]
+    ) -> web.Response:
+        if self.config.token is None:
+            return _refusal(403, "actions are off: the coordinator has no --dashboard-token-file")
+        given = request.headers.get(TOKEN_HEADER)
+        if not given:
+            return _refusal(401, f"actions need the operator token (header {TOKEN_HEADER})")
+        if not token_matches(self.config.token, given):
+            log.warning("dashboard: an action with a wrong token from %s", request.remote)
+            return _refusal(403, "wrong operator token")
+        if request.content_type != "application/json":
+            return _refusal(415, "send application/json")
+        try:
+            body = await request.json()
+        except ValueError:
+            return _refusal(400, "the body is not JSON")
+        if not isinstance(body, dict):
+            return _refusal(400, "the body must be a JSON object")
+        try:
+            async with self._actions:
+                message = await action(body)
+        except ApiRefused as e:
+            return _refusal(HTTP_STATUS.get(e.code, 500), str(e), e.code)
+        except Exception as e:  # noqa: BLE001 (mapped as the API maps it)
+            code, text = status_for(e)
+            if code == grpc.StatusCode.INTERNAL:
+                log.error("dashboard action %s failed", request.path, exc_info=e)
+            return _refusal(HTTP_STATUS.get(code, 500), text, code)
+        log.info("dashboard: %s: %s", request.path, message)
+        return web.json_response({"message": message})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        node_id = request.match_info["node"]
+
+        async def act(body: dict[str, Any]) -> str:
+            reclaim_id = await self.api.pause(node_id)
+            return f"node {node_id} paused ({reclaim_id})"
+
+        return await self._act(request, act)
+
+    async def resume(self, request: web.Request) -> web.Response:
+        node_id = request.match_info["node"]
+
+        async def act(body: dict[str, Any]) -> str:
+            enabled = await self.api.resume(node_id)
+            return f"node {node_id} resumed" + ("" if enabled else "; still paused by its owner")
+
+        return await self._act(request, act)
+
+    async def set_spot(self, request: web.Request) -> web.Response:
+        node_id = request.match_info["node"]
+
+        async def act(body: dict[str, Any]) -> str:
+            spot = body.get("spot")
+            if not isinstance(spot, bool):
+                raise ApiRefused(grpc.StatusCode.INVALID_ARGUMENT, "spot must be true or false")
+            node = await self.api.set_spot(node_id, spot)
+            return f"node {node.node_id} is {'spot' if node.spot else 'on-demand'}"
+
+        return await self._act(request, act)
+
+    async def set_replicas(self, request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+
+        async def act(body: dict[str, Any]) -> str:
+            replicas, slots = body.get("replicas"), body.get("slots", 0)
+            image = body.get("image", "")
+            if not (_count(replicas) and _count(slots) and isinstance(image, str)):
+                raise ApiRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "replicas and slots must be whole numbers, image a string",
+                )
+            m = await self.api.set_replicas(model, replicas, image, slots)
+            return f"model {m.model}: {m.replicas} replicas wanted, {m.ready} ready"
+
+        return await self._act(request, act)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
+
+
+def _refusal(status: int, message: str, code: grpc.StatusCode | None = None) -> web.Response:
+    doc = {"error": message} | ({"code": code.name} if code is not None else {})
+    return web.json_response(doc, status=status)
+
+
+def _cursor(text: str) -> tuple[float, str] | None:
+    """`before=STARTED_AT|RECLAIM_ID`, as the previous page's link gives it."""
+    started, sep, reclaim_id = text.partition("|")
+    try:
+        at = float(started)
+    except ValueError:
+        return None
+    return (at, reclaim_id) if sep and math.isfinite(at) else None

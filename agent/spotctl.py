@@ -6,7 +6,7 @@ On the host, through the agent's unix socket:
 Against the coordinator; [...] stands for --coordinator HOST:PORT and either --insecure or
 --tls-cert F --tls-key F --ca F:
   spotctl [...] events --json [--from ID] [--follow]
-  spotctl [...] timeline [RECLAIM_ID] [--json]
+  spotctl [...] timeline [RECLAIM_ID] [--json] [--svg FILE]
   spotctl [...] workers start NODE --model M --image IMAGE [--slots N] [--port P]
                 [--kind inference|batch|render] [--json]
   spotctl [...] workers list [--node NODE] [--json]
@@ -41,6 +41,7 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from spotdrain import timeline_svg
 from spotdrain.agent import control_socket
 from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port
 from spotdrain.events import stored_event_to_dict
@@ -107,6 +108,9 @@ def parser() -> ArgumentParser:
     tl = sub.add_parser("timeline", help="a reclamation as a table of steps")
     tl.add_argument("reclaim_id", nargs="?", default="", help="default: the latest")
     tl.add_argument("--json", action="store_true")
+    tl.add_argument(
+        "--svg", metavar="FILE", default="", help="also write it as an SVG sequence diagram"
+    )
     _json_flag(sub.add_parser("nodes", help="nodes: flags, taints, workers, rentals"))
     nd = sub.add_parser("node", help="change a node's flags")
     nsub = nd.add_subparsers(dest="node_command", required=True, parser_class=ArgumentParser)
@@ -276,6 +280,15 @@ async def timeline(stub: pb_grpc.AdminStub, args: Any) -> int:
             print(f"{PROG}: {e.details()}", file=sys.stderr)
             return 1
         raise
+    if args.svg:
+        # The dashboard's drawing (spotdrain.timeline_svg), of the record GetTimeline answered.
+        try:
+            await asyncio.to_thread(
+                Path(args.svg).write_text, timeline_svg.render(tl), encoding="utf-8"
+            )
+        except OSError as e:
+            print(f"{PROG}: --svg {args.svg}: {e.strerror}", file=sys.stderr)
+            return 1
     if args.json:
         rec = tl.reclamation
         doc = {

@@ -26,190 +26,50 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import platform
 import random
-import shutil
 import signal
-import statistics
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import docker  # noqa: E402
-import docker.errors  # noqa: E402
-
-from dockerenv import (  # noqa: E402
-    BASE_IMAGE,
-    SignalProbe,
-    ensure_engine,
-    ensure_images,
-    remove_test_containers,
-    wait_ready,
-    workload_command,
+from benchutil import (  # noqa: E402
+    CONTAINER_PREFIX,
+    PROBE_TIMEOUT_S,
+    Containers,
+    ProbeReader,
+    Result,
+    breakdown,
+    engine_environment,
+    engine_run,
+    print_phases,
+    run_floor,
+    say,
+    settle,
+    summary,
+    wait_exited,
+    write_json,
 )
+
 from fakenvml import FakeGpus, build  # noqa: E402
 from harness import AgentOptions, start_agent, start_coordinator, wait_until  # noqa: E402
 from pki import Pki  # noqa: E402
 from spotdrain.agent.reclamation import reclaim_id_for  # noqa: E402
 
 SCENARIOS = ("floor", "poll-2s", "spotdrain", "spotdrain-frozen")
-PREFIX = "sdbench-"
+PREFIX = CONTAINER_PREFIX
 POLL_S = 2.0
 NOTICE_AHEAD_S = 300.0  # terminate_at this far out: nothing reaches G during the run
-PROBE_TIMEOUT_S = 10.0
 TARGET_P99_MS = 50.0
 TARGET_RATIO = 3.0
 TARGET_FROZEN_P99_MS = 900.0
-
-
-def say(text: str) -> None:
-    print(f"bench: {text}", flush=True)
-
-
-# --- the probe: one FIFO shared by every container, read by one thread ----------------------
-
-
-class ProbeReader:
-    """Reads probe lines as they arrive ("TERM <probe id>") and keeps the host's read time."""
-
-    def __init__(self, directory: Path) -> None:
-        self.probe = SignalProbe(directory)
-        self._seen: dict[str, float] = {}
-        self._cond = threading.Condition()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="probe-reader", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                line = self.probe.read(timeout=0.5)
-            except TimeoutError:
-                continue
-            parts = line.text.split()
-            if len(parts) == 2 and parts[0] == "TERM":
-                with self._cond:
-                    self._seen.setdefault(parts[1], line.wall)
-                    self._cond.notify_all()
-
-    def wait(self, probe_id: str, timeout: float = PROBE_TIMEOUT_S) -> float:
-        """The host wall time at which `probe_id`'s TERM line was read."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while probe_id not in self._seen:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"no SIGTERM probe line from {probe_id} in {timeout}s")
-                self._cond.wait(left)
-            return self._seen[probe_id]
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.probe.close()
-
-
-# --- containers: created in batches, started one by one ------------------------------------
-
-
-@dataclass
-class Workload:
-    name: str
-    container: Any  # docker.models.containers.Container
-
-
-class Containers:
-    """Fresh `exits_on_term` workloads for one node label, created ahead in batches."""
-
-    def __init__(self, client: docker.DockerClient, probe: ProbeReader, node: str, batch: int):
-        self.client = client
-        self.probe = probe
-        self.node = node
-        self.batch = batch
-        self._ready: list[Workload] = []
-        self._used: list[Workload] = []
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="create")
-
-    def _create(self, name: str) -> Workload:
-        container = self.client.containers.create(
-            BASE_IMAGE,
-            workload_command("exits_on_term"),
-            name=name,
-            labels={
-                "spotdrain.node": self.node,
-                "spotdrain.kind": "batch",
-                "spotdrain.test.behaviour": "exits_on_term",
-            },
-            environment={**self.probe.probe.env, "SPOTDRAIN_PROBE_ID": name},
-            mounts=[self.probe.probe.mount],
-            network_mode="none",
-        )
-        return Workload(name, container)
-
-    def _refill(self, count: int) -> None:
-        names = [f"{PREFIX}{self.node}-{uuid.uuid4().hex[:10]}" for _ in range(count)]
-        self._ready.extend(self._pool.map(self._create, names))
-
-    def fresh(self, remaining: int) -> Workload:
-        """A created, never-started container: started now, returned once its trap is set."""
-        if not self._ready:
-            self._flush()  # remove the last batch outside any measurement
-            self._refill(min(self.batch, max(remaining, 1)))
-        wl = self._ready.pop(0)
-        wl.container.start()
-        wait_ready(wl.container, timeout=20)
-        self._used.append(wl)
-        return wl
-
-    def started_batch(self, count: int) -> list[Workload]:
-        """`count` running containers at once (for the scenarios that target one by id)."""
-        self._flush()
-        self._refill(count)
-        batch, self._ready = self._ready, []
-        for wl in batch:
-            wl.container.start()
-        for wl in batch:
-            wait_ready(wl.container, timeout=20)
-        self._used.extend(batch)
-        return batch
-
-    def _flush(self) -> None:
-        used, self._used = self._used, []
-        for wl in used:
-            try:
-                self.client.api.remove_container(wl.container.id, force=True)
-            except docker.errors.NotFound:
-                pass
-
-    def close(self) -> None:
-        self._flush()
-        for wl in self._ready:
-            try:
-                self.client.api.remove_container(wl.container.id, force=True)
-            except docker.errors.NotFound:
-                pass
-        self._ready = []
-        self._pool.shutdown(wait=True)
-
-
-def wait_exited(client: docker.DockerClient, wl: Workload, timeout: float = 10.0) -> None:
-    client.api.wait(wl.container.id, timeout=timeout)
-
-
-def settle() -> None:
-    """A short random pause between iterations, so the engine's after-exit work is done."""
-    time.sleep(random.uniform(0.05, 0.15))
 
 
 def write_notice_by_rename(path: Path, doc: dict) -> float:
@@ -231,36 +91,6 @@ def notice_doc(notice_id: str) -> dict:
 
 
 # --- scenarios ------------------------------------------------------------------------------
-
-
-@dataclass
-class Result:
-    scenario: str
-    samples_ms: list[float] = field(default_factory=list)
-    phases_ms: dict[str, list[float]] = field(default_factory=dict)  # spotdrain breakdown
-
-    def add_phase(self, name: str, ms: float) -> None:
-        self.phases_ms.setdefault(name, []).append(ms)
-
-
-def run_floor(ctx: Context, runs: int) -> Result:
-    res = Result("floor")
-    pool = Containers(ctx.client, ctx.probe, "bench-floor", ctx.batch)
-    try:
-        done = 0
-        while done < runs:
-            for wl in pool.started_batch(min(ctx.batch, runs - done)):
-                settle()
-                t0 = time.time()
-                ctx.client.api.kill(wl.container.id, signal="SIGTERM")
-                t1 = ctx.probe.wait(wl.name)
-                res.samples_ms.append((t1 - t0) * 1000)
-                wait_exited(ctx.client, wl)
-                done += 1
-                ctx.progress(res, runs)
-    finally:
-        pool.close()
-    return res
 
 
 class Poller(threading.Thread):
@@ -368,24 +198,6 @@ def run_spotdrain(ctx: Context, runs: int, frozen: bool) -> Result:
     return res
 
 
-def breakdown(res: Result, events: list[dict], t_write: float, t_probe: float) -> None:
-    """Where the time went, from the agent's own event stamps (all on this host's clock)."""
-    first = {}
-    for ev in events:
-        first.setdefault(ev["kind"], ev)
-    try:
-        t_seen = first["notice_received"]["wall_time"]  # T0: the agent read the notice
-        t_taint = first["tainted"]["wall_time"]  # the taint in force (remote answer or local)
-        t_kill = first["sigterm_sent"]["wall_time"]  # the kill call returned
-    except KeyError:
-        return
-    res.add_phase("write->agent T0", (t_seen - t_write) * 1000)
-    res.add_phase("T0->tainted", (t_taint - t_seen) * 1000)
-    # list this node's containers + the kill call + delivery (compare with the floor)
-    res.add_phase("tainted->probe", (t_probe - t_taint) * 1000)
-    res.add_phase("tainted->kill returned", (t_kill - t_taint) * 1000)
-
-
 # --- context: the engine, the probe, and (lazily) coordinator + agent -----------------------
 
 
@@ -442,53 +254,6 @@ class Context:
 # --- statistics and report ------------------------------------------------------------------
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    s = sorted(values)
-    if len(s) == 1:
-        return s[0]
-    pos = (len(s) - 1) * q
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    return {
-        "n": len(values),
-        "p50_ms": percentile(values, 0.50),
-        "p99_ms": percentile(values, 0.99),
-        "max_ms": max(values),
-        "mean_ms": statistics.fmean(values),
-        "min_ms": min(values),
-        "first_ms": values[0],
-    }
-
-
-def environment(engine) -> dict[str, Any]:
-    version = engine.client.version()
-    info = engine.client.info()
-    return {
-        "cpus": os.cpu_count(),
-        "cpu_model": _cpu_model(),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "docker_engine": version.get("Version"),
-        "docker_api": version.get("ApiVersion"),
-        "storage_driver": info.get("Driver"),
-        "engine": "private dockerd (started by this run)" if engine.owned else engine.host,
-    }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
 def report(results: dict[str, Result], env: dict, wall_s: float) -> dict[str, Any]:
     stats = {name: summary(r.samples_ms) for name, r in results.items()}
     print()
@@ -541,20 +306,7 @@ def report(results: dict[str, Result], env: dict, wall_s: float) -> dict[str, An
         for name in ("spotdrain-frozen", "poll-2s"):
             if name in ratios:
                 print(f"ratio {name} p99 / floor p99 = {ratios[name]:.2f}x")
-    phases = {}
-    for name in ("spotdrain", "spotdrain-frozen"):
-        r = results.get(name)
-        if r is None or not r.phases_ms:
-            continue
-        print()
-        print(f"{name}: where the time goes (agent event stamps; ms)")
-        for phase, values in r.phases_ms.items():
-            s = summary(values)
-            phases.setdefault(name, {})[phase] = s
-            print(
-                f"  {phase:<24} p50 {s['p50_ms']:8.1f}  p99 {s['p99_ms']:8.1f}"
-                f"  max {s['max_ms']:8.1f}"
-            )
+    phases = print_phases(results, ("spotdrain", "spotdrain-frozen"))
     print()
     print(f"wall time {wall_s:.1f} s")
     return {
@@ -610,9 +362,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 50:
         say(f"--runs {args.runs} is below the 50 per scenario the targets are judged on")
     started = time.monotonic()
-    work = Path(tempfile.mkdtemp(prefix="sdbench-", dir="/tmp"))
-    engine = None
-    ctx = None
     results: dict[str, Result] = {}
     runners: dict[str, Callable[[Context, int], Result]] = {
         "floor": run_floor,
@@ -620,39 +369,22 @@ def main(argv: list[str] | None = None) -> int:
         "spotdrain": lambda c, n: run_spotdrain(c, n, frozen=False),
         "spotdrain-frozen": lambda c, n: run_spotdrain(c, n, frozen=True),
     }
-    try:
-        say(f"work dir {work}")
-        engine = ensure_engine(work / "docker")
-        ensure_images(engine.client)
-        remove_test_containers(engine.client, PREFIX)
-        env = environment(engine)
+    with engine_run(PREFIX, args.keep) as (work, engine):
+        env = engine_environment(engine)
         say("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
         ctx = Context(work, engine, args.batch)
-        for name in SCENARIOS:
-            if name in args.scenarios:
-                say(f"scenario {name}: {args.runs} runs")
-                results[name] = runners[name](ctx, args.runs)
+        try:
+            for name in SCENARIOS:
+                if name in args.scenarios:
+                    say(f"scenario {name}: {args.runs} runs")
+                    results[name] = runners[name](ctx, args.runs)
+        finally:
+            ctx.close()
         wall_s = time.monotonic() - started
         doc = report(results, env, wall_s)
         doc["runs"] = args.runs
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(doc, indent=2) + "\n")
-            say(f"wrote {args.json}")
+        write_json(args.json, doc)
         return 0
-    finally:
-        if ctx is not None:
-            ctx.close()
-        if engine is not None:
-            try:
-                remove_test_containers(engine.client, PREFIX)
-            finally:
-                engine.stop(remove_work_dir=True)
-        if args.keep:
-            say(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -59,10 +59,49 @@ def _uses_postgres(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The `postgres` marker is what .ci/docker_guard.py counts: such tests must run in CI.
+    # The `postgres` and `browser` markers are what .ci/docker_guard.py counts: such tests
+    # must run in CI.
     for item in items:
         if _uses_postgres(item):
             item.add_marker(pytest.mark.postgres)
+        if "browser" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.browser)
+
+
+# --- a browser: Debian's chromium driven by Playwright, never a downloaded one ------------------
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def _no_browser(error: BaseException | str) -> NoReturn:
+    # Never a skip, as for Docker: the dashboard's browser test must run, in CI above all.
+    where = (
+        "CI must run the browser-backed tests"
+        if os.environ.get("CI") == "true"
+        else "browser-backed tests need Debian's chromium and the test extra's playwright; "
+        "tests/setup.sh installs both"
+    )
+    raise pytest.fail.Exception(f"no browser: {error}\n({where})", pytrace=False) from None
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """Headless chromium (Debian's, through Playwright's executable_path), for the session."""
+    try:
+        from playwright.sync_api import sync_playwright  # noqa: PLC0415 (only where used)
+    except ImportError as e:
+        _no_browser(e)
+    if not CHROMIUM.exists():
+        _no_browser(f"{CHROMIUM} is missing")
+    with sync_playwright() as pw:
+        try:
+            chromium = pw.chromium.launch(
+                executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox"]
+            )
+        except Exception as e:
+            _no_browser(e)
+        yield chromium
+        chromium.close()
 
 
 @pytest.fixture(scope="session")

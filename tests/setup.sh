@@ -3,7 +3,8 @@
 #   - Debian packages: Docker (the engine the tests start themselves), busybox-static (the test
 #     images' userland), python3-venv, a C compiler (the fake NVML library), PostgreSQL (the
 #     server the store tests start themselves, tests/pgserver.py), dbus-daemon (the private bus
-#     the shutdown source's tests run a fake logind on).
+#     the shutdown source's tests run a fake logind on), chromium (the dashboard's browser test
+#     drives it through Playwright's executable_path; Playwright never downloads a browser here).
 #   - .venv in the repository root, with the project installed editable with its test extras,
 #     reinstalled whenever pyproject.toml changes.
 set -euo pipefail
@@ -17,7 +18,7 @@ stamp="$venv/.spotdrain-install-stamp"
 # the journal is spoken to without systemd-python. Drop them here when control drops them.
 packages=(docker.io busybox-static debootstrap python3-venv gcc libc6-dev ca-certificates
           libsystemd-dev pkg-config python3-dev
-          build-essential debhelper lintian systemd postgresql dbus-daemon)
+          build-essential debhelper lintian systemd postgresql dbus-daemon chromium)
 missing=()
 for package in "${packages[@]}"; do
     if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed'; then

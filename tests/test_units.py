@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from spotdrain.agent.reclamation import Margins
+
 UNITS = Path(__file__).resolve().parent.parent / "packaging" / "systemd"
 AGENT = UNITS / "spotdrain-agent.service"
 COORDINATOR = UNITS / "spotdrain-coordinator.service"
@@ -214,3 +216,23 @@ def test_every_setting_says_why(unit):
         if not previous or previous.startswith("["):
             bare.append(line)
     assert bare == []
+
+
+LOGIND_DROP_IN = UNITS / "logind.conf.d" / "spotdrain-agent.conf"
+
+
+def test_the_logind_drop_in_gives_a_shutdown_room_to_drain():
+    """The agent package's logind drop-in sets InhibitDelayMaxSec, nothing else: a shutdown's
+    D = T0 + that delay, so under the default margins a workload still has time between its
+    SIGTERM at T0 and the grace deadline G, and the agent between G and the overrun check O.
+    The package installs it where logind reads drop-ins (logind's own default of 5 s would put
+    G before T0)."""
+    s = settings(LOGIND_DROP_IN)
+    assert list(s) == ["Login.InhibitDelayMaxSec"], s
+    delay = float(s["Login.InhibitDelayMaxSec"][0])
+    margins = Margins()
+    assert delay - margins.grace_s >= 15, "workloads get under 15 s to checkpoint"
+    assert margins.grace_s - margins.overrun_s >= 5, "no room to kill and verify"
+    install = (UNITS.parent / "debian" / "spotdrain-agent.install").read_text().split("\n")
+    shipped = "packaging/systemd/logind.conf.d/spotdrain-agent.conf usr/lib/systemd/logind.conf.d/"
+    assert shipped in install

@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from spotdrain import limits, systemd
 from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port
+from spotdrain.coordinator import replica as replicas
 from spotdrain.coordinator.acquirer import acquirers_from_config, avoid_s_from_config
 from spotdrain.coordinator.admin_api import AdminServicer
 from spotdrain.coordinator.contracts import DEFAULT_BUDGET, DEFAULT_MIN, ContractPolicy
@@ -110,6 +111,7 @@ def parser() -> ArgumentParser:
         action="store_true",
         help="let --dashboard-listen bind a non-loopback address (see docs/operations.md)",
     )
+    replicas.add_arguments(p)
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -154,6 +156,7 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
     except ValueError as e:
         raise UsageError(f"--contract-budget/--contract-min: {e}") from e
     dashboard = dashboard_config(args)
+    replicas.check_arguments(args)
     creds = None if args.insecure else server_credentials(*tls)  # type: ignore[arg-type]
     acquirers, avoid_s = load_acquirers(args.acquirers)
     try:
@@ -184,10 +187,19 @@ async def _serve(args, host, port, creds, store, acquirers, avoid_s, contracts, 
     pauses = Pauses(coord.registry)
     pauses.install()
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    pb_grpc.add_AgentLinkServicer_to_server(AgentLinkServicer(coord), server)
-    pb_grpc.add_AdminServicer_to_server(AdminServicer(coord), server)
-    pb_grpc.add_RoutesServicer_to_server(RoutesServicer(coord), server)
-    pb_grpc.add_RentalsServicer_to_server(RentalsServicer(coord), server)
+    # Several replicas (--advertise): the lease decides which one serves; the others send
+    # callers to it (coordinator/replica.py). Without it, one coordinator as before.
+    replica = None
+    if args.advertise:
+        replica = replicas.Replica(store, args.advertise, args.lease_ttl_s, args.lease_renew_s)
+
+    def guard(servicer, service: str):  # noqa: ANN001, ANN202 (a servicer)
+        return servicer if replica is None else replica.guard(servicer, service)
+
+    pb_grpc.add_AgentLinkServicer_to_server(guard(AgentLinkServicer(coord), "AgentLink"), server)
+    pb_grpc.add_AdminServicer_to_server(guard(AdminServicer(coord), "Admin"), server)
+    pb_grpc.add_RoutesServicer_to_server(guard(RoutesServicer(coord), "Routes"), server)
+    pb_grpc.add_RentalsServicer_to_server(guard(RentalsServicer(coord), "Rentals"), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = [
@@ -206,9 +218,11 @@ async def _serve(args, host, port, creds, store, acquirers, avoid_s, contracts, 
     if bound == 0:
         raise UsageError(f"cannot listen on {address}")
     # Startup and the recovery loop share one path: rebuild from the store (before serving, so
-    # no agent or router sees an empty registry), then recover.
-    await coord.fleet.recovery.rebuild()
-    pauses.freeze()  # what rebuild loaded lives as long as the process
+    # no agent or router sees an empty registry), then recover. A replica does so when it
+    # takes the lease.
+    if replica is None:
+        await coord.fleet.recovery.rebuild()
+        pauses.freeze()  # what rebuild loaded lives as long as the process
     await server.start()
     if args.metrics_listen:
         host_port(args.metrics_listen, "--metrics-listen")
@@ -225,8 +239,10 @@ async def _serve(args, host, port, creds, store, acquirers, avoid_s, contracts, 
         except OSError as e:
             raise UsageError(f"--dashboard-listen {args.dashboard_listen}: {e.strerror}") from e
         print(f"{PROG}: dashboard on http://{_url_host(dashboard.host)}:{web_port}/", flush=True)
-    for name in ["", *services]:
+    for name in ["", *services] if replica is None else [""]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if replica is not None:
+        await replica.report_health(health_servicer, services)
     # Tests and the demo read the bound port from this line.
     print(f"{PROG}: listening on {host}:{bound}", flush=True)
     log.info(
@@ -252,13 +268,19 @@ async def _serve(args, host, port, creds, store, acquirers, avoid_s, contracts, 
 
     async def recovery() -> None:
         try:
+            if replica is not None:
+                await replica.ready.wait()  # the leader's, once it has rebuilt
             await coord.fleet.recovery.loop()
         finally:
             recovery_done.set()
 
+    tasks = {}
+    if replica is not None:  # its end (a step-down) ends the process: a clean follower next
+        tasks["lease"] = replica.run(replicas.taking_over(coord, pauses))
     try:
         rc = await supervise(
             {
+                **tasks,
                 "recovery": recovery(),
                 "gc-freeze": pauses.keep_frozen(),
                 "loop-lag": pauses.probe_loop(),
@@ -267,7 +289,7 @@ async def _serve(args, host, port, creds, store, acquirers, avoid_s, contracts, 
                 "watchdog": systemd.keep_watchdog(lambda: not recovery_done.is_set()),
                 "stop": stop.wait(),
             },
-            essential=("recovery", "gc-freeze", "loop-lag"),
+            essential=("recovery", "gc-freeze", "loop-lag", "lease"),
         )
     finally:
         systemd.stopping()

@@ -24,6 +24,12 @@ class StoreUnavailable(StoreError):
     written; the caller answers UNAVAILABLE and the client retries (agents keep their outbox)."""
 
 
+class Fenced(StoreError):
+    """A write refused because this process does not hold the leader lease at its term (a
+    follower, or a leader deposed while it was stopped): nothing was written. UNAVAILABLE to
+    the caller, who is sent to the leader (coordinator/replica.py)."""
+
+
 @dataclass(frozen=True)
 class Result:
     rows: list[tuple[Any, ...]]

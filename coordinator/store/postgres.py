@@ -3,12 +3,21 @@
 The URL is a libpq URI, so a multi-host URI with `target_session_attrs=read-write` finds the
 primary after a failover. Two pools: a small one kept for the critical path (Taint, the
 workload flag), so a queue of event batches can never hold every connection a Taint needs.
+
+Replicas (coordinator/replica.py): the leader lease is one row, `leader_lease`, whose expiry is
+the database's clock, so replicas' clocks never matter. Once `fence_to(term, holder)` is set,
+every write transaction first runs FENCE, in the same pipeline trip as its first statement: it
+takes a share lock on the lease row at that term or fails the transaction. A deposed leader's
+writes fail; a takeover (an UPDATE of that row) waits for the writes in flight to commit, so the
+new leader's rebuild reads every write its predecessor was told succeeded. `fence_off()` (a
+follower) refuses every write without a trip.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -19,6 +28,7 @@ from spotdrain.coordinator.store import schema
 from spotdrain.coordinator.store.backend import (
     Backend,
     Conn,
+    Fenced,
     Result,
     StoreError,
     StoreUnavailable,
@@ -31,6 +41,34 @@ EVENTS_LOCK = 0x5D01
 MIGRATION_LOCK = 0x5D02
 CONNECT_TIMEOUT_S = 5.0
 
+# The fence: a share lock on the lease row at this term, or an error naming the term. A
+# transaction of a leader stopped mid-way (SIGSTOP) would hold that lock, and with it every
+# takeover, for as long as its socket lives: the same statement limits how long a fenced
+# transaction may sit idle (the lease's TTL), after which PostgreSQL ends the session.
+FENCE_TAG = "spotdrain-fence"
+FENCE = (
+    "SELECT set_config('idle_in_transaction_session_timeout', ?, true), "
+    "COALESCE((SELECT '1' FROM leader_lease WHERE id = 1 AND term = ? AND holder = ? "
+    "FOR SHARE), ?)::int"
+)
+_CLOCK = "EXTRACT(EPOCH FROM clock_timestamp())::double precision"
+# Take the lease when it has run out (by the database's clock), with the next term; the row as
+# it is when someone else holds it.
+ACQUIRE = (
+    f"WITH taken AS (UPDATE leader_lease SET holder = ?, term = term + 1, "
+    f"expires_at = {_CLOCK} + ? WHERE id = 1 AND expires_at <= {_CLOCK} "
+    f"RETURNING term, holder, expires_at) "
+    f"SELECT term, holder, expires_at - {_CLOCK}, TRUE FROM taken UNION ALL "
+    f"SELECT term, holder, expires_at - {_CLOCK}, FALSE FROM leader_lease "
+    f"WHERE id = 1 AND NOT EXISTS (SELECT 1 FROM taken)"
+)
+# Renew only what is still ours and not yet run out: an expired lease is never revived.
+RENEW = (
+    f"UPDATE leader_lease SET expires_at = {_CLOCK} + ? "
+    f"WHERE id = 1 AND term = ? AND holder = ? AND expires_at > {_CLOCK} RETURNING term"
+)
+HOLDER = f"SELECT term, holder, expires_at - {_CLOCK} FROM leader_lease WHERE id = 1"
+
 
 def _params(sql: str) -> str:
     # The queries are written with SQLite's `?`; psycopg wants `%s` (no query holds a `%`).
@@ -42,6 +80,9 @@ def redact(url: str) -> str:
 
 
 def _failed(where: str, e: Exception) -> StoreError:
+    if isinstance(e, psycopg.errors.InvalidTextRepresentation) and FENCE_TAG in str(e):
+        why = str(e).split(FENCE_TAG, 1)[1].strip(': "')
+        return Fenced(f"database {where}: {why}")
     if isinstance(e, psycopg.OperationalError | PoolTimeout):
         return StoreUnavailable(f"database {where}: {e}")
     return StoreError(f"database {where}: {e}")
@@ -69,9 +110,16 @@ class _PgConn(Conn):
             raise _failed(self.where, e) from e
 
     async def execute(self, sql: str, args: Sequence[Any] = ()) -> Result:
-        await self.flush()
+        # What was queued goes in the same pipeline trip as this statement (the fence too).
+        pending, self.pending = self.pending, []
         try:
-            cur = await self.conn.execute(_params(sql), tuple(args))
+            if pending:
+                async with self.conn.pipeline():
+                    for queued, queued_args in pending:
+                        await self.conn.execute(queued, queued_args)
+                    cur = await self.conn.execute(_params(sql), tuple(args))
+            else:
+                cur = await self.conn.execute(_params(sql), tuple(args))
             rows = await cur.fetchall() if cur.description else []
             return Result(rows, cur.rowcount)
         except psycopg.Error as e:
@@ -119,6 +167,75 @@ class PostgresBackend(Backend):
             url, kwargs=kwargs, min_size=1, max_size=4, open=False,
             timeout=CONNECT_TIMEOUT_S, name="spotdrain-critical",
         )  # fmt: skip
+        # No lease (one coordinator, today's default): writes are not fenced at all.
+        self._fence: tuple[Any, ...] | None = None
+        self._fenced_off = ""  # a follower's reason: every write refused, no trip
+        self.on_fenced: Callable[[str], None] = lambda why: None
+        self._lease_conn: psycopg.AsyncConnection | None = None
+
+    # --- the leader lease and the fence ------------------------------------------------------
+
+    def fence_to(self, term: int, holder: str, idle_limit_s: float) -> None:
+        """From now on every write is fenced by `term`: it fails unless `holder` holds the
+        lease at that term when the write's transaction starts."""
+        message = f"{FENCE_TAG}: term {term} no longer holds the leader lease"
+        self._fence = (str(max(1, int(idle_limit_s * 1000))), term, holder, message)
+        self._fenced_off = ""
+
+    def fence_off(self, why: str) -> None:
+        """Refuse every write from now on (a follower, or a leader that stepped down)."""
+        self._fence = None
+        self._fenced_off = why
+
+    def _check_fence(self) -> None:
+        if self._fenced_off:
+            raise Fenced(f"database {self.where}: {self._fenced_off}")
+
+    def _refused(self, e: Fenced) -> None:
+        self.fence_off(str(e))
+        self.on_fenced(str(e))
+
+    async def _lease(self, sql: str, args: Sequence[Any], timeout_s: float) -> list[tuple]:
+        """One lease statement on a connection of its own (never waiting behind the pools),
+        within `timeout_s` also on the server's side (a lock wait ends there too)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                if self._lease_conn is None or self._lease_conn.closed:
+                    ms = str(max(1, int(timeout_s * 1000)))
+                    self._lease_conn = await psycopg.AsyncConnection.connect(
+                        self.url, autocommit=True, connect_timeout=int(CONNECT_TIMEOUT_S),
+                        options=f"-c statement_timeout={ms} -c lock_timeout={ms}",
+                    )  # fmt: skip
+                cur = await self._lease_conn.execute(_params(sql), tuple(args))
+                return await cur.fetchall()
+        except (psycopg.Error, TimeoutError) as e:
+            await self._drop_lease_conn()
+            if isinstance(e, TimeoutError):
+                raise StoreUnavailable(f"database {self.where}: lease: no answer in time") from e
+            raise _failed(self.where, e) from e
+
+    async def _drop_lease_conn(self) -> None:
+        conn, self._lease_conn = self._lease_conn, None
+        if conn is not None and not conn.closed:
+            await conn.close()
+
+    async def acquire_lease(
+        self, holder: str, ttl_s: float, timeout_s: float
+    ) -> tuple[bool, int, str, float]:
+        """(taken, term, holder, seconds left by the database's clock): the lease taken at the
+        next term when it had run out, else who holds it."""
+        [(term, who, left, taken)] = await self._lease(ACQUIRE, (holder, ttl_s), timeout_s)
+        return bool(taken), int(term), str(who), float(left)
+
+    async def renew_lease(self, holder: str, term: int, ttl_s: float, timeout_s: float) -> bool:
+        """True when renewed: `ttl_s` from when the database ran it."""
+        return bool(await self._lease(RENEW, (ttl_s, term, holder), timeout_s))
+
+    async def lease_holder(self, timeout_s: float) -> tuple[int, str, float]:
+        [(term, who, left)] = await self._lease(HOLDER, (), timeout_s)
+        return int(term), str(who), float(left)
+
+    # --- opening, transactions, reads --------------------------------------------------------
 
     async def open(self) -> None:
         try:
@@ -149,22 +266,43 @@ class PostgresBackend(Backend):
 
     @asynccontextmanager
     async def transaction(self, priority: bool = False) -> AsyncIterator[Conn]:
+        self._check_fence()
+        fence = self._fence
         pool = self._critical if priority else self._bulk
         try:
             async with pool.connection() as conn, conn.transaction():
                 pg = _PgConn(conn, self.where)
+                if fence is not None:
+                    pg.defer(FENCE, fence)  # goes out with the first statement, same trip
                 yield pg
                 await pg.flush()
         except (psycopg.Error, PoolTimeout) as e:
             raise _failed(self.where, e) from e
+        except Fenced as e:
+            self._refused(e)
+            raise
 
     async def write(self, sql: str, args: Sequence[Any] = (), priority: bool = False) -> Result:
-        # Autocommit: one statement, one round trip.
+        self._check_fence()
+        fence = self._fence
         try:
             async with (self._critical if priority else self._bulk).connection() as conn:
-                return await _PgConn(conn, self.where).execute(sql, args)
-        except PoolTimeout as e:
-            raise _failed(self.where, e) from e
+                if fence is None:  # autocommit: one statement, one round trip
+                    return await _PgConn(conn, self.where).execute(sql, args)
+                # Fenced: BEGIN, the fence, the statement and COMMIT, still one trip.
+                async with conn.pipeline(), conn.transaction():
+                    await conn.execute(_params(FENCE), fence)
+                    cur = await conn.execute(_params(sql), tuple(args))
+                rows = await cur.fetchall() if cur.description else []
+                return Result(rows, cur.rowcount)
+        except (psycopg.Error, PoolTimeout) as e:
+            error = _failed(self.where, e)
+            if isinstance(error, Fenced):
+                self._refused(error)
+            raise error from e
+        except Fenced as e:
+            self._refused(e)
+            raise
 
     async def read(self, sql: str, args: Sequence[Any] = ()) -> Result:
         try:
@@ -174,5 +312,6 @@ class PostgresBackend(Backend):
             raise _failed(self.where, e) from e
 
     async def close(self) -> None:
+        await self._drop_lease_conn()
         await self._bulk.close()
         await self._critical.close()

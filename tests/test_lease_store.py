@@ -1,0 +1,155 @@
+"""The leader lease and the fence on a real PostgreSQL (coordinator/store/postgres.py): two
+replicas' stores on one database, the lease's expiry on the database's clock."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pgserver import fresh_database
+from spotdrain.coordinator.store import NewEvent, StoreError, open_store
+from spotdrain.coordinator.store.backend import Fenced
+
+TTL = 0.5
+
+
+@pytest.fixture
+async def two_stores(postgres, request):
+    url = fresh_database(postgres, request.node.name)
+    a, b = await open_store(url), await open_store(url)
+    yield a, b
+    await a.close()
+    await b.close()
+
+
+async def rows(store) -> dict[str, int]:
+    out = {}
+    for table in ("nodes", "taints", "events", "node_drains", "reclamations"):
+        [(n,)] = (await store.backend.read(f"SELECT COUNT(*) FROM {table}")).rows
+        out[table] = n
+    return out
+
+
+async def take(store, holder: str, ttl: float = TTL) -> int:
+    """The lease for `holder`, waiting out whoever holds it now."""
+    deadline = time.monotonic() + 10
+    while True:
+        taken, term, _, left = await store.backend.acquire_lease(holder, ttl, 2.0)
+        if taken:
+            store.backend.fence_to(term, holder, ttl)
+            return term
+        assert time.monotonic() < deadline, "the lease never ran out"
+        await asyncio.sleep(max(left, 0.01))
+
+
+def event(uid: str) -> NewEvent:
+    return NewEvent(uid, "notice_received", "node-a", "r-1", time.time(), 0.0, {})
+
+
+async def test_a_deposed_leaders_every_write_is_refused_by_its_term(two_stores):
+    """Replica A leads at term 1 and writes. It stops renewing (hung); its lease runs out by the
+    database's clock and B takes term 2. Every kind of write A still attempts (a taint, the
+    workload flag, a drain, a batch of events, a single statement) is refused, A is told it was
+    deposed, and the store holds exactly what it held before."""
+    a, b = two_stores
+    deposed: list[str] = []
+    a.backend.on_fenced = deposed.append
+    term_a = await take(a, "a:1 x")
+    await a.set_workload("node-a", True)
+    await a.add_events([event("u-1")])
+    assert (await rows(a))["events"] == 1
+
+    term_b = await take(b, "b:1 y")
+    assert term_b == term_a + 1
+    before = await rows(b)
+    with pytest.raises(Fenced, match=f"term {term_a} no longer holds the leader lease"):
+        await a.add_taint("node-a", "r-1", "notice")
+    assert len(deposed) == 1
+    attempts = [
+        a.set_workload("node-a", False),
+        a.start_drain("node-a", "r-1", "notice", time.time() + 100, time.time() + 90),
+        a.add_events([event("u-2")]),
+        a.add_events([event("u-3")], fresh=True),
+        a.touch_node("node-a"),
+    ]
+    for attempt in attempts:
+        with pytest.raises(Fenced):
+            await attempt
+    assert await rows(b) == before
+    assert (await b.node("node-a")).workload_enabled
+
+
+async def test_a_takeover_waits_for_the_write_in_flight(two_stores):
+    """A's transaction has passed the fence when its lease runs out: B's takeover waits for it
+    to commit, so B's rebuild then reads the write A was told succeeded (and nothing of A's
+    lands after B has read the store)."""
+    a, b = two_stores
+    ttl = 1.5
+    await take(a, "a:1 x", ttl)
+    taken_at = time.monotonic()
+    committed = asyncio.Event()
+
+    async def slow_write() -> None:
+        await asyncio.sleep(ttl - 0.3)
+        async with a.transaction():
+            await a.set_workload("node-a", False)  # the fence and this, one trip
+            await asyncio.sleep(0.8)  # the lease runs out meanwhile
+        committed.set()
+
+    writer = asyncio.create_task(slow_write())
+    await asyncio.sleep(ttl + 0.1 - (time.monotonic() - taken_at))
+    taken, term, _, _ = await b.backend.acquire_lease("b:1 y", ttl, 5.0)
+    assert taken and term == 2
+    assert committed.is_set()  # the takeover came after the commit, not before
+    await writer
+    assert not (await b.node("node-a")).workload_enabled
+
+
+async def test_a_leader_stopped_inside_a_transaction_does_not_hold_the_lease_for_ever(two_stores):
+    """A is stopped (SIGSTOP) inside a transaction that passed the fence: the share lock it holds
+    would block every takeover for as long as its socket lives. The database ends A's idle
+    session after the lease's TTL; B takes over, and A's transaction never commits."""
+    a, b = two_stores
+    await take(a, "a:1 x")
+    resume = asyncio.Event()
+
+    async def stopped_write() -> None:
+        async with a.transaction():
+            await a.set_workload("node-a", False)
+            await resume.wait()  # "stopped"
+
+    writer = asyncio.create_task(stopped_write())
+    await asyncio.sleep(0.1)
+    started = time.monotonic()
+    assert await take(b, "b:1 y") == 2
+    assert time.monotonic() - started < 3 * TTL
+    resume.set()
+    with pytest.raises(StoreError):
+        await writer
+    assert (await b.node("node-a")) is None
+
+
+async def test_a_follower_refuses_writes_without_asking_the_database_and_still_reads(two_stores):
+    a, b = two_stores
+    await take(a, "a:1 x")
+    await a.add_events([event("u-1")])
+    b.backend.fence_off("a follower: not the leader")
+    with pytest.raises(Fenced, match="a follower"):
+        await b.add_events([event("u-2")])
+    with pytest.raises(Fenced):
+        await b.set_workload("node-a", False)
+    assert [e.uid for e in await b.events_after(0)] == ["u-1"]
+
+
+async def test_the_lease_is_renewed_only_by_its_holder_at_its_term_and_never_revived(two_stores):
+    a, b = two_stores
+    term = await take(a, "a:1 x")
+    assert await a.backend.renew_lease("a:1 x", term, TTL, 1.0)
+    assert not await b.backend.renew_lease("b:1 y", term, TTL, 1.0)  # not its holder
+    assert not await a.backend.renew_lease("a:1 x", term + 1, TTL, 1.0)  # not its term
+    taken, held_term, holder, left = await b.backend.acquire_lease("b:1 y", TTL, 1.0)
+    assert (taken, held_term, holder) == (False, term, "a:1 x") and 0 < left <= TTL
+    await asyncio.sleep(TTL + 0.1)
+    assert not await a.backend.renew_lease("a:1 x", term, TTL, 1.0)  # ran out: not revived

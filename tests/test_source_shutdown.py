@@ -350,6 +350,31 @@ async def test_the_lock_is_kept_while_the_bus_is_away_and_taken_again_after(tmp_
     await first.stop()
 
 
+async def test_a_socket_that_is_no_bus_is_a_failed_read_not_a_crash(tmp_path):
+    """Something else listens at the bus address and answers garbage to the authentication:
+    the source counts failed reads and goes down; it never raises out of run()."""
+    path = tmp_path / "not-a-bus"
+
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(64)
+        writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_unix_server(garbage, path=str(path))
+    sink = FakeSink()
+    source = source_for(f"unix:path={path}", sink, clock=time.time)
+    try:
+        async with running(source):
+            await until(lambda: sink.health, "the source reported down")
+            [(name, up, error)] = sink.health
+            assert (name, up) == ("shutdown", False) and str(path) in error, error
+            assert not source.locked
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 # --- configuration ------------------------------------------------------------------------------
 
 

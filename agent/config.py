@@ -6,6 +6,7 @@ A bad flag or file gives one clear line and exit code 2 (spotdrain.cli.UsageErro
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ PROG = "spotdrain-agent"
 
 @dataclass(frozen=True)
 class AgentConfig:
-    coordinator: str
+    coordinator: str  # HOST:PORT, or several comma-separated (replicas: the leader is found)
     node_id: str
     # A packaged daemon's paths: what systemd's RuntimeDirectory/StateDirectory and Debian's
     # docker.io give, so an install needs only the coordinator, the node id and TLS files.
@@ -73,10 +74,15 @@ class AgentConfig:
     # Each source to run, its settings checked at start: name -> that source's Config.
     source_configs: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def coordinators(self) -> tuple[str, ...]:
+        """Every coordinator replica's address, in the order given."""
+        return tuple(a.strip() for a in self.coordinator.split(",") if a.strip())
+
 
 # flag name -> (config key, type, help). Margins live under [margins] in the file.
 SETTINGS: dict[str, tuple[type, str]] = {
-    "coordinator": (str, "coordinator HOST:PORT"),
+    "coordinator": (str, "coordinator HOST:PORT, or replicas' A:PORT,B:PORT (a list in TOML)"),
     "node_id": (str, "this node's id (must match its certificate)"),
     "notice_file": (Path, "the provider's notice file to watch"),
     "state_dir": (Path, "where bundles and the outbox live"),
@@ -132,6 +138,8 @@ def load(argv: list[str] | None = None) -> AgentConfig:
             doc = tomllib.loads(args.config.read_text())
         except OSError as e:
             raise UsageError(f"cannot read config {args.config}: {e.strerror}") from e
+        except UnicodeDecodeError as e:
+            raise UsageError(f"config {args.config}: not UTF-8 at byte {e.start}") from e
         except tomllib.TOMLDecodeError as e:
             raise UsageError(f"config {args.config}: {e}") from e
     return from_sources(vars(args), doc, str(args.config or ""))
@@ -161,6 +169,8 @@ def from_sources(flags: dict[str, Any], doc: dict[str, Any], origin: str = "") -
         source = f"--{name.replace('_', '-')}"
         if raw is None and name in doc:
             raw, source = doc[name], f"{where}{name}"
+        if name == "coordinator" and isinstance(raw, list):  # replicas: ["a:7443", "b:7443"]
+            raw = ",".join(_convert(a, str, source) for a in raw)
         if raw is not None:
             values[name] = _convert(raw, kind, source)
     for name in ("insecure", "spot"):
@@ -185,7 +195,9 @@ def from_sources(flags: dict[str, Any], doc: dict[str, Any], origin: str = "") -
         raise UsageError(
             f"missing --{missing[0].replace('_', '-')} (or {missing[0]} in the config)"
         )
-    host_port(values["coordinator"], "--coordinator")
+    addresses = [a.strip() for a in str(values["coordinator"]).split(",")]
+    for address in addresses:
+        host_port(address, "--coordinator")
     if values.get("metrics_listen"):
         host_port(values["metrics_listen"], "--metrics-listen")
     docker_host = str(values.get("docker_host", AgentConfig.docker_host))
@@ -240,9 +252,12 @@ def _convert(raw: Any, kind: type, source: str) -> Any:
         if isinstance(raw, bool):
             raise UsageError(f"{source} must be a number, got {raw!r}")
         try:
-            return float(raw)
+            value = float(raw)
         except (TypeError, ValueError):
             raise UsageError(f"{source} must be a number, got {raw!r}") from None
+        if not math.isfinite(value):  # nan would never compare, inf never fire
+            raise UsageError(f"{source} must be a finite number, got {raw!r}")
+        return value
     if not isinstance(raw, str | Path):
         raise UsageError(f"{source} must be a string, got {raw!r}")
     value = kind(raw)

@@ -14,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from spotdrain import limits, systemd
-from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port
+from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port, seconds
 from spotdrain.coordinator import replica as replicas
 from spotdrain.coordinator.acquirer import acquirers_from_config, avoid_s_from_config
 from spotdrain.coordinator.admin_api import AdminServicer
@@ -51,7 +51,7 @@ def parser() -> ArgumentParser:
     p.add_argument("--client-ca", help="CA that signs node and operator certificates")
     p.add_argument(
         "--start-timeout-s",
-        type=float,
+        type=seconds(0.1, 86400),
         default=300.0,
         help="a worker not started this long after it was placed is given up (default 300)",
     )
@@ -60,13 +60,13 @@ def parser() -> ArgumentParser:
     )
     p.add_argument(
         "--heartbeat-ttl-s",
-        type=float,
+        type=seconds(0.1, 3600),
         default=15.0,
         help="a ready worker without a heartbeat this long is missing (default 15)",
     )
     p.add_argument(
         "--node-gone-s",
-        type=float,
+        type=seconds(0.1, 30 * 86400),
         default=600.0,
         help="rentals on a node gone (disconnected) this long end as platform (default 600)",
     )
@@ -78,7 +78,7 @@ def parser() -> ArgumentParser:
     )
     p.add_argument(
         "--contract-budget",
-        type=float,
+        type=seconds(0, 1),
         default=DEFAULT_BUDGET,
         help="share of an image's reclamations that may end killed at G or overrun before it is "
         f"flagged (default {DEFAULT_BUDGET})",
@@ -210,13 +210,16 @@ async def _serve(args, host, port, creds, store, acquirers, avoid_s, contracts, 
         [*services, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
     address = f"{host}:{port}"
-    bound = (
-        server.add_insecure_port(address)
-        if creds is None
-        else server.add_secure_port(address, creds)
-    )
+    try:
+        bound = (
+            server.add_insecure_port(address)
+            if creds is None
+            else server.add_secure_port(address, creds)
+        )
+    except RuntimeError:  # grpc's "Failed to bind": a port in use, an address not ours
+        bound = 0
     if bound == 0:
-        raise UsageError(f"cannot listen on {address}")
+        raise UsageError(f"cannot listen on {address} (in use, or not an address of this host)")
     # Startup and the recovery loop share one path: rebuild from the store (before serving, so
     # no agent or router sees an empty registry), then recover. A replica does so when it
     # takes the lease.

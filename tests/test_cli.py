@@ -290,3 +290,63 @@ def test_the_readme_edits_are_a_whole_agent_config():
     assert cfg.docker_host == "unix:///run/docker.sock"
     unit = (Path(__file__).parent.parent / "packaging/systemd/spotdrain-agent.service").read_text()
     assert "StateDirectory=spotdrain" in unit and "RuntimeDirectory=spotdrain" in unit
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--docker-call-timeout-s", "nan"], "--docker-call-timeout-s must be a finite number"),
+    (["--notice-poll-s", "inf"], "--notice-poll-s must be a finite number"),
+    (["--pause-notice-s", "nan"], "--pause-notice-s must be a finite number"),
+    (["--grace-s", "nan"], "--grace-s must be a finite number"),
+    (["--overrun-s=-inf"], "--overrun-s must be a finite number"),
+    (["--gate-port-offset", "inf"], "--gate-port-offset must be a finite number"),
+])
+def test_agent_nan_and_infinity_are_refused_at_start(args, message):
+    """NaN never compares and infinity never fires: a deadline or timeout made of either would
+    let a notice taint but never signal. One line, exit 2, before anything starts."""
+    result = run("spotdrain-agent", *BASE, *args)
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert message in line
+
+
+def test_agent_margins_nan_in_the_file_and_a_non_utf8_file_are_one_line(tmp_path):
+    nan = tmp_path / "nan.toml"
+    nan.write_text('coordinator = "c:1"\nnode_id = "n"\ninsecure = true\n'
+                   '[margins]\ngrace_s = nan\n')
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b'coordinator = "c:1"\nnode_id = "n\xe9"\n')
+    for path, message in ((nan, "margins.grace_s must be a finite number"),
+                          (latin, "not UTF-8 at byte")):
+        result = run("spotdrain-agent", "--config", str(path))
+        assert result.returncode == 2, result.stderr
+        [line] = result.stderr.strip().splitlines()
+        assert message in line
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--heartbeat-ttl-s", "nan"], "argument --heartbeat-ttl-s: must be a finite number"),
+    (["--node-gone-s", "inf"], "argument --node-gone-s: must be a finite number"),
+    (["--start-timeout-s", "0"], "argument --start-timeout-s: must be a finite number between"),
+    (["--contract-budget", "1.5"], "argument --contract-budget: must be a finite number between"),
+])
+def test_coordinator_nan_infinity_and_out_of_range_are_one_line(tmp_path, args, message):
+    result = run("spotdrain-coordinator", "--listen", "127.0.0.1:0", "--db",
+                 str(tmp_path / "c.sqlite"), "--insecure", *args)
+    assert result.returncode == 2
+    errors = [ln for ln in result.stderr.splitlines() if ": error: " in ln]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in result.stderr
+    assert not (tmp_path / "c.sqlite").exists()  # refused before the store was opened
+
+
+def test_coordinator_on_a_port_in_use_is_one_line_and_exit_2(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run("spotdrain-coordinator", "--listen", f"127.0.0.1:{port}", "--db",
+                     str(tmp_path / "c.sqlite"), "--insecure")
+    assert result.returncode == 2
+    assert f"error: cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import NoReturn
 
@@ -30,3 +31,21 @@ def host_port(value: str, what: str = "address") -> tuple[str, int]:
 def fail_usage(prog: str, message: str) -> int:
     print(f"{prog}: error: {message}", file=sys.stderr)
     return USAGE_ERROR
+
+
+def seconds(low: float, high: float):
+    """An argparse type for a duration or share: a finite number within [low, high] (NaN and
+    infinity are refused: NaN never compares, so a deadline computed from it never fires)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(value) or not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number between {low:g} and {high:g}, got {text!r}"
+            )
+        return value
+
+    return parse

@@ -6,6 +6,12 @@ events are sent again (the coordinator stores each uid once).
 
 Each EventBatch fits the coordinator's bounds (spotdrain.limits): it refuses a larger one with
 RESOURCE_EXHAUSTED, and a refused batch would be resent, and refused, forever.
+
+Several coordinator replicas (`coordinator = ["a:7443", "b:7443"]`): only the leader serves; a
+follower answers UNAVAILABLE naming the leader in the `spotdrain-leader` trailing metadata. The
+stream goes to the leader (where a refusal points, else the next address); a Taint goes to every
+replica at once and the leader's answer is taken, so the 800 ms deadline covers the whole search
+(a stopped replica cannot eat it), and past it the local taint applies as with one coordinator.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any
 
 import grpc
 
@@ -44,15 +51,27 @@ CHANNEL_OPTIONS = [
 ]
 
 
+LEADER_KEY = "spotdrain-leader"  # a follower's trailing metadata: the leader's address
+
+
 class TaintError(Exception):
     pass
 
 
-def make_channel(cfg: AgentConfig) -> grpc.aio.Channel:
+def make_channel(cfg: AgentConfig, address: str | None = None) -> grpc.aio.Channel:
+    address = address or cfg.coordinators[0]
     if cfg.insecure:
-        return grpc.aio.insecure_channel(cfg.coordinator, options=CHANNEL_OPTIONS)
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
     creds = channel_credentials(cfg.tls_cert, cfg.tls_key, cfg.ca)
-    return grpc.aio.secure_channel(cfg.coordinator, creds, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+
+
+def leader_hint(error: grpc.aio.AioRpcError) -> str:
+    """The leader's address a follower named, or ''."""
+    for key, value in error.trailing_metadata() or ():
+        if key == LEADER_KEY and isinstance(value, str):
+            return value
+    return ""
 
 
 def to_pb(ev: OutgoingEvent) -> pb.Event:
@@ -122,8 +141,9 @@ class CoordinatorLink:
         self.cfg = cfg
         self.outbox = outbox
         self.registration = registration
-        self.channel = make_channel(cfg)
-        self.stub = pb_grpc.AgentLinkStub(self.channel)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, pb_grpc.AgentLinkStub] = {}
+        self.leader = cfg.coordinators[0]  # where the stream goes: the leader, as last heard
         self._outbox_changed = asyncio.Event()
         self._reports: list[pb.AgentMessage] = []
         self._slots: dict[str, pb.WorkerSlots] = {}
@@ -137,7 +157,63 @@ class CoordinatorLink:
         self._outbox_changed.set()
 
     async def close(self) -> None:
-        await self.channel.close(grace=None)
+        for channel in self._channels.values():
+            await channel.close(grace=None)
+
+    def stub(self, address: str) -> pb_grpc.AgentLinkStub:
+        if address not in self._stubs:
+            self._channels[address] = make_channel(self.cfg, address)
+            self._stubs[address] = pb_grpc.AgentLinkStub(self._channels[address])
+        return self._stubs[address]
+
+    def _moved(self, error: grpc.aio.AioRpcError) -> None:
+        """The stream failed: to the leader a follower named, else the next address."""
+        hint = leader_hint(error)
+        if hint:
+            self.leader = hint
+            return
+        addresses = self.cfg.coordinators
+        if len(addresses) > 1:
+            i = addresses.index(self.leader) if self.leader in addresses else -1
+            self.leader = addresses[(i + 1) % len(addresses)]
+
+    async def on_leader(self, method: str, request: Any, timeout: float) -> Any:  # noqa: ANN401
+        """A unary call answered by the leader, within `timeout` in all: sent to every
+        replica at once (only the leader can succeed; the call is idempotent), then to a
+        leader a follower named that is not in the list. One coordinator: one plain call."""
+        deadline = time.monotonic() + timeout
+        addresses = list(dict.fromkeys([self.leader, *self.cfg.coordinators]))
+        errors: list[grpc.aio.AioRpcError] = []
+        while addresses:
+            left = max(deadline - time.monotonic(), 0.001)
+            calls = {
+                asyncio.ensure_future(getattr(self.stub(a), method)(request, timeout=left)): a
+                for a in addresses
+            }
+            tried, addresses = set(addresses), []
+            try:
+                for next_done in asyncio.as_completed(calls):
+                    try:
+                        reply = await next_done
+                    except grpc.aio.AioRpcError as e:
+                        errors.append(e)
+                        hint = leader_hint(e)
+                        if hint and hint not in tried and hint not in addresses:
+                            addresses.append(hint)
+                        continue
+                    for call, address in calls.items():
+                        if call.done() and not call.cancelled() and call.exception() is None:
+                            self.leader = address
+                    return reply
+            finally:
+                for call in calls:
+                    call.cancel()
+            if time.monotonic() >= deadline:
+                break
+        # The leader's own refusal says more than a follower's UNAVAILABLE or a timeout.
+        errors.sort(key=lambda e: e.code() in (grpc.StatusCode.UNAVAILABLE,
+                                               grpc.StatusCode.DEADLINE_EXCEEDED))  # fmt: skip
+        raise errors[0]
 
     # --- Taint -------------------------------------------------------------------------------
 
@@ -159,7 +235,7 @@ class CoordinatorLink:
             grace_deadline=grace_deadline,
         )
         try:
-            return await self.stub.Taint(request, timeout=max(timeout, 0.001))
+            return await self.on_leader("Taint", request, max(timeout, 0.001))
         except grpc.aio.AioRpcError as e:
             raise TaintError(
                 f"taint {self.cfg.node_id}: coordinator gave {e.code().name}: {e.details()}"
@@ -204,7 +280,7 @@ class CoordinatorLink:
         attempt = 0
         while True:
             try:
-                await self.stub.SetWorkload(request, timeout=2.0)
+                await self.on_leader("SetWorkload", request, 2.0)
                 return
             except grpc.aio.AioRpcError as e:
                 log.info("node %s: resume retry: %s", self.cfg.node_id, e.code().name)
@@ -259,7 +335,11 @@ class CoordinatorLink:
                     )
                     await asyncio.sleep(REFUSED_RETRY_S)
                     continue
-                log.info("node %s: coordinator stream: %s", self.cfg.node_id, e.code().name)
+                log.info("node %s: coordinator %s stream: %s: %s", self.cfg.node_id,
+                         self.leader, e.code().name, e.details())  # fmt: skip
+                self._moved(e)
+                if leader_hint(e):
+                    attempt = 0  # sent on to the leader: go at once
             except asyncio.InvalidStateError:
                 # grpc.aio raises this from write() when the call died under us (the
                 # coordinator went away between connecting and registering): reconnect.
@@ -270,7 +350,7 @@ class CoordinatorLink:
             attempt += 1
 
     async def _session(self) -> None:
-        call = self.stub.Connect()
+        call = self.stub(self.leader).Connect()
         await call.write(pb.AgentMessage(register=await self.registration()))
         reply = await call.read()
         if reply is grpc.aio.EOF or reply.WhichOneof("body") != "registered":
@@ -282,7 +362,7 @@ class CoordinatorLink:
             )
         self.remote_taints = list(reply.registered.taints)
         self.connected.set()
-        log.info("node %s: registered with coordinator %s", self.cfg.node_id, self.cfg.coordinator)
+        log.info("node %s: registered with coordinator %s", self.cfg.node_id, self.leader)
         in_flight: set[str] = set()
         # Due every HEARTBEAT_S even while slot reports keep the stream busy: slot reports do
         # not refresh a worker's expiry at the coordinator, heartbeats do.

@@ -192,8 +192,9 @@ class PostgresBackend(Backend):
             raise Fenced(f"database {self.where}: {self._fenced_off}")
 
     def _refused(self, e: Fenced) -> None:
-        self.fence_off(str(e))
-        self.on_fenced(str(e))
+        why = str(e).removeprefix(f"database {self.where}: ")
+        self.fence_off(why)
+        self.on_fenced(why)
 
     async def _lease(self, sql: str, args: Sequence[Any], timeout_s: float) -> list[tuple]:
         """One lease statement on a connection of its own (never waiting behind the pools),

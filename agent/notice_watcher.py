@@ -8,11 +8,14 @@ in place is read after it closes the file, not halfway through.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
+import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from spotdrain.agent.notice import Notice, NoticeInvalid, parse_notice
+from spotdrain.agent.notice import Notice, NoticeInvalid, content_hash, parse_notice
 
 log = logging.getLogger("spotdrain.agent.notice")
 
@@ -20,16 +23,46 @@ MAX_NOTICE_BYTES = 64 * 1024
 
 
 def read_notice(path: Path) -> Notice | NoticeInvalid | None:
+    """The file's parse. Only a regular file is read: it is opened non-blocking and without
+    following a final symlink, and checked with fstat before any read, so a FIFO, a device or
+    a link at the notice path is a `NoticeInvalid` at once instead of a read that never ends."""
     try:
-        with path.open("rb") as f:
-            raw = f.read(MAX_NOTICE_BYTES + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     except OSError as e:
-        return NoticeInvalid(reason=f"cannot read {path}: {e.strerror}", content_hash="")
+        what = "a symbolic link" if e.errno == errno.ELOOP else e.strerror
+        return _unreadable(path, f"cannot read {path}: {what}", None)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return _unreadable(path, f"{path} is not a regular file ({_kind(info.st_mode)})", info)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(MAX_NOTICE_BYTES + 1)
+    except OSError as e:
+        return _unreadable(path, f"cannot read {path}: {e.strerror}", None)
+    finally:
+        os.close(fd)
     if len(raw) > MAX_NOTICE_BYTES:
-        return NoticeInvalid(reason=f"larger than {MAX_NOTICE_BYTES} bytes", content_hash="")
+        return NoticeInvalid(reason=f"larger than {MAX_NOTICE_BYTES} bytes",
+                             content_hash=content_hash(raw))  # fmt: skip
     return parse_notice(raw)
+
+
+def _unreadable(path: Path, reason: str, info: os.stat_result | None) -> NoticeInvalid:
+    """Nothing to hash but what it is: the reason and, when known, which inode and when it
+    changed, so two different bad inputs are two reports and the same one stays one."""
+    stamp = f"{info.st_ino}:{info.st_mtime_ns}:{info.st_mode}" if info is not None else ""
+    return NoticeInvalid(reason=reason, content_hash=content_hash(f"{reason}\0{stamp}".encode()))
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a directory")):  # fmt: skip
+        if test(mode):
+            return name
+    return "not a file"
 
 
 async def watch(
@@ -38,8 +71,9 @@ async def watch(
     """Yield each new parse of the notice file (the same bytes twice are yielded once).
 
     `ready` is set once the watch is in place: a notice written after that is never missed.
+    The directory deleted, moved away or made again: it is made again if missing and watched
+    anew, and the file read once, so the agent never goes deaf.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     last: Notice | NoticeInvalid | None = None
 
     def fresh() -> Notice | NoticeInvalid | None:
@@ -50,30 +84,46 @@ async def watch(
         last = result
         return result
 
-    inotify = None
     try:
         from asyncinotify import Inotify, Mask  # noqa: PLC0415
-
-        inotify = Inotify()
-        # The watch goes in before the first read, so nothing falls between the two.
-        inotify.add_watch(path.parent, Mask.CLOSE_WRITE | Mask.MOVED_TO | Mask.CREATE)
-    except (OSError, ImportError) as e:
+    except ImportError as e:
+        Inotify = None  # noqa: N806
         log.warning("inotify unavailable for %s (%s); polling every %.1f s", path, e, poll_s)
-    if ready is not None:
-        ready.set()
-    first = fresh()  # a notice written while the agent was down
-    if first is not None:
-        yield first
-    if inotify is None:
-        while True:
-            await asyncio.sleep(poll_s)
-            result = fresh()
-            if result is not None:
-                yield result
-    with inotify:
-        async for event in inotify:
-            if event.name is None or event.name.name != path.name:
-                continue
-            result = fresh()
-            if result is not None:
-                yield result
+    while True:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        inotify = None
+        if Inotify is not None:
+            try:
+                inotify = Inotify()
+                # The watch goes in before the first read, so nothing falls between the two.
+                inotify.add_watch(path.parent, Mask.CLOSE_WRITE | Mask.MOVED_TO | Mask.CREATE
+                                  | Mask.DELETE_SELF | Mask.MOVE_SELF)  # fmt: skip
+            except OSError as e:
+                if inotify is not None:
+                    inotify.close()
+                inotify = None
+                log.warning("inotify cannot watch %s (%s); polling every %.1f s",
+                            path.parent, e, poll_s)  # fmt: skip
+        if ready is not None:
+            ready.set()
+        first = fresh()  # a notice written while the agent was down, or while the watch was off
+        if first is not None:
+            yield first
+        if inotify is None:
+            while True:
+                await asyncio.sleep(poll_s)
+                if not path.parent.is_dir():
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                result = fresh()
+                if result is not None:
+                    yield result
+        with inotify:
+            async for event in inotify:
+                if event.mask & (Mask.DELETE_SELF | Mask.MOVE_SELF | Mask.IGNORED):
+                    log.warning("%s was removed or moved: watching it again", path.parent)
+                    break
+                if event.name is None or event.name.name != path.name:
+                    continue
+                result = fresh()
+                if result is not None:
+                    yield result

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 from spotdrain.coordinator import capacity
 from spotdrain.coordinator import workers as wm
 from spotdrain.coordinator.nodes import summarize_refusals
-from spotdrain.coordinator.placement import PlacementRequest
 from spotdrain.coordinator.store import ModelRow, StartBackoff
 
 if TYPE_CHECKING:
@@ -101,7 +100,7 @@ class CapacityKeeper:
         per shortage, with why the nodes said no; not every pass)."""
         fleet = self.fleet
         for _ in range(count):
-            request = PlacementRequest(kind="inference", path=path)
+            request = fleet.gate.request_for(model.image, "inference", path)
             node_id, refused = fleet.nodes.pick(request, prefer)
             if node_id is None:
                 if model.model not in self._short:

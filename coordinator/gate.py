@@ -45,6 +45,13 @@ class Gate:
             )
             raise PlacementRefused(node_id, why)
 
+    def request_for(self, image: str, kind: str, path: str) -> PlacementRequest:
+        """What a worker of `image` asks of a node. Callers that pick a node first (capacity,
+        recovery) ask with the same request, so the node they pick is one the gate admits: a
+        flagged image is kept off spot nodes (--no-spot-for-flagged) in the pick as well."""
+        off_spot = self.fleet.contracts.keeps_off_spot(image, kind)
+        return PlacementRequest(kind=kind, gpus=1, path=path, off_spot=off_spot)
+
     async def place_worker(
         self,
         node_id: str,
@@ -60,9 +67,7 @@ class Gate:
         if kind not in WORKER_KINDS:
             raise ValueError(f"worker kind must be one of {WORKER_KINDS}, got {kind!r}")
         fleet = self.fleet
-        # A flagged image is kept off spot nodes here too (--no-spot-for-flagged).
-        off_spot = fleet.contracts.keeps_off_spot(image, kind)
-        request = PlacementRequest(kind=kind, gpus=1, path=path, off_spot=off_spot)
+        request = self.request_for(image, kind, path)
         await self.admit(node_id, request, {"model": model, "image": image})
         if not port:
             try:

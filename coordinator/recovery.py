@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from spotdrain.coordinator import workers as wm
 from spotdrain.coordinator.nodes import REFUSED_EXAMPLES, summarize_refusals
-from spotdrain.coordinator.placement import PlacementRequest
 
 if TYPE_CHECKING:
     from spotdrain.coordinator.fleet import Fleet
@@ -125,7 +124,7 @@ class Recovery:
         await fleet.apply(worker, wm.Stopped(now, None))
         if await fleet.store.model(worker.model) is not None and worker.kind == "inference":
             return  # the model's desired capacity decides what replaces it (capacity keeper)
-        request = PlacementRequest(kind=worker.kind, path="recovery")
+        request = fleet.gate.request_for(worker.image, worker.kind, "recovery")
         node_id, refused = fleet.nodes.pick(request)
         what = {"model": worker.model, "workload": worker.kind, "path": "recovery"}
         if len(refused) <= REFUSED_EXAMPLES:

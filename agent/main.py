@@ -70,6 +70,14 @@ class Agent:
                 self._workers_by_state,
             )
         )
+        self.registry.register(
+            GaugeCollector(
+                "spotdrain_coordinator_connected",
+                "1 while the stream to the coordinator is registered, 0 while it reconnects.",
+                [],
+                lambda: [([], float(self.link.connected.is_set()))],
+            )
+        )
         self.workers = WorkerManager(
             cfg.node_id,
             self.docker,

@@ -77,6 +77,11 @@ class ReclamationMetrics:
             ["reason", "outcome"],
             registry=registry,
         )
+        # Exported at 0 from the start: a series that first appears at 1 hides that first
+        # reclamation from increase(), and an overrun is rare enough that its first one matters.
+        for reason in ("notice", "pause"):
+            for outcome in ("drained", "overrun"):
+                self.reclamations.labels(reason, outcome)
         self.local_taints = Counter(
             "spotdrain_local_taints_total",
             "Taints applied locally because the coordinator did not answer in time.",

@@ -296,3 +296,12 @@ def test_the_agent_says_whether_it_reaches_the_coordinator(daemons):
         15,
         "the agent to see the coordinator gone",
     )
+
+
+def test_the_coordinator_package_ships_both_files():
+    """debian/spotdrain-coordinator.install puts the dashboard and the rules under
+    /usr/share/spotdrain/ (the packaged install itself is tests/test_packaging.py's)."""
+    lines = (REPO / "packaging/debian/spotdrain-coordinator.install").read_text().splitlines()
+    shipped = {src: dest for src, dest in (line.split() for line in lines if line.strip())}
+    assert shipped[str(DASHBOARD.relative_to(REPO))] == "usr/share/spotdrain/grafana/"
+    assert shipped[str(RULES.relative_to(REPO))] == "usr/share/spotdrain/prometheus/"

@@ -152,3 +152,30 @@ async def test_a_taint_is_answered_only_once_it_is_stored(store, clock):
     assert (again.terminate_at, again.grace_deadline) == (1120.0, 1110.0)
     assert [t.since for t in reply.taints] == [1000.0]
     await coord.fleet.close()
+
+
+async def test_a_command_reaches_its_agent_only_once_what_led_to_it_is_stored(store, clock):
+    """Fleet.send inside a transaction: nothing on the node's stream until the commit, and a
+    transaction that fails sends nothing (an agent must never run a worker the store lacks)."""
+    import asyncio
+
+    from spotdrain.coordinator import messages as msg
+
+    fleet = Coordinator(store, insecure=True, clock=clock).fleet
+    stream: asyncio.Queue = asyncio.Queue()
+    fleet.nodes.streams["node-a"] = stream
+    start = msg.StartWorker(worker_id="w-1", model="m", image="img", port=9000, capacity=1,
+                            kind="inference")
+    with pytest.raises(RuntimeError, match="the write failed"):
+        async with store.transaction():
+            fleet.send("node-a", start)
+            assert stream.empty()
+            raise RuntimeError("the write failed")
+    assert stream.empty()
+    async with store.transaction():
+        fleet.send("node-a", start)
+        await store.add_taint("node-a", "rcl-1", "notice")
+        assert stream.empty()
+    assert stream.get_nowait() == start
+    fleet.send("node-a", start)  # outside a transaction: at once
+    assert stream.get_nowait() == start

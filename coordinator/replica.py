@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
@@ -48,6 +49,9 @@ DEFAULT_RENEW_S = 0.5
 ROUTE_TERM_STRIDE = 1 << 40
 # Reads a follower serves from the store (no leader memory needed).
 FOLLOWER_READS = {"Admin": ("WatchEvents", "GetTimeline")}
+# A deposed leader ends within this long whatever its shutdown waits for (the graceful stop
+# takes 2 s): it must not linger serving anything.
+STEP_DOWN_EXIT_S = 5.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -171,6 +175,9 @@ class Replica:
                                 self.backend.fence_off(f"stepped down from term {term}: {why}")
                                 self.ready.clear()
                                 log.error("stepping down from term %d: %s", term, why)
+                                asyncio.get_running_loop().call_later(
+                                    STEP_DOWN_EXIT_S, _exit_deposed, term
+                                )
                                 await self.on_health(False)
                                 return
                             case lm.Follow(holder=holder):
@@ -263,6 +270,12 @@ class Replica:
 
 async def _nothing(_: bool) -> None:
     return None
+
+
+def _exit_deposed(term: int) -> None:
+    log.error("stepped down from term %d and still not stopped: exiting now", term)
+    logging.shutdown()
+    os._exit(1)
 
 
 def taking_over(coord: Any, pauses: Any) -> Callable[[int], Awaitable[None]]:  # noqa: ANN401

@@ -238,6 +238,7 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
         out: asyncio.Queue[msg.Command] = asyncio.Queue()
         session: dict[str, str] = {"node_id": ""}
         reader = asyncio.create_task(self._read(request_iterator, context, out, session))
+        getter: asyncio.Task[msg.Command] | None = None
         try:
             while True:
                 getter = asyncio.create_task(out.get())
@@ -253,7 +254,13 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
                     await abort_for(context, error, f"Connect({session['node_id']})")
                 return
         finally:
-            reader.cancel()
+            # Both tasks end with the stream, whichever way it ends (the agent gone, the call
+            # cancelled): a getter left pending on a dropped queue is garbage-collected as
+            # "Task was destroyed but it is pending", and a reader's error is retrieved here.
+            spawned = [t for t in (reader, getter) if t is not None]
+            for task in spawned:
+                task.cancel()
+            await asyncio.gather(*spawned, return_exceptions=True)
             if session["node_id"]:
                 await self.coord.fleet.reports.disconnected(session["node_id"], out)
 

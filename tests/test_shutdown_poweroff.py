@@ -99,30 +99,30 @@ def test_poweroff_waits_for_the_drain_and_not_longer(
     """`systemctl poweroff` on a host running a batch job that checkpoints for 2 s after
     SIGTERM: notice_received (source shutdown, D = T0 + logind's 30 s) -> sigterm_sent ->
     container_exited (0) -> verified_empty at the coordinator outside; the agent releases
-    logind's lock right after and the host goes down within a second of that, long before the
-    30 s logind would have waited."""
+    logind's lock right after and the host goes down a few tenths of a second later, long
+    before the 30 s logind would have waited."""
     client = docker_engine.client
     remove_test_containers(client, PREFIX)
-    coordinator = start_coordinator(tmp_path / "coordinator")
+    assert docker_engine.host.startswith("unix://"), docker_engine.host
+    socket = docker_engine.host.removeprefix("unix://")
     marks = tmp_path / "marks"
     journal = tmp_path / "journal"
     marks.mkdir()
     journal.mkdir()
-    probe = SignalProbe(tmp_path / "probe")
     image = ensure_systemd_image(client, tmp_path / "rootfs")
-    socket = docker_engine.host.removeprefix("unix://")
-    assert docker_engine.host.startswith("unix://"), docker_engine.host
-    system = boot(
-        client,
-        name=PREFIX + "host",
-        image=image,
-        mounts=[
-            docker.types.Mount("/run/docker.sock", socket, type="bind"),
-            docker.types.Mount(MARKS, str(marks), type="bind"),
-            docker.types.Mount("/var/log/journal", str(journal), type="bind"),
-        ],
-    )
+    probe = SignalProbe(tmp_path / "probe")
+    coordinator = start_coordinator(tmp_path / "coordinator")
     try:
+        system = boot(
+            client,
+            name=PREFIX + "host",
+            image=image,
+            mounts=[
+                docker.types.Mount("/run/docker.sock", socket, type="bind"),
+                docker.types.Mount(MARKS, str(marks), type="bind"),
+                docker.types.Mount("/var/log/journal", str(journal), type="bind"),
+            ],
+        )
         system.put("/tmp/debs/" + debs.agent.name, debs.agent.read_bytes())
         system.sh(
             "apt-get update -qq && apt-get install -y -qq --no-install-recommends "
@@ -240,7 +240,7 @@ def test_poweroff_waits_for_the_drain_and_not_longer(
         # Waited for the drain, and not longer: the lock went right after verification, and the
         # host was down within seconds of it, long before logind's 30 s.
         assert times["lock_released"] - times["verified_empty"] < 1.0, times
-        assert times["host_down"] - times["lock_released"] < 10.0, times
+        assert times["host_down"] - times["lock_released"] < 5.0, times
         assert times["host_down"] - poweroff_at < CHECKPOINT_S + 12.0 < LOGIND_DELAY_S, times
         assert times["container_exited"] - times["sigterm_sent"] >= CHECKPOINT_S - 0.1, times
     finally:

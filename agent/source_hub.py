@@ -20,12 +20,15 @@ from typing import Any
 from spotdrain.agent.advisories import AdvisoryBook, Drain, Record
 from spotdrain.agent.drain_runner import DrainRunner
 from spotdrain.agent.notice import Notice, NoticeInvalid
+from spotdrain.agent.reclamation import reclaim_id_for
 from spotdrain.agent.sources import module as source_module
 from spotdrain.agent.sources.base import Advisory, Health, NoticeSource
 from spotdrain.agent.sources.settings import AdvisoryPolicy
 from spotdrain.agent.state import write_atomic
 
 log = logging.getLogger("spotdrain.agent.sources")
+# How often a settled reclamation's outbox is looked at until it is empty (bounded by O).
+DELIVERY_CHECK_S = 0.02
 
 
 class SourceHub:
@@ -36,9 +39,11 @@ class SourceHub:
         policy: AdvisoryPolicy,
         state_dir: Path,
         clock: Callable[[], float] = time.time,
+        undelivered: Callable[[], int] = lambda: 0,
     ) -> None:
         self.node_id = node_id
         self.drains = drains
+        self._undelivered = undelivered
         self.clock = clock
         self._book_path = state_dir / "advisories.json"
         self.book = AdvisoryBook(policy, self._load_book())
@@ -78,7 +83,18 @@ class SourceHub:
             )
 
     async def settled(self, key: str) -> str:
-        return await self.drains.settled(key)
+        """The reclamation's outcome, once its events have also reached the coordinator (or
+        its O has come): a source that lets the host go down at this point (logind's lock)
+        must not take the last events with it."""
+        outcome = await self.drains.settled(key)
+        rid = reclaim_id_for(self.node_id, key)
+        rec = self.drains.live.get(rid) or self.drains.recent.get(rid)
+        until = rec.overrun_at if rec is not None else self.clock()
+        # A short bounded look (at most until O) rather than a signal: the outbox is SQLite
+        # written from several places, and this runs once per host shutdown.
+        while self._undelivered() and self.clock() < until:  # noqa: ASYNC110
+            await asyncio.sleep(DELIVERY_CHECK_S)
+        return outcome
 
     # --- what the agent shows ----------------------------------------------------------------
 

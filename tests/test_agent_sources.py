@@ -179,3 +179,44 @@ async def test_the_units_status_line_names_a_broken_source_first(tmp_path):
         assert kind == "notice_source_down" and details["source"] == "aws"
     finally:
         await agent.shutdown()
+
+
+async def test_settled_waits_for_the_outbox_but_never_past_o(tmp_path):
+    """The shutdown source releases logind's lock when `settled` returns: by then the
+    reclamation's events must have left the outbox, or O must have come."""
+    import asyncio
+
+    from spotdrain.agent.reclamation import reclaim_id_for
+    from spotdrain.agent.source_hub import SourceHub
+
+    class Drains:
+        live: dict = {}
+        recent: dict = {}
+
+        async def settled(self, key):
+            return "drained"
+
+    class Rec:
+        overrun_at = 0.0
+
+    now = [100.0]
+    pending = [3]
+    drains = Drains()
+    hub = SourceHub("n", drains, AdvisoryPolicy(), tmp_path, clock=lambda: now[0],
+                    undelivered=lambda: pending[0])
+    rec = Rec()
+    rec.overrun_at = 130.0
+    drains.recent[reclaim_id_for("n", "shutdown:boot")] = rec
+    waiting = asyncio.create_task(hub.settled("shutdown:boot"))
+    # Three events still in the outbox, O not yet come: it is still waiting after several
+    # of its looks at the outbox (each DELIVERY_CHECK_S).
+    looked = 0
+    while looked < 5:
+        await asyncio.sleep(0.02)
+        looked += 1
+        assert not waiting.done()
+    pending[0] = 0
+    assert await asyncio.wait_for(waiting, 2) == "drained"
+    pending[0] = 5
+    now[0] = 130.0  # at O it returns whatever is left undelivered
+    assert await asyncio.wait_for(hub.settled("shutdown:boot"), 2) == "drained"

@@ -1,8 +1,9 @@
 """Domain errors, and the one place they become gRPC status codes.
 
 Every servicer method is wrapped by `grpc_errors`: a domain error aborts the call with its code
-and its message; anything unexpected is logged once (with its traceback) and answered INTERNAL.
-A servicer never raises into gRPC, and never says "unreachable".
+and its message; anything unexpected is logged in one line (its traceback at DEBUG) and
+answered INTERNAL. A servicer never raises into gRPC, and never says "unreachable";
+rejections.py counts what was refused as malformed and logs it, rate-limited.
 """
 
 from __future__ import annotations
@@ -63,11 +64,27 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(error).__name__})"
 
 
+# A malformed request's line is written by rejections.py, at most once per peer a minute.
+MALFORMED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+MAX_LINE_CHARS = 200
+
+
+def one_line(text: str) -> str:
+    """A client's words in our log: one line, bounded."""
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_LINE_CHARS else text[:MAX_LINE_CHARS] + "..."
+
+
 async def abort_for(context: grpc.aio.ServicerContext, error: BaseException, call: str) -> None:
     code, message = status_for(error)
     if code == grpc.StatusCode.INTERNAL:
-        log.error("%s failed", call, exc_info=error)
-    else:
+        # Ours, not the caller's: one line naming the exception; its traceback at DEBUG only.
+        log.error(
+            "%s from %s failed: %s: %s",
+            call, context.peer(), type(error).__name__, one_line(str(error)),
+        )  # fmt: skip
+        log.debug("%s failed", call, exc_info=error)
+    elif code not in MALFORMED:
         log.info("%s: %s: %s", call, code.name, message)
     await context.abort(code, message)
 

@@ -24,6 +24,7 @@ from spotdrain.coordinator.dashboard.app import is_loopback
 from spotdrain.coordinator.dashboard.auth import TokenError, load_token
 from spotdrain.coordinator.pauses import Pauses
 from spotdrain.coordinator.public_api import RentalsServicer, RoutesServicer
+from spotdrain.coordinator.rejections import RejectionGuard
 from spotdrain.coordinator.service import AgentLinkServicer, Coordinator
 from spotdrain.coordinator.store import StoreError, open_store
 from spotdrain.coordinator.supervisor import supervise
@@ -186,7 +187,9 @@ async def _serve(args, host, port, creds, store, acquirers, avoid_s, contracts, 
     )
     pauses = Pauses(coord.registry)
     pauses.install()
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    # In front of every service: undecodable bodies answered INVALID_ARGUMENT, never UNKNOWN;
+    # each rejection counted, and logged at most once per peer a minute (rejections.py).
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RejectionGuard(coord.registry)])
     # Several replicas (--advertise): the lease decides which one serves; the others send
     # callers to it (coordinator/replica.py). Without it, one coordinator as before.
     replica = None

@@ -1,0 +1,217 @@
+"""Malformed requests are counted and logged without flooding: the rate limiter on a fake
+clock, and the guard in front of a real gRPC server (in-process, port 0) whose methods fail in
+every way a servicer can."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from spotdrain.coordinator.errors import BadRequest, grpc_errors
+from spotdrain.coordinator.rejections import (
+    OTHER_PEERS,
+    LogLimiter,
+    RejectionGuard,
+    peer_host,
+)
+from spotdrain.v1 import spotdrain_pb2 as pb
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_one_line_per_peer_a_minute_and_the_held_back_ones_counted():
+    """A client sends garbage in a loop: its first rejection is logged, the rest of that
+    minute is not; the next line says how many were held back."""
+    clock = FakeClock()
+    limiter = LogLimiter(window_s=60, clock=clock)
+    assert limiter.admit("ipv4:10.0.0.7") == 0
+    assert [limiter.admit("ipv4:10.0.0.7") for _ in range(5)] == [None] * 5
+    assert limiter.admit("ipv4:10.0.0.8") == 0  # another peer has its own budget
+    clock.now += 59.9
+    assert limiter.admit("ipv4:10.0.0.7") is None
+    clock.now += 0.1
+    assert limiter.admit("ipv4:10.0.0.7") == 6
+    assert limiter.admit("ipv4:10.0.0.7") is None
+
+
+def test_a_flood_of_peers_keeps_the_limiter_bounded():
+    """More peers than the table holds share one budget until their windows run out; then
+    they are forgotten and each has its own again."""
+    clock = FakeClock()
+    limiter = LogLimiter(window_s=60, max_keys=3, clock=clock)
+    assert [limiter.admit(f"peer-{i}") for i in range(3)] == [0, 0, 0]
+    assert limiter.admit("peer-3") == 0  # the first of the overflow, under OTHER_PEERS
+    assert limiter.admit("peer-4") is None
+    assert len(limiter) == 4 and OTHER_PEERS in limiter._last
+    clock.now += 61
+    assert limiter.admit("peer-5") == 0  # the old ones forgotten: a budget of its own
+    assert len(limiter) == 1
+
+
+@pytest.mark.parametrize("peer, host", [
+    ("ipv4:127.0.0.1:51234", "ipv4:127.0.0.1"),
+    ("ipv6:[::1]:443", "ipv6:[::1]"),
+    ("unix:/run/spotdrain.sock", "unix:/run/spotdrain.sock"),
+    ("dashboard", "dashboard"),
+])
+def test_a_peer_is_its_host_not_its_port(peer, host):
+    assert peer_host(peer) == host
+
+
+# --- the guard in front of a real server ------------------------------------------------------
+
+SERVICE = "test.Faulty"
+
+
+class Faulty:
+    """Methods that fail as a servicer can: a domain error through grpc_errors, an exception
+    with no decorator at all, one out of a stream after a first answer."""
+
+    @grpc_errors
+    async def Bounded(self, request: pb.TaintRequest, context) -> pb.TaintReply:  # noqa: N802
+        raise BadRequest(f"node_id is {len(request.node_id)} characters")
+
+    async def Broken(self, request: pb.TaintRequest, context) -> pb.TaintReply:  # noqa: N802
+        return {}[request.node_id]  # KeyError, with no decorator to map it
+
+    async def BrokenStream(self, request: pb.TaintRequest, context):  # noqa: N802
+        yield pb.TaintReply()
+        raise ZeroDivisionError("a bug")
+
+    async def Echo(self, requests, context):  # noqa: N802
+        async for request in requests:
+            yield pb.TaintReply(taints=[pb.Taint(key=request.node_id)])
+
+
+def handler(servicer: Faulty) -> grpc.GenericRpcHandler:
+    unary = dict(request_deserializer=pb.TaintRequest.FromString,
+                 response_serializer=pb.TaintReply.SerializeToString)
+    return grpc.method_handlers_generic_handler(SERVICE, {
+        "Bounded": grpc.unary_unary_rpc_method_handler(servicer.Bounded, **unary),
+        "Broken": grpc.unary_unary_rpc_method_handler(servicer.Broken, **unary),
+        "BrokenStream": grpc.unary_stream_rpc_method_handler(servicer.BrokenStream, **unary),
+        "Echo": grpc.stream_stream_rpc_method_handler(servicer.Echo, **unary),
+    })
+
+
+@pytest.fixture
+async def served():
+    registry = CollectorRegistry()
+    clock = FakeClock()
+    guard = RejectionGuard(registry, LogLimiter(clock=clock))
+    server = grpc.aio.server(interceptors=[guard])
+    server.add_generic_rpc_handlers([handler(Faulty())])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    yield channel, registry, clock
+    await channel.close()
+    await server.stop(None)
+
+
+def raw(channel: grpc.aio.Channel, method: str, streaming: str = ""):
+    same = dict(request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    make = {"": channel.unary_unary, "out": channel.unary_stream, "both": channel.stream_stream}
+    return make[streaming](f"/{SERVICE}/{method}", **same)
+
+
+def rejected(registry: CollectorRegistry, method: str, code: str) -> float:
+    labels = {"service": SERVICE, "method": method, "code": code}
+    return registry.get_sample_value("spotdrain_rpc_rejected_total", labels) or 0.0
+
+
+def lines(caplog, level: int = logging.INFO) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.levelno >= level and r.name.startswith("spotdrain")]
+
+
+async def test_an_undecodable_body_is_invalid_argument_counted_and_logged_once(served, caplog):
+    """Twenty undecodable bodies from one client: twenty INVALID_ARGUMENT (gRPC alone would
+    answer UNKNOWN with a traceback each), twenty counted, one line; a minute later one more,
+    saying how many were held back."""
+    channel, registry, clock = served
+    caplog.set_level(logging.DEBUG)
+    for _ in range(20):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await raw(channel, "Bounded")(b"\xff\xff\xff")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "undecodable body of 3 bytes (DecodeError)" in err.value.details()
+    assert rejected(registry, "Bounded", "INVALID_ARGUMENT") == 20
+    [line] = [r for r in lines(caplog) if "rejected" in r.getMessage()]
+    assert f"/{SERVICE}/Bounded" in line.getMessage() and "ipv4:127.0.0.1" in line.getMessage()
+    assert line.exc_info is None
+    clock.now += 61
+    with pytest.raises(grpc.aio.AioRpcError):
+        await raw(channel, "Bounded")(b"\xff")
+    assert "(19 more from this peer" in lines(caplog)[-1].getMessage()
+    assert "Traceback" not in caplog.text
+
+
+async def test_a_field_out_of_bounds_is_counted_as_the_servicer_refused_it(served, caplog):
+    channel, registry, _ = served
+    caplog.set_level(logging.DEBUG)
+    request = pb.TaintRequest(node_id="n" * 300).SerializeToString()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await raw(channel, "Bounded")(request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert rejected(registry, "Bounded", "INVALID_ARGUMENT") == 1
+    [line] = lines(caplog)
+    assert "INVALID_ARGUMENT: node_id is 300 characters" in line.getMessage()
+
+
+@pytest.mark.parametrize("method, streaming, error", [
+    ("Broken", "", "KeyError"),
+    ("BrokenStream", "out", "ZeroDivisionError"),
+])
+async def test_an_exception_out_of_a_servicer_is_internal_in_one_line(
+    served, caplog, method, streaming, error
+):
+    """A bug: INTERNAL (never UNKNOWN), counted, one line naming the exception at ERROR, the
+    traceback at DEBUG only."""
+    channel, registry, _ = served
+    caplog.set_level(logging.DEBUG)
+    call = raw(channel, method, streaming)(pb.TaintRequest(node_id="x").SerializeToString())
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        if streaming:
+            async for _ in call:
+                pass
+        else:
+            await call
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert err.value.details() == f"internal error ({error})"
+    assert rejected(registry, method, "INTERNAL") == 1
+    [line] = lines(caplog)
+    assert line.levelno == logging.ERROR and error in line.getMessage()
+    assert line.exc_info is None
+    [debug] = [r for r in caplog.records if r.levelno == logging.DEBUG and r.exc_info]
+    assert debug.exc_info[0].__name__ == error
+
+
+async def test_an_undecodable_message_mid_stream_ends_that_stream_invalid_argument(served):
+    """Good messages are answered; the first that does not decode ends the stream with
+    INVALID_ARGUMENT, counted."""
+    channel, registry, _ = served
+    good = pb.TaintRequest(node_id="n1").SerializeToString()
+    call = raw(channel, "Echo", "both")(iter([good, b"\xff\xff", good]))
+    answers = []
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for answer in call:
+            answers.append(pb.TaintReply.FromString(answer).taints[0].key)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert answers == ["n1"]
+    assert rejected(registry, "Echo", "INVALID_ARGUMENT") == 1
+
+
+async def test_an_unknown_method_is_still_unimplemented(served):
+    channel, registry, _ = served
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await raw(channel, "Missing")(b"")
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED

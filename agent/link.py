@@ -12,6 +12,7 @@ follower answers UNAVAILABLE naming the leader in the `spotdrain-leader` trailin
 stream goes to the leader (where a refusal points, else the next address); a Taint goes to every
 replica at once and the leader's answer is taken, so the 800 ms deadline covers the whole search
 (a stopped replica cannot eat it), and past it the local taint applies as with one coordinator.
+How the leader is found is spotdrain.leader's, shared with spotctl and the router.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import grpc
 
 from spotdrain.agent.config import AgentConfig
 from spotdrain.agent.outbox import Outbox, OutgoingEvent, bounded_details, details_json
+from spotdrain.leader import Replicas, leader_hint
 from spotdrain.limits import MAX_AGENT_MESSAGE_BYTES, MAX_BATCH_BYTES, MAX_BATCH_EVENTS
 from spotdrain.security import channel_credentials
 from spotdrain.v1 import spotdrain_pb2 as pb
@@ -51,9 +53,6 @@ CHANNEL_OPTIONS = [
 ]
 
 
-LEADER_KEY = "spotdrain-leader"  # a follower's trailing metadata: the leader's address
-
-
 class TaintError(Exception):
     pass
 
@@ -64,14 +63,6 @@ def make_channel(cfg: AgentConfig, address: str | None = None) -> grpc.aio.Chann
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
     creds = channel_credentials(cfg.tls_cert, cfg.tls_key, cfg.ca)
     return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
-
-
-def leader_hint(error: grpc.aio.AioRpcError) -> str:
-    """The leader's address a follower named, or ''."""
-    for key, value in error.trailing_metadata() or ():
-        if key == LEADER_KEY and isinstance(value, str):
-            return value
-    return ""
 
 
 def to_pb(ev: OutgoingEvent) -> pb.Event:
@@ -141,9 +132,7 @@ class CoordinatorLink:
         self.cfg = cfg
         self.outbox = outbox
         self.registration = registration
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._stubs: dict[str, pb_grpc.AgentLinkStub] = {}
-        self.leader = cfg.coordinators[0]  # where the stream goes: the leader, as last heard
+        self.replicas = Replicas(cfg.coordinators, lambda address: make_channel(cfg, address))
         self._outbox_changed = asyncio.Event()
         self._reports: list[pb.AgentMessage] = []
         self._slots: dict[str, pb.WorkerSlots] = {}
@@ -157,63 +146,17 @@ class CoordinatorLink:
         self._outbox_changed.set()
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close(grace=None)
+        await self.replicas.close()
 
-    def stub(self, address: str) -> pb_grpc.AgentLinkStub:
-        if address not in self._stubs:
-            self._channels[address] = make_channel(self.cfg, address)
-            self._stubs[address] = pb_grpc.AgentLinkStub(self._channels[address])
-        return self._stubs[address]
-
-    def _moved(self, error: grpc.aio.AioRpcError) -> None:
-        """The stream failed: to the leader a follower named, else the next address."""
-        hint = leader_hint(error)
-        if hint:
-            self.leader = hint
-            return
-        addresses = self.cfg.coordinators
-        if len(addresses) > 1:
-            i = addresses.index(self.leader) if self.leader in addresses else -1
-            self.leader = addresses[(i + 1) % len(addresses)]
+    @property
+    def leader(self) -> str:
+        """Where the stream goes: the leader, as last heard."""
+        return self.replicas.leader
 
     async def on_leader(self, method: str, request: Any, timeout: float) -> Any:  # noqa: ANN401
-        """A unary call answered by the leader, within `timeout` in all: sent to every
-        replica at once (only the leader can succeed; the call is idempotent), then to a
-        leader a follower named that is not in the list. One coordinator: one plain call."""
-        deadline = time.monotonic() + timeout
-        addresses = list(dict.fromkeys([self.leader, *self.cfg.coordinators]))
-        errors: list[grpc.aio.AioRpcError] = []
-        while addresses:
-            left = max(deadline - time.monotonic(), 0.001)
-            calls = {
-                asyncio.ensure_future(getattr(self.stub(a), method)(request, timeout=left)): a
-                for a in addresses
-            }
-            tried, addresses = set(addresses), []
-            try:
-                for next_done in asyncio.as_completed(calls):
-                    try:
-                        reply = await next_done
-                    except grpc.aio.AioRpcError as e:
-                        errors.append(e)
-                        hint = leader_hint(e)
-                        if hint and hint not in tried and hint not in addresses:
-                            addresses.append(hint)
-                        continue
-                    for call, address in calls.items():
-                        if call.done() and not call.cancelled() and call.exception() is None:
-                            self.leader = address
-                    return reply
-            finally:
-                for call in calls:
-                    call.cancel()
-            if time.monotonic() >= deadline:
-                break
-        # The leader's own refusal says more than a follower's UNAVAILABLE or a timeout.
-        errors.sort(key=lambda e: e.code() in (grpc.StatusCode.UNAVAILABLE,
-                                               grpc.StatusCode.DEADLINE_EXCEEDED))  # fmt: skip
-        raise errors[0]
+        """A unary AgentLink call answered by the leader, within `timeout` in all (every
+        replica at once: spotdrain.leader). One coordinator: one plain call."""
+        return await self.replicas.on_leader(pb_grpc.AgentLinkStub, method, request, timeout)
 
     # --- Taint -------------------------------------------------------------------------------
 
@@ -337,7 +280,7 @@ class CoordinatorLink:
                     continue
                 log.info("node %s: coordinator %s stream: %s: %s", self.cfg.node_id,
                          self.leader, e.code().name, e.details())  # fmt: skip
-                self._moved(e)
+                self.replicas.moved(e)
                 if leader_hint(e):
                     attempt = 0  # sent on to the leader: go at once
             except asyncio.InvalidStateError:
@@ -350,7 +293,7 @@ class CoordinatorLink:
             attempt += 1
 
     async def _session(self) -> None:
-        call = self.stub(self.leader).Connect()
+        call = self.replicas.stub(pb_grpc.AgentLinkStub).Connect()
         await call.write(pb.AgentMessage(register=await self.registration()))
         reply = await call.read()
         if reply is grpc.aio.EOF or reply.WhichOneof("body") != "registered":

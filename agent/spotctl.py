@@ -3,8 +3,8 @@
 On the host, through the agent's unix socket:
   spotctl [--socket PATH] pause | resume | status [--json]
 
-Against the coordinator; [...] stands for --coordinator HOST:PORT and either --insecure or
---tls-cert F --tls-key F --ca F:
+Against the coordinator; [...] stands for --coordinator HOST:PORT (or every replica's,
+A:PORT,B:PORT) and either --insecure or --tls-cert F --tls-key F --ca F:
   spotctl [...] events --json [--from ID] [--follow]
   spotctl [...] timeline [RECLAIM_ID] [--json] [--svg FILE]
   spotctl [...] workers start NODE --model M --image IMAGE [--slots N] [--port P]
@@ -23,6 +23,10 @@ Against the coordinator; [...] stands for --coordinator HOST:PORT and either --i
 
 --json prints one JSON object a line, with the proto's field names (optional fields absent when
 unset); `workers list --json` keeps printing one array, as it always has.
+
+Several replicas: each call goes to the leader (spotdrain.leader: a follower's refusal names it,
+else the next address), and waits up to --leader-wait-s for one while the leader changes;
+`events --follow` and `rentals watch` carry on at another replica from where they were.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import time
 from collections.abc import Iterable
@@ -43,8 +48,9 @@ from google.protobuf.message import Message
 
 from spotdrain import timeline_svg
 from spotdrain.agent import control_socket
-from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port
+from spotdrain.cli import ArgumentParser, UsageError, fail_usage
 from spotdrain.events import stored_event_to_dict
+from spotdrain.leader import Replicas, addresses
 from spotdrain.limits import MAX_ADMIN_MESSAGE_BYTES
 from spotdrain.security import channel_credentials
 from spotdrain.v1 import spotdrain_pb2 as pb
@@ -54,6 +60,11 @@ PROG = "spotctl"
 WORKER_KINDS = ("inference", "batch", "render")
 ENDED_BY = ("renter", "provider", "platform")
 REPUTATION_FORMULA = "score = (successes + 4) / (successes + failures + 5)"
+# Replicas: a leader's failover is its lease's TTL and a renewal (about 2.5 s by default) and a
+# rebuild; the wait is that with room to spare.
+LEADER_WAIT_S = 10.0
+# Calls that must not take effect twice: retried only when no leader can have run them.
+ONCE_ONLY = frozenset({"StartWorker", "CreateRental"})
 
 
 def count(text: str) -> int:
@@ -69,7 +80,13 @@ def _json_flag(p: argparse.ArgumentParser, default: Any = False) -> None:
 
 def parser() -> ArgumentParser:
     p = ArgumentParser(prog=PROG, description="spotdrain operator CLI")
-    p.add_argument("--coordinator", help="coordinator HOST:PORT")
+    p.add_argument("--coordinator", help="coordinator HOST:PORT, or replicas' A:PORT,B:PORT")
+    p.add_argument(
+        "--leader-wait-s",
+        type=float,
+        default=LEADER_WAIT_S,
+        help=f"replicas: how long to wait for a leader (default {LEADER_WAIT_S:g})",
+    )
     p.add_argument("--insecure", action="store_true", help="plaintext gRPC")
     p.add_argument("--tls-cert", help="operator certificate (CN operator:<name>)")
     p.add_argument("--tls-key")
@@ -173,20 +190,48 @@ def add_rentals(sub: Any) -> None:
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_ADMIN_MESSAGE_BYTES)]
 
 
-def channel(args: Any) -> grpc.aio.Channel:
+def replicas(args: Any) -> Replicas:
+    """The coordinator's address, or every replica's."""
     if not args.coordinator:
         raise UsageError("--coordinator HOST:PORT is required")
-    host_port(args.coordinator, "--coordinator")
+    found = addresses(args.coordinator, "--coordinator")
+    if not (math.isfinite(args.leader_wait_s) and args.leader_wait_s >= 0):
+        raise UsageError(f"--leader-wait-s must be a number >= 0, got {args.leader_wait_s}")
     tls = (args.tls_cert, args.tls_key, args.ca)
     if args.insecure:
         if any(tls):
             raise UsageError("--insecure and TLS flags exclude each other")
-        return grpc.aio.insecure_channel(args.coordinator, options=CHANNEL_OPTIONS)
+        return Replicas(
+            found, lambda a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
+        )
     if not all(tls):
         raise UsageError("give --tls-cert, --tls-key and --ca, or --insecure")
-    return grpc.aio.secure_channel(
-        args.coordinator, channel_credentials(*tls), options=CHANNEL_OPTIONS
-    )
+    creds = channel_credentials(*tls)
+    return Replicas(found, lambda a: grpc.aio.secure_channel(a, creds, options=CHANNEL_OPTIONS))
+
+
+class LeaderStub:
+    """A generated stub's calls, each answered by the leader (spotdrain.leader): a unary call
+    waits up to `wait_s` for one; a server stream is opened again elsewhere when it breaks."""
+
+    def __init__(self, replicas: Replicas, stub_class: type, service: str, wait_s: float):
+        for method in pb.DESCRIPTOR.services_by_name[service].methods:
+            name = method.name
+            if method.server_streaming:
+
+                def stream(request: Any, name: str = name) -> Any:  # noqa: ANN401
+                    return replicas.stream_from_leader(stub_class, name, lambda: request, wait_s)
+
+                setattr(self, name, stream)
+            else:
+
+                def unary(request: Any, name: str = name, **kw: Any) -> Any:  # noqa: ANN401
+                    return replicas.until_leader(
+                        stub_class, name, request, wait_s, kw.get("timeout"),
+                        once_only=name in ONCE_ONLY,
+                    )  # fmt: skip
+
+                setattr(self, name, unary)
 
 
 def message_doc(msg: Message) -> dict[str, Any]:
@@ -206,10 +251,19 @@ def emit(args: Any, messages: Iterable[Message], text: str) -> int:
     return 0
 
 
-async def events(stub: pb_grpc.AdminStub, args: Any) -> int:
-    async for stored in stub.WatchEvents(
-        pb.WatchEventsRequest(from_id=args.from_id, follow=args.follow)
+async def events(stub: Any, args: Any) -> int:  # noqa: ANN401
+    last_id = args.from_id
+    # Opened again from the last id printed, on another replica if need be (any replica serves
+    # events from the store): each event printed once.
+    async for stored in args.replicas.stream_from_leader(
+        pb_grpc.AdminStub,
+        "WatchEvents",
+        lambda: pb.WatchEventsRequest(from_id=last_id, follow=args.follow),  # noqa: B023 (late: the latest id)
+        args.leader_wait_s,
     ):
+        if stored.id <= last_id:
+            continue
+        last_id = stored.id
         print(json.dumps(stored_event_to_dict(stored), sort_keys=True), flush=True)
     return 0
 
@@ -455,8 +509,13 @@ async def rentals(stub: pb_grpc.RentalsStub, args: Any) -> int:
         )
         return emit(args, reply.rentals, render_rentals(reply.rentals, time.time()))
     if command == "watch":
+        last = b""
         async for r in stub.WatchRental(pb.GetRentalRequest(rental_id=args.rental_id)):
-            emit(args, [r], render_rental(r, time.time()))
+            # A watch opened again at a new leader starts with the rental as it is: printed
+            # only if it changed.
+            if (now := r.SerializeToString(deterministic=True)) != last:
+                last = now
+                emit(args, [r], render_rental(r, time.time()))
         return 0
     if command == "create":
         r = await stub.CreateRental(
@@ -627,17 +686,24 @@ ADMIN_COMMANDS = {
 async def run(args: Any) -> int:
     if args.command in ("pause", "resume", "status"):
         return await local(args)
-    async with channel(args) as ch:
-        try:
-            if args.command == "rentals":
-                return await rentals(pb_grpc.RentalsStub(ch), args)
-            return await ADMIN_COMMANDS[args.command](pb_grpc.AdminStub(ch), args)
-        except grpc.aio.AioRpcError as e:
-            print(
-                f"{PROG}: coordinator {args.coordinator}: {e.code().name}: {e.details()}",
-                file=sys.stderr,
+    args.replicas = replicas(args)
+    wait = args.leader_wait_s
+    try:
+        if args.command == "rentals":
+            return await rentals(
+                LeaderStub(args.replicas, pb_grpc.RentalsStub, "Rentals", wait), args
             )
-            return 1
+        return await ADMIN_COMMANDS[args.command](
+            LeaderStub(args.replicas, pb_grpc.AdminStub, "Admin", wait), args
+        )
+    except grpc.aio.AioRpcError as e:
+        print(
+            f"{PROG}: coordinator {args.coordinator}: {e.code().name}: {e.details()}",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        await args.replicas.close()
 
 
 def main(argv: list[str] | None = None) -> int:

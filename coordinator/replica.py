@@ -37,11 +37,11 @@ from grpc_health.v1 import health_pb2
 from spotdrain.cli import ArgumentParser, UsageError, host_port
 from spotdrain.coordinator import lease as lm
 from spotdrain.coordinator.store import Store, StoreError
+from spotdrain.leader import LEADER_KEY  # trailing metadata: the leader's --advertise address
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 log = logging.getLogger("spotdrain.coordinator.replica")
 
-LEADER_KEY = "spotdrain-leader"  # trailing metadata: the leader's --advertise address
 DEFAULT_TTL_S = 2.0
 DEFAULT_RENEW_S = 0.5
 # Route versions of a new leader start above any its predecessors published, whatever the
@@ -306,8 +306,10 @@ class _Guarded:
 
 
 async def _send_away(replica: Replica, context: grpc.aio.ServicerContext) -> None:
-    if replica.leader_address and replica.lease.state != lm.LEADER:
-        context.set_trailing_metadata(((LEADER_KEY, replica.leader_address),))
+    # The key even when no leader is known (empty): clients see a replica refused, so one
+    # will lead, and wait for it (spotdrain.leader) rather than giving up as on a dead host.
+    elsewhere = replica.leader_address if replica.lease.state != lm.LEADER else ""
+    context.set_trailing_metadata(((LEADER_KEY, elsewhere),))
     await context.abort(grpc.StatusCode.UNAVAILABLE, replica.refusal())
 
 

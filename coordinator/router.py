@@ -5,10 +5,15 @@ and the tests, and shows how a router consumes the coordinator's routing API:
 
 - Per model, a local table fed by `Routes.WatchRoutes`: a snapshot, then versioned changes.
   The watch starts with the model's first request (which waits, at most SNAPSHOT_WAIT_S, for
-  the snapshot), reconnects with backoff and re-snapshots on reconnect. While the coordinator
+  the snapshot), reconnects with backoff and re-snapshots on reconnect. Versions only go up: a
+  snapshot older than the table (a new leader's, say) is held aside, with the changes that
+  follow it, until it is newer than the table; only then is it the table. While the coordinator
   is away the last table stays in use: a worker that drains meanwhile is refused by its own
   gate (503), and the request goes to another worker (the owner's promise does not depend on
   the coordinator, docs/design.md "Owner pause timeline").
+- Several coordinator replicas (`--coordinator a:7443,b:7443`): the watch goes to the leader
+  (spotdrain.leader: where a follower's refusal points, else the next address) and moves on
+  when it goes.
 - `POST /v1/chat/completions` goes to the least-loaded ready worker: slots in use over capacity
   from the table, plus this router's own requests in flight there. The upstream request carries
   `X-Route-Version`, the table version the pick was made from: a worker removed at version V
@@ -44,6 +49,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from spotdrain import sse
 from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port
+from spotdrain.leader import Replicas, addresses, from_replica
 from spotdrain.limits import MAX_ADMIN_MESSAGE_BYTES
 from spotdrain.security import channel_credentials, warn_insecure
 from spotdrain.v1 import spotdrain_pb2 as pb
@@ -96,6 +102,9 @@ class RouteTable:
 
     Pure: the watch feeds it updates, the request handler asks it for picks. `version` is the
     version of the last update applied; a pick is always made from the table at that version.
+    It never goes down: a snapshot older than the table (a new leader whose versions start
+    lower, a coordinator restarted with its clock behind) is held aside, with the changes of
+    the same watch after it, and becomes the table once its version passes the table's.
     """
 
     def __init__(self, model: str) -> None:
@@ -103,22 +112,36 @@ class RouteTable:
         self.version = 0
         self.synced = False  # a snapshot has arrived: the table means something
         self.routes: dict[str, Route] = {}
+        self._behind: tuple[int, dict[str, Route]] | None = None  # a snapshot held aside
 
-    def apply_snapshot(self, version: int, routes: Iterable[Route]) -> None:
-        # Taken whatever its version: after a reconnect the snapshot is the whole truth (a
-        # restarted coordinator numbers its versions from scratch).
-        self.routes = {r.worker_id: r for r in routes}
-        self.version = version
-        self.synced = True
+    def apply_snapshot(self, version: int, routes: Iterable[Route]) -> bool:
+        """Take a watch's snapshot (the whole truth as of `version`); False when it is older
+        than the table, which stays as it is meanwhile."""
+        table = {r.worker_id: r for r in routes}
+        if self.synced and version < self.version:
+            self._behind = (version, table)
+            return False
+        self._behind = None
+        self.routes, self.version, self.synced = table, version, True
+        return True
 
     def apply_change(self, version: int, upsert: Iterable[Route], removed: Iterable[str]) -> bool:
-        """Apply one change; False (and nothing changed) for one older than the table."""
+        """Apply one change; False (and the table unchanged) for one older than the table, or
+        one to a snapshot held aside that is still not newer than the table."""
+        if self._behind is not None:
+            behind_version, table = self._behind
+            if version <= behind_version:
+                return False
+            _change(table, upsert, removed)
+            if version <= self.version:
+                self._behind = (version, table)
+                return False
+            self._behind = None
+            self.routes, self.version = table, version
+            return True
         if not self.synced or version <= self.version:
             return False
-        for route in upsert:
-            self.routes[route.worker_id] = route
-        for worker_id in removed:
-            self.routes.pop(worker_id, None)
+        _change(self.routes, upsert, removed)
         self.version = version
         return True
 
@@ -134,6 +157,13 @@ class RouteTable:
         return min(candidates, key=load, default=None)
 
 
+def _change(table: dict[str, Route], upsert: Iterable[Route], removed: Iterable[str]) -> None:
+    for route in upsert:
+        table[route.worker_id] = route
+    for worker_id in removed:
+        table.pop(worker_id, None)
+
+
 # --- the watch: the table kept current from the coordinator -----------------------------------
 
 
@@ -143,11 +173,11 @@ def _route(r: pb.Route) -> Route:
 
 class ModelWatch:
     """`Routes.WatchRoutes(model)` for as long as the router runs: reconnects with backoff and
-    takes a fresh snapshot each time."""
+    takes a fresh snapshot each time, from the leader of several replicas."""
 
-    def __init__(self, model: str, stub: pb_grpc.RoutesStub) -> None:
+    def __init__(self, model: str, replicas: Replicas) -> None:
         self.table = RouteTable(model)
-        self._stub = stub
+        self._replicas = replicas
         # Set once a snapshot came, or the coordinator refused this router: a request waiting
         # for the first snapshot stops waiting then.
         self.settled = asyncio.Event()
@@ -168,19 +198,25 @@ class ModelWatch:
         delay = WATCH_BACKOFF_MIN_S
         while True:
             try:
-                call = self._stub.WatchRoutes(pb.WatchRoutesRequest(model=model))
+                stub = self._replicas.stub(pb_grpc.RoutesStub)
+                call = stub.WatchRoutes(pb.WatchRoutesRequest(model=model))
                 async for update in call:
                     if update.snapshot:
-                        self.table.apply_snapshot(update.version, map(_route, update.upsert))
+                        taken = self.table.apply_snapshot(
+                            update.version, map(_route, update.upsert)
+                        )
                         self.problem = ""
                         self.settled.set()
                         delay = WATCH_BACKOFF_MIN_S
                         log.info(
-                            "model %s: snapshot at version %d, %d ready workers",
+                            "model %s: snapshot at version %d from %s, %d ready workers%s",
                             model,
                             update.version,
+                            self._replicas.leader,
                             len(update.upsert),
-                        )
+                            "" if taken else
+                            f": older than the table's {self.table.version}, kept aside",
+                        )  # fmt: skip
                     elif self.table.apply_change(
                         update.version, map(_route, update.upsert), update.removed
                     ):
@@ -193,15 +229,21 @@ class ModelWatch:
                             )
                 self.problem = "the coordinator ended the route watch"
                 log.warning("model %s: %s; reconnecting", model, self.problem)
+                self._replicas.moved(None)
             except grpc.aio.AioRpcError as e:
                 self.problem = f"coordinator answered {e.code().name}: {e.details()}"
+                was = self._replicas.leader
+                if self._replicas.moved(e) or from_replica(e):
+                    # A replica named the leader, or will lead soon: no backing off.
+                    delay = WATCH_BACKOFF_MIN_S
                 if e.code() in REFUSED_CODES:
                     self.settled.set()
                     log.error("model %s: route watch refused: %s", model, self.problem)
                 else:
                     log.warning(
-                        "model %s: route watch lost (%s); %s",
+                        "model %s: route watch at %s lost (%s); %s",
                         model,
+                        was,
                         self.problem,
                         f"routing on version {self.table.version} meanwhile"
                         if self.table.synced
@@ -232,8 +274,8 @@ class Refusal:
 
 
 class Router:
-    def __init__(self, stub: pb_grpc.RoutesStub, attempts: int) -> None:
-        self._stub = stub
+    def __init__(self, replicas: Replicas, attempts: int) -> None:
+        self._replicas = replicas
         self.attempts = attempts
         self.watches: dict[str, ModelWatch] = {}
         self.in_flight: Counter[str] = Counter()  # this router's requests, by worker id
@@ -277,7 +319,7 @@ class Router:
         if watch is None:
             if len(self.watches) >= MAX_MODELS:
                 return None, f"this router watches at most {MAX_MODELS} models"
-            watch = self.watches[model] = ModelWatch(model, self._stub)
+            watch = self.watches[model] = ModelWatch(model, self._replicas)
         if await watch.wait_synced(SNAPSHOT_WAIT_S):
             return watch.table, ""
         return None, watch.problem
@@ -668,7 +710,9 @@ def _ending(chunk: bytes) -> str:
 def parser() -> ArgumentParser:
     p = ArgumentParser(prog=PROG, description="spotdrain reference router (OpenAI-compatible)")
     p.add_argument("--listen", required=True, help="HOST:PORT for HTTP (port 0 picks one)")
-    p.add_argument("--coordinator", required=True, help="the coordinator's HOST:PORT")
+    p.add_argument(
+        "--coordinator", required=True, help="the coordinator's HOST:PORT, or replicas' A:P,B:P"
+    )
     p.add_argument("--insecure", action="store_true", help="plaintext gRPC, no identity")
     p.add_argument("--tls-cert", help="this router's certificate (CN router:<name>)")
     p.add_argument("--tls-key")
@@ -678,11 +722,14 @@ def parser() -> ArgumentParser:
     return p
 
 
-async def _refused_by_coordinator(stub: pb_grpc.RoutesStub, coordinator: str) -> str:
+async def _refused_by_coordinator(replicas: Replicas, coordinator: str) -> str:
     """Ask once whether this identity may read routes. A refusal is permanent, so it is said at
-    start; an unreachable coordinator is not (the watches keep trying)."""
+    start; an unreachable coordinator, or one with no leader yet, is not (the watches keep
+    trying)."""
     try:
-        await stub.PickWorker(pb.PickWorkerRequest(model=""), timeout=PROBE_TIMEOUT_S)
+        await replicas.on_leader(
+            pb_grpc.RoutesStub, "PickWorker", pb.PickWorkerRequest(model=""), PROBE_TIMEOUT_S
+        )
     except grpc.aio.AioRpcError as e:
         if e.code() in REFUSED_CODES:
             return (
@@ -697,12 +744,20 @@ async def _refused_by_coordinator(stub: pb_grpc.RoutesStub, coordinator: str) ->
 
 # A model's first WatchRoutes snapshot lists every routable worker of it: at a large fleet
 # that can outgrow gRPC's 4 MiB default receive limit and fail the watch (RESOURCE_EXHAUSTED).
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_ADMIN_MESSAGE_BYTES)]
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_ADMIN_MESSAGE_BYTES),
+    # Notice a leader that vanished (host gone, SIGSTOP) and move on, as the agent does.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
 
 
 async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
     listen_host, listen_port = host_port(args.listen, "--listen")
-    host_port(args.coordinator, "--coordinator")
+    coordinators = addresses(args.coordinator, "--coordinator")
     if args.attempts < 1:
         raise UsageError(f"--attempts must be at least 1, got {args.attempts}")
     tls = (args.tls_cert, args.tls_key, args.ca)
@@ -712,20 +767,23 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
         raise UsageError("give --tls-cert, --tls-key and --ca, or --insecure")
     if args.insecure:
         warn_insecure(PROG)
-        channel = grpc.aio.insecure_channel(args.coordinator, options=CHANNEL_OPTIONS)
+        replicas = Replicas(
+            coordinators, lambda a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
+        )
     else:
         try:
             creds = channel_credentials(*tls)
         except ValueError as e:  # an unreadable certificate or key: a config error
             raise UsageError(str(e)) from e
-        channel = grpc.aio.secure_channel(args.coordinator, creds, options=CHANNEL_OPTIONS)
+        replicas = Replicas(
+            coordinators, lambda a: grpc.aio.secure_channel(a, creds, options=CHANNEL_OPTIONS)
+        )
     try:
-        stub = pb_grpc.RoutesStub(channel)
-        refused = await _refused_by_coordinator(stub, args.coordinator)
+        refused = await _refused_by_coordinator(replicas, args.coordinator)
         if refused:
             print(f"{PROG}: error: {refused}", file=sys.stderr, flush=True)
             return 1
-        router = Router(stub, args.attempts)
+        router = Router(replicas, args.attempts)
         await router.start()
         runner = web.AppRunner(
             router.app(),
@@ -760,7 +818,7 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
         await router.close()
         return 0
     finally:
-        await channel.close()
+        await replicas.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
 from spotdrain import limits
 from spotdrain.coordinator import messages as msg
 from spotdrain.coordinator import workers as wm
@@ -35,6 +38,42 @@ def finite(value: float, what: str) -> float:
     if not math.isfinite(value):
         raise BadRequest(f"{what} must be a finite number, got {value}")
     return value
+
+
+# Strings with a bound of their own, checked where they are read (None: not by check_request).
+OWN_BOUNDS: dict[str, int | None] = {"spotdrain.v1.Event.details_json": None}
+
+
+def check_request(message: Message, where: str = "") -> None:
+    """Every string and repeated field of a request within limits.MAX_STRING_CHARS and
+    limits.MAX_REPEATED, at any depth: before a servicer sees it (rejections.py), so no
+    handler echoes, stores or logs an unbounded string of the caller's."""
+    for field, value in message.ListFields():
+        name = f"{where}.{field.name}" if where else field.name
+        if field.is_repeated and len(value) > limits.MAX_REPEATED:
+            raise TooLarge(f"{name} has {len(value)} elements, at most {limits.MAX_REPEATED}")
+        if field.message_type is not None:
+            if field.message_type.GetOptions().map_entry:
+                for key, item in value.items():
+                    _check_string(f"{name} key", key)
+                    if isinstance(item, Message):
+                        check_request(item, f"{name}[{key!r}]")
+                    else:
+                        _check_string(f"{name}[{key!r}]", item)
+            elif field.is_repeated:
+                for i, item in enumerate(value):
+                    check_request(item, f"{name}[{i}]")
+            else:
+                check_request(value, name)
+        elif field.type == FieldDescriptor.TYPE_STRING:
+            bound = OWN_BOUNDS.get(field.full_name, limits.MAX_STRING_CHARS)
+            for i, item in enumerate(value) if field.is_repeated else [(None, value)]:
+                _check_string(name if i is None else f"{name}[{i}]", item, bound)
+
+
+def _check_string(name: str, value: object, bound: int | None = limits.MAX_STRING_CHARS) -> None:
+    if bound is not None and isinstance(value, str) and len(value) > bound:
+        raise BadRequest(f"{name[:100]} is {len(value)} characters, at most {bound}")
 
 
 # --- from agents -----------------------------------------------------------------------------

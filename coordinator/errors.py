@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from spotdrain import limits
 from spotdrain.coordinator.drains import SpotChangeRefused, UnknownNode
 from spotdrain.coordinator.gate import PlacementRefused
 from spotdrain.coordinator.store import StoreError, StoreUnavailable
@@ -85,8 +86,14 @@ async def abort_for(context: grpc.aio.ServicerContext, error: BaseException, cal
         )  # fmt: skip
         log.debug("%s failed", call, exc_info=error)
     elif code not in MALFORMED:
-        log.info("%s: %s: %s", call, code.name, message)
-    await context.abort(code, message)
+        log.info("%s: %s: %s", call, code.name, one_line(message))
+    await context.abort(code, bounded(message))
+
+
+def bounded(message: str) -> str:
+    """A status message that fits a client's metadata limit, whatever it quotes."""
+    limit = limits.MAX_STATUS_CHARS
+    return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
 def grpc_errors(method: F) -> F:

@@ -28,7 +28,8 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 
-from spotdrain.coordinator.errors import BadRequest, one_line, status_for
+from spotdrain.coordinator import convert
+from spotdrain.coordinator.errors import BadRequest, bounded, one_line, status_for
 
 log = logging.getLogger("spotdrain.coordinator.rejections")
 
@@ -111,6 +112,7 @@ async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
     async for request in requests:
         if isinstance(request, Malformed):
             raise MalformedRequest(request.reason)
+        convert.check_request(request)
         yield request
 
 
@@ -217,6 +219,7 @@ class RejectionGuard(grpc.aio.ServerInterceptor):
             return _checked(request)
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        convert.check_request(request)  # out of bounds: BadRequest or TooLarge, mapped below
         return request
 
     @staticmethod
@@ -228,7 +231,7 @@ class RejectionGuard(grpc.aio.ServerInterceptor):
                 path, context.peer(), type(error).__name__, one_line(str(error)),
             )  # fmt: skip
             log.debug("%s failed", path, exc_info=error)
-        await context.abort(code, message)
+        await context.abort(code, bounded(message))
 
     def account(self, context: grpc.aio.ServicerContext, path: str) -> None:
         """Count the call if it was rejected; its line if the peer's budget allows."""

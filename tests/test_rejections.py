@@ -215,3 +215,55 @@ async def test_an_unknown_method_is_still_unimplemented(served):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await raw(channel, "Missing")(b"")
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+# --- every string and repeated field of a request, bounded before any servicer --------------
+
+
+def test_a_string_too_long_anywhere_in_a_request_is_named():
+    from spotdrain import limits
+    from spotdrain.coordinator.convert import check_request
+    from spotdrain.coordinator.errors import TooLarge
+
+    long = "x" * (limits.MAX_STRING_CHARS + 1)
+    check_request(pb.AgentMessage(register=pb.Register(node_id="n" * limits.MAX_STRING_CHARS)))
+    with pytest.raises(BadRequest, match=r"register\.workers\[1\]\.reason is 4097 characters"):
+        check_request(pb.AgentMessage(register=pb.Register(
+            workers=[pb.WorkerReport(), pb.WorkerReport(reason=long)])))
+    with pytest.raises(BadRequest, match=r"reclamation\.steps key is 4097 characters"):
+        check_request(pb.Timeline(reclamation=pb.Reclamation(steps={long: 1.0})))
+    with pytest.raises(TooLarge, match=f"at most {limits.MAX_REPEATED}"):
+        check_request(pb.EventAck(uids=[""] * (limits.MAX_REPEATED + 1)))
+    # An event's details have their own bounds (size, depth, numbers: convert.event_batch).
+    check_request(pb.EventBatch(events=[pb.Event(details_json=long)]))
+
+
+async def test_a_request_out_of_bounds_never_reaches_the_servicer(served):
+    """A 5,000-character reason: INVALID_ARGUMENT from the guard, naming the field, and the
+    servicer (which would say something else) never runs."""
+    channel, registry, _ = served
+    request = pb.TaintRequest(node_id="n1", reason="r" * 5000).SerializeToString()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await raw(channel, "Broken")(request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "reason is 5000 characters, at most 4096"
+    assert rejected(registry, "Broken", "INVALID_ARGUMENT") == 1
+
+
+async def test_a_status_message_quoting_the_caller_is_bounded(caplog):
+    """A refusal that quotes a 4,000-character id stays within a client's metadata limit."""
+    from spotdrain import limits
+    from spotdrain.coordinator.errors import NotFound, abort_for
+
+    class Context:
+        async def abort(self, code, details):
+            self.code, self.details = code, details
+
+        def peer(self):
+            return "ipv4:127.0.0.1:1"
+
+    context = Context()
+    await abort_for(context, NotFound(f"no rental {'é' * 4000!r}"), "GetRental")
+    assert context.code == grpc.StatusCode.NOT_FOUND
+    assert len(context.details) == limits.MAX_STATUS_CHARS
+    assert context.details.startswith("no rental 'ééé") and context.details.endswith("...")

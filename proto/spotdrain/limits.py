@@ -20,3 +20,12 @@ MAX_BATCH_BYTES = 1024 * 1024
 MAX_DETAILS_BYTES = 64 * 1024
 # Operators' and routers' replies can be large (ListNodes at 10,000 nodes is a few MB).
 MAX_ADMIN_MESSAGE_BYTES = 64 * 1024 * 1024
+# Any string of a request (names, reasons, addresses, images) unless it has a bound of its own
+# (an id: 256 characters; an event's details: MAX_DETAILS_BYTES), and the elements of any
+# repeated field (an EventBatch has its own, smaller bound). Refused with INVALID_ARGUMENT and
+# RESOURCE_EXHAUSTED before any servicer sees the request.
+MAX_STRING_CHARS = 4096
+MAX_REPEATED = 10_000
+# A status message is at most this long: it often quotes what the caller sent, and a client
+# drops a reply whose trailers pass its metadata limit (16 KiB).
+MAX_STATUS_CHARS = 512

@@ -177,12 +177,25 @@ class DockerEngine:
 
         `skip_kinds`: drain kinds that are not signalled in this round (inference workers drain
         through their slot gate, not by SIGTERM)."""
+        async for result in self.signal_each(await self.targets(skip, skip_kinds), signal):
+            yield result
+
+    async def targets(
+        self, skip: frozenset[str] = frozenset(), skip_kinds: frozenset[str] = frozenset()
+    ) -> list[ContainerInfo]:
+        """The running containers of this node a round would signal: from the engine, or from
+        the inventory when the engine does not answer (it may be hung on kills too)."""
         try:
-            targets = await self.running()
+            found = await self.running()
         except DockerUnavailable as e:
             log.warning("node %s: listing containers failed (%s); using inventory", self.node_id, e)
-            targets = list(self.inventory.values())
-        targets = [t for t in targets if t.id not in skip and t.kind not in skip_kinds]
+            found = list(self.inventory.values())
+        return [t for t in found if t.id not in skip and t.kind not in skip_kinds]
+
+    async def signal_each(
+        self, targets: list[ContainerInfo], signal: str
+    ) -> AsyncIterator[ContainerSignalled]:
+        """Signal exactly these containers concurrently; yield each result as it comes."""
         tasks = [asyncio.create_task(self._signal_one(t, signal)) for t in targets]
         for done in asyncio.as_completed(tasks):
             yield await done

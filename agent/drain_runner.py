@@ -5,6 +5,15 @@ One loop, one queue: adapters run as tasks and report back as events on the queu
 machines are only ever touched from here, one event at a time. Every handled event is followed
 by a save of the bundle before any command runs (write before act, docs/design.md step 2).
 One timer: the loop sleeps until the earliest `next_wakeup()` of all live reclamations.
+
+A signal round lists its targets, hands them to the machine (RoundListed) and waits for its
+answer (DeliverSignals), which comes after the bundle holding the announcement is saved: a
+restarted agent then knows which containers may have had their SIGTERM (at most once).
+
+A disk that refuses a write (the bundle, the local taint, the deadline file, the outbox) stops
+nothing: the machine's state is in memory, the notice is answered on time, the failure is one
+`state_write_failed` per path, and the loop retries every RETRY_WRITES_S until the disk takes
+the writes again.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from spotdrain.agent.gpu import GpuError, Nvml
 from spotdrain.agent.link import CoordinatorLink, TaintError
 from spotdrain.agent.notice import Notice, NoticeInvalid
 from spotdrain.agent.outbox import Outbox
-from spotdrain.agent.state import BundleStore, LocalTaints, write_deadline_file
+from spotdrain.agent.state import BundleStore, LocalTaints, WriteHealth, write_deadline_file
 from spotdrain.agent.status_dirs import StatusDirs
 from spotdrain.agent.workers import WorkerManager
 from spotdrain.background import Background
@@ -31,6 +40,7 @@ from spotdrain.workload import Report
 
 log = logging.getLogger("spotdrain.agent.drain")
 RECENT_KEPT = 8  # finished reclamations kept in memory (see DrainRunner.recent)
+RETRY_WRITES_S = 1.0  # how often state the disk refused is written again
 
 
 class DrainRunner:
@@ -44,6 +54,9 @@ class DrainRunner:
         workers: WorkerManager,
         clock: Callable[[], float] = time.time,
         metrics: ReclamationMetrics | None = None,
+        health: WriteHealth | None = None,
+        bundles: BundleStore | None = None,
+        local_taints: LocalTaints | None = None,
     ) -> None:
         self.metrics = metrics
         self.cfg = cfg
@@ -53,8 +66,14 @@ class DrainRunner:
         self.docker = docker
         self.nvml = nvml
         self.clock = clock
-        self.bundles = BundleStore(cfg.state_dir)
-        self.local_taints = LocalTaints(cfg.state_dir)
+        # Which state files the disk refuses; its reports are events like any other.
+        self.health = health or WriteHealth()
+        self.health.attach(self.record)
+        self.bundles = bundles or BundleStore(cfg.state_dir, self.health)
+        self.local_taints = local_taints or LocalTaints(cfg.state_dir, self.health)
+        # The deadline file as last asked for, while the disk refuses it (None: written).
+        self._deadline_unwritten: tuple[str, float, float, str] | None = None
+        self._next_write_retry: float | None = None
         # Workloads' checkpoint reports: read as they land, recorded in the reclamation that
         # signalled the container (information only: never a deadline, never verification).
         self.status = StatusDirs(cfg.status_dir, self._on_report, self._on_report_invalid)
@@ -68,6 +87,8 @@ class DrainRunner:
         # Signal rounds run one after another, in the order the machines asked for them, so a
         # SIGKILL round never overtakes the SIGTERM round before it.
         self._signal_lock = asyncio.Lock()
+        # The round waiting for the machine's DeliverSignals (at most one: rounds hold the lock).
+        self._round_answer: asyncio.Future[tuple[str, ...]] | None = None
         self._taint_calls: dict[str, asyncio.Task[None]] = {}
         self._taint_retries: dict[str, asyncio.Task[None]] = {}
         self._blind_resume: asyncio.Task[None] | None = None
@@ -135,7 +156,7 @@ class DrainRunner:
             rec.terminate_at - now,
         )
         self.live[rec.reclaim_id] = rec
-        self.bundles.save(rec)
+        self._save(rec)
         self._execute(rec, commands)
         self._wake()
         return rec
@@ -182,6 +203,7 @@ class DrainRunner:
         self._rebuild()
         self._spawn(self.status.watch())
         while True:
+            self._retry_writes_when_due()
             timeout = self._until_next_deadline()
             if timeout is not None and timeout <= 0:
                 # Deadlines first, even while reports keep arriving (SIGKILL at G, O).
@@ -204,12 +226,52 @@ class DrainRunner:
                 continue
             if key == "notice":
                 self._on_notice(item)
+            elif key == "listed":
+                self._on_listed(*item)
             elif key in self.live:
                 self._step(self.live[key], item)
 
     def _until_next_deadline(self) -> float | None:
         wakeups = [w for rec in self.live.values() if (w := rec.next_wakeup()) is not None]
+        if self._next_write_retry is not None:
+            wakeups.append(self._next_write_retry)
         return min(wakeups) - self.clock() if wakeups else None
+
+    # --- state the disk refused --------------------------------------------------------------
+
+    def _retry_writes_when_due(self) -> None:
+        if self._next_write_retry is None or self.clock() < self._next_write_retry:
+            return
+        self._retry_writes()
+
+    def _retry_writes(self) -> None:
+        """Write again what the disk refused; keep trying every RETRY_WRITES_S until it all
+        went (the promise does not wait for it: the state it stands for is in memory)."""
+        done = self.bundles.retry()
+        done = self.local_taints.retry() and done
+        if self._deadline_unwritten is not None:
+            done = self._write_deadline_file(*self._deadline_unwritten) and done
+        done = self.outbox.retry() and done
+        self._next_write_retry = None if done else self.clock() + RETRY_WRITES_S
+
+    def _write_deadline_file(
+        self, rid: str, terminate_at: float, grace_deadline: float, reason: str
+    ) -> bool:
+        path = self.cfg.deadline_file
+        try:
+            write_deadline_file(path, rid, terminate_at, grace_deadline, reason)
+        except OSError as e:
+            self._deadline_unwritten = (rid, terminate_at, grace_deadline, reason)
+            self.health.failed(path, e)
+            return False
+        self._deadline_unwritten = None
+        self.health.wrote(path)
+        return True
+
+    def _save(self, rec: r.Reclamation) -> None:
+        """The bundle before any command runs; on a refusal, the drain goes on from memory."""
+        if not self.bundles.save(rec) and self._next_write_retry is None:
+            self._next_write_retry = self.clock() + RETRY_WRITES_S
 
     def _rebuild(self) -> None:
         """Agent restart: reload every unfinished bundle and carry on with its deadlines."""
@@ -225,7 +287,7 @@ class DrainRunner:
             )
             self.live[rec.reclaim_id] = rec
             commands = rec.resume(now)
-            self.bundles.save(rec)
+            self._save(rec)
             self._execute(rec, commands)
 
     def _on_notice(self, parsed: Notice | NoticeInvalid) -> None:
@@ -276,12 +338,27 @@ class DrainRunner:
             rec.terminate_at - now,
         )
         self.live[rec.reclaim_id] = rec
-        self.bundles.save(rec)  # the bundle is on disk before anything is done
+        self._save(rec)  # the bundle is on disk before anything is done
         self._execute(rec, commands)
+
+    def _on_listed(
+        self, rid: str, event: r.RoundListed, answer: asyncio.Future[tuple[str, ...]]
+    ) -> None:
+        """A round's targets: the machine announces what it may signal, the bundle is saved,
+        and the answer (DeliverSignals, in _execute) releases the round."""
+        rec = self.live.get(rid)
+        self._round_answer = answer
+        try:
+            if rec is not None:
+                self._step(rec, event)
+        finally:
+            self._round_answer = None
+            if not answer.done():
+                answer.set_result(())  # a reclamation already finished: nothing to send
 
     def _step(self, rec: r.Reclamation, event: r.Event) -> None:
         commands = rec.handle(event)
-        self.bundles.save(rec)
+        self._save(rec)
         self._execute(rec, commands)
         if rec.outcome:
             for waiter in self._settling.get(rec.reclaim_id, ()):
@@ -311,24 +388,35 @@ class DrainRunner:
             match cmd:
                 case r.Emit(kind, details, at):
                     now = self.clock() if at is None else at
+                    if kind == "deadline_file_written" and self._deadline_unwritten is not None:
+                        details = {**details, "written": False}  # see state_write_failed
                     self._emit(kind, rid, now - rec.t0, now, details)
                 case r.RequestTaint(_, answer_by):
                     self._taint_calls[rid] = self._spawn(self._request_taint(rec, answer_by))
                 case r.ApplyLocalTaint():
-                    self.local_taints.apply(rid)
+                    self.local_taints.apply(rid)  # held in memory if the disk refuses it
+                    if self.local_taints.dirty:
+                        self._next_write_retry = self.clock() + RETRY_WRITES_S
                 case r.RetryRemoteTaint():
                     if rid not in self._taint_retries or self._taint_retries[rid].done():
                         self._taint_retries[rid] = self._spawn(self._retry_taint(rec))
                 case r.LiftTaints():
                     self.local_taints.lift(rid)
-                    self.cfg.deadline_file.unlink(missing_ok=True)
+                    self._deadline_unwritten = None
+                    try:
+                        self.cfg.deadline_file.unlink(missing_ok=True)
+                    except OSError as e:
+                        self.health.failed(self.cfg.deadline_file, e)
                     self._spawn(self._lift_remote_taint(rec))
                 case r.WriteDeadlineFile(_, terminate_at, grace_deadline, reason):
-                    write_deadline_file(
-                        self.cfg.deadline_file, rid, terminate_at, grace_deadline, reason
-                    )
+                    if not self._write_deadline_file(rid, terminate_at, grace_deadline, reason):
+                        self._next_write_retry = self.clock() + RETRY_WRITES_S
                 case r.SignalContainers(signal, skip):
                     self._spawn(self._signal_round(rid, signal, skip, cmd.skip_kinds))
+                case r.DeliverSignals(_, containers):
+                    # After the save above: the announcement is on disk before any signal.
+                    if self._round_answer is not None and not self._round_answer.done():
+                        self._round_answer.set_result(containers)
                 case r.DrainWorkers(_, grace_deadline):
                     containers = self.workers.drain(None, grace_deadline, rid)
                     names = tuple(
@@ -416,7 +504,17 @@ class DrainRunner:
         self, rid: str, signal: str, skip: frozenset[str], skip_kinds: frozenset[str]
     ) -> None:
         async with self._signal_lock:
-            async for result in self.docker.signal_all(signal, skip, skip_kinds):
+            found = await self.docker.targets(skip, skip_kinds)
+            listed = r.RoundListed(
+                self.clock(),
+                signal,
+                tuple(r.RoundTarget(t.id, t.name, t.kind, t.image) for t in found),
+            )
+            answer: asyncio.Future[tuple[str, ...]] = asyncio.get_running_loop().create_future()
+            self._queue.put_nowait(("listed", (rid, listed, answer)))
+            approved = set(await answer)  # announced, and the bundle saved
+            targets = [t for t in found if t.id in approved]
+            async for result in self.docker.signal_each(targets, signal):
                 self.feed(rid, result)
             self.feed(rid, r.SignalRoundDone(self.clock(), signal))
 

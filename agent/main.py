@@ -28,6 +28,7 @@ from spotdrain.agent.outbox import Outbox
 from spotdrain.agent.rentals import JOB_KINDS, PlainWorkloads
 from spotdrain.agent.slot_gate import Interrupted
 from spotdrain.agent.source_hub import SourceHub
+from spotdrain.agent.state import WriteHealth
 from spotdrain.agent.workers import WorkerManager
 from spotdrain.background import Background
 from spotdrain.cli import UsageError, fail_usage
@@ -47,8 +48,14 @@ DRAIN_LOOP_STUCK_S = 2.0
 class Agent:
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
-        cfg.state_dir.mkdir(parents=True, exist_ok=True)
-        self.outbox = Outbox(cfg.state_dir / "outbox.sqlite")
+        # A disk that refuses writes never stops the agent (agent/state.py): what it could not
+        # write is held in memory and recorded as state_write_failed once the drains record.
+        self.state_health = WriteHealth()
+        try:
+            cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self.state_health.failed(cfg.state_dir, e)
+        self.outbox = Outbox(cfg.state_dir / "outbox.sqlite", self.state_health)
         self.nvml = Nvml(cfg.nvml_timeout_s)
         self.docker = DockerEngine(cfg.docker_host, cfg.node_id, cfg.docker_call_timeout_s)
         self.link = CoordinatorLink(cfg, self.outbox, self.registration)
@@ -107,6 +114,7 @@ class Agent:
             self.nvml,
             self.workers,
             metrics=self.metrics,
+            health=self.state_health,
         )
         self.link.on_command = self.command
         self.link.heartbeat_slots = lambda: self.workers.slots() + self.plain.job_slots()

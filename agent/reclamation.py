@@ -5,6 +5,13 @@ machine's state after every call and before it carries out the commands, so the 
 is always at least as new as anything the node did (docs/design.md invariants 2 and 8).
 
 Order is fixed (invariant 1): no signal command is returned before a taint is in force.
+
+SIGTERM at most once, across restarts too: a round first lists its targets (RoundListed), the
+machine records them as announced and only then answers DeliverSignals, which the shell carries
+out after saving the bundle. A restarted agent finds the announced containers in the bundle and
+counts them as signalled by the previous run: no second SIGTERM, ever (many runtimes take one as
+"exit now, skip the cleanup"); SIGKILL at G still comes. Each container's place in this signal
+ledger moves only along LEDGER_TRANSITIONS.
 """
 
 from __future__ import annotations
@@ -24,6 +31,47 @@ SIGTERM_SKIPS_KINDS = frozenset({"inference", "rental"})
 # deadline file before its SIGTERM): at most this many each, so a chatty one cannot grow the
 # bundle without bound.
 PENDING_REPORTS_KEPT = 16
+# How a restarted agent reports the SIGTERMs its predecessor announced (sigterm_sent "by").
+BY_PREVIOUS_RUN = "previous run"
+
+# A container's place in the signal ledger (Reclamation.ledger): no signal yet (None), announced
+# for a round (on disk before anything is sent, so possibly delivered by a process that has died
+# since), delivered, or delivered as far as anyone can tell by the previous agent process.
+TERM_ANNOUNCED = "SIGTERM announced"
+TERM_SENT = "SIGTERM"
+TERM_BY_PREVIOUS_RUN = "SIGTERM by previous run"
+KILL_ANNOUNCED = "SIGKILL announced"
+KILL_SENT = "SIGKILL"
+LEDGER_TRANSITIONS: dict[tuple[str | None, str | None], str] = {
+    (None, TERM_ANNOUNCED): "a SIGTERM round is about to signal it",
+    (TERM_ANNOUNCED, TERM_SENT): "delivered",
+    (TERM_ANNOUNCED, None): "neither route delivered it: it may be signalled again as a stray",
+    (TERM_ANNOUNCED, TERM_BY_PREVIOUS_RUN): "the agent restarted before the result came back",
+    (None, KILL_ANNOUNCED): "the SIGKILL round (or a later stray) is about to kill it",
+    (TERM_SENT, KILL_ANNOUNCED): "the SIGKILL round is about to kill it",
+    (TERM_BY_PREVIOUS_RUN, KILL_ANNOUNCED): "the SIGKILL round is about to kill it",
+    (KILL_ANNOUNCED, KILL_SENT): "delivered",
+    # Not delivered, or the agent restarted: a SIGKILL may safely be sent again.
+    (KILL_ANNOUNCED, None): "withdrawn",
+    (KILL_ANNOUNCED, TERM_SENT): "withdrawn",
+    (KILL_ANNOUNCED, TERM_BY_PREVIOUS_RUN): "withdrawn",
+}
+PHASES = ("tainting", "draining", "done")
+OUTCOMES = ("", "drained", "overrun", "cancelled", "resumed")
+
+
+class InvalidTransition(Exception):
+    """A move the signal ledger does not allow: a bug in the shell or here, never the world."""
+
+    def __init__(self, reclaim_id: str, container: str, start: str | None, finish: str | None):
+        super().__init__(f"reclamation {reclaim_id}: container {container}: {start} -> {finish}")
+        self.reclaim_id, self.container, self.start, self.finish = (
+            reclaim_id, container, start, finish,
+        )  # fmt: skip
+
+
+class InvalidState(Exception):
+    """validate() found the reclamation breaking one of its own invariants."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +120,26 @@ class ContainerSignalled:
     # What the coordinator tracks the workload's contract by (coordinator/contracts.py).
     image: str = ""
     kind: str = ""
+
+
+@dataclass(frozen=True)
+class RoundTarget:
+    """A container a signal round found running, as the engine listed it."""
+
+    container: str
+    name: str
+    kind: str = ""
+    image: str = ""
+
+
+@dataclass(frozen=True)
+class RoundListed:
+    """A signal round has listed its targets and sends nothing until the machine has recorded
+    them (answered with DeliverSignals, after the shell saved the bundle)."""
+
+    now: float
+    signal: str
+    targets: tuple[RoundTarget, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -155,6 +223,7 @@ Event = (
     TaintAnswered
     | TaintUnanswered
     | ContainerSignalled
+    | RoundListed
     | SignalRoundDone
     | ContainerExited
     | Observed
@@ -217,6 +286,15 @@ class SignalContainers:
 
 
 @dataclass(frozen=True)
+class DeliverSignals:
+    """Send `signal` to exactly these containers, now announced in the bundle (the answer to a
+    round's RoundListed; empty when nothing may be signalled). Save the bundle first."""
+
+    signal: str
+    containers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class DrainWorkers:
     """Mark every inference worker draining at its gate; stop each when its slots reach zero."""
 
@@ -255,6 +333,7 @@ Command = (
     | LiftTaints
     | WriteDeadlineFile
     | SignalContainers
+    | DeliverSignals
     | DrainWorkers
     | CutWorkers
     | WatchExits
@@ -315,6 +394,11 @@ class Reclamation:
     sigterm_at: dict[str, float] = field(default_factory=dict)  # container id -> its SIGTERM
     # Workload reports by container name, held until the container is signalled or exits.
     pending_reports: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # Containers a round is about to signal: id -> {signal, name, kind, image, at}. In the bundle
+    # before any of them is sent (write before act), so a restart knows who may have had it.
+    announced: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # SIGTERMs the previous agent process announced and may have sent (never sent again).
+    sigterm_by_previous_run: list[str] = field(default_factory=list)
 
     # --- construction ----------------------------------------------------------------------
 
@@ -363,14 +447,16 @@ class Reclamation:
 
     def resume(self, now: float) -> list[Command]:
         """After an agent restart: carry on from the stored progress, same deadlines."""
+        reported = self._announced_by_previous_run()
         if self.lifted:
             # A cancel or resume that the coordinator may not have heard of yet: say it again.
-            return [] if self.lift_acknowledged else [LiftTaints(self.reclaim_id)]
+            lift = [] if self.lift_acknowledged else [LiftTaints(self.reclaim_id)]
+            return _stamp([*reported, *lift], now)
         if self.phase == "done":
             if self.taint_mode == "local" and not self.remote_taint:
-                return [RetryRemoteTaint(self.reclaim_id)]
-            return []
-        commands: list[Command] = []
+                return _stamp([*reported, RetryRemoteTaint(self.reclaim_id)], now)
+            return _stamp(reported, now)
+        commands: list[Command] = list(reported)
         if self.phase == "tainting":
             # The taint call's answer was lost with the old process; ask again with a fresh
             # 800 ms allowance. A local taint (if it was applied) is still on disk.
@@ -384,8 +470,9 @@ class Reclamation:
                 commands.append(RetryRemoteTaint(self.reclaim_id))
         commands.append(self._deadline_file())
         self.observing = False
-        # Rounds in flight died with the old process. Anything they did not reach is still
-        # running and gets its signal as a stray at the first observation, never a second time.
+        # Rounds in flight died with the old process. What they announced counts as signalled
+        # (above); anything else still running was never signalled and gets its signal as a
+        # stray at the first observation, never a second time.
         self.rounds_in_flight = 0
         if self.sigterm_round:
             self.sigterm_round_done = True
@@ -400,6 +487,112 @@ class Reclamation:
                 commands.append(WatchExits(live))
         return _stamp(commands + self._observe(now) + self._tick(now), now)
 
+    def _announced_by_previous_run(self) -> list[Command]:
+        """The announcements the old process left: each SIGTERM may have been delivered, so it
+        counts as sent (reported with `by: previous run`) and is never sent again; a SIGKILL
+        is withdrawn (the next look kills it again if it still runs, which is harmless)."""
+        commands: list[Command] = []
+        for container, entry in list(self.announced.items()):
+            if entry["signal"] == SIGTERM:
+                self._move(container, TERM_BY_PREVIOUS_RUN)
+                self.sigterm_at.setdefault(container, entry["at"])
+                details: dict[str, Any] = {
+                    "container": container,
+                    "name": entry["name"],
+                    "by": BY_PREVIOUS_RUN,
+                    "announced_at": entry["at"],
+                }
+                for key in ("image", "kind"):
+                    if entry.get(key):
+                        details[key] = entry[key]
+                commands.append(Emit("sigterm_sent", details))
+                commands += self._held_reports(container, None)
+            else:
+                self._move(container, entry["before"])
+        return commands
+
+    # --- the signal ledger ---------------------------------------------------------------------
+
+    def ledger(self, container: str) -> str | None:
+        """Where a container stands in the signal ledger (see LEDGER_TRANSITIONS)."""
+        entry = self.announced.get(container)
+        if entry is not None:
+            return TERM_ANNOUNCED if entry["signal"] == SIGTERM else KILL_ANNOUNCED
+        signal = self.signalled.get(container)
+        if signal == SIGKILL:
+            return KILL_SENT
+        if signal == SIGTERM:
+            if container in self.sigterm_by_previous_run:
+                return TERM_BY_PREVIOUS_RUN
+            return TERM_SENT
+        return None
+
+    def _move(
+        self, container: str, finish: str | None, target: RoundTarget | None = None,
+        now: float = 0.0,
+    ) -> None:  # fmt: skip
+        start = self.ledger(container)
+        if (start, finish) not in LEDGER_TRANSITIONS:
+            raise InvalidTransition(self.reclaim_id, container, start, finish)
+        if finish in (TERM_ANNOUNCED, KILL_ANNOUNCED):
+            assert target is not None
+            self.announced[container] = {
+                "signal": SIGTERM if finish == TERM_ANNOUNCED else SIGKILL,
+                "name": target.name,
+                "kind": target.kind,
+                "image": target.image,
+                "at": now,
+                "before": start,
+            }
+            return
+        self.announced.pop(container, None)
+        if finish == TERM_SENT:
+            self.signalled[container] = SIGTERM
+        elif finish == KILL_SENT:
+            self.signalled[container] = SIGKILL
+        elif finish == TERM_BY_PREVIOUS_RUN:
+            self.signalled[container] = SIGTERM
+            if container not in self.sigterm_by_previous_run:
+                self.sigterm_by_previous_run.append(container)
+        # None, or back to what it was before a withdrawn SIGKILL: nothing more to change.
+
+    def validate(self) -> None:
+        """The reclamation's own invariants (dask's validate_state); tests call it after every
+        step. Raises InvalidState naming each one broken."""
+        broken = []
+        if not self.t0 <= self.taint_answer_by or not (
+            self.grace_deadline <= self.overrun_at <= self.terminate_at
+        ):
+            broken.append("deadlines out of order")
+        if self.phase not in PHASES:
+            broken.append(f"unknown phase {self.phase!r}")
+        if self.outcome not in OUTCOMES:
+            broken.append(f"unknown outcome {self.outcome!r}")
+        if self.phase == "tainting" and (self.signalled or self.announced or self.sigterm_round):
+            broken.append("signalled before a taint was in force (invariant 1)")
+        if self.sigkill_round and not self.sigterm_round:
+            broken.append("a SIGKILL round without the SIGTERM round")
+        if self.rounds_in_flight < 0:
+            broken.append("negative rounds in flight")
+        if self.announced and not self.rounds_in_flight:
+            broken.append(f"announced without a round in flight: {sorted(self.announced)}")
+        for container, entry in self.announced.items():
+            if entry.get("signal") not in (SIGTERM, SIGKILL):
+                broken.append(f"{container} announced for {entry.get('signal')!r}")
+            elif entry["signal"] == SIGTERM and container in self.signalled:
+                broken.append(f"{container} announced for a second SIGTERM")
+        for container in self.sigterm_by_previous_run:
+            if container not in self.signalled:
+                broken.append(f"{container} signalled by the previous run but not recorded")
+        if self.outcome == "drained" and (
+            self.verified_at is None or self.verified_at >= self.overrun_at
+        ):
+            broken.append("drained without an empty look before O (invariants 5, 6)")
+        if self.verified_at is not None and self.phase != "done":
+            broken.append("verified empty but not done")
+        if broken:
+            raise InvalidState(f"reclamation {self.reclaim_id}: " + "; ".join(broken))
+
     # --- the one mutator -------------------------------------------------------------------
 
     def handle(self, event: Event) -> list[Command]:
@@ -413,6 +606,8 @@ class Reclamation:
                 return self._taint_unanswered(now, error)
             case ContainerSignalled():
                 return self._signalled(event)
+            case RoundListed():
+                return self._listed(event)
             case SignalRoundDone(now, signal):
                 return self._round_done(now, signal)
             case ContainerExited(now, container, name, code):
@@ -506,18 +701,48 @@ class Reclamation:
             self.reclaim_id, self.terminate_at, self.grace_deadline, self.reason
         )
 
+    def _listed(self, ev: RoundListed) -> list[Command]:
+        """A round's targets: announce those it may signal, and only those. A SIGTERM goes to a
+        container at most once, whoever sent it (this process or the one before it)."""
+        approved: list[str] = []
+        if self.lifted:
+            return [DeliverSignals(ev.signal, ())]  # cancelled or resumed: nothing more to send
+        for target in ev.targets:
+            c = target.container
+            if c in self.exited or c in approved:
+                continue
+            start = self.ledger(c)
+            if ev.signal == SIGTERM:
+                if start is not None or c in self.gated:
+                    continue
+                self._move(c, TERM_ANNOUNCED, target, ev.now)
+            else:
+                if start in (TERM_ANNOUNCED, KILL_ANNOUNCED, KILL_SENT):
+                    continue
+                self._move(c, KILL_ANNOUNCED, target, ev.now)
+            self.names[c] = target.name
+            approved.append(c)
+        return [DeliverSignals(ev.signal, tuple(approved))]
+
     def _signalled(self, ev: ContainerSignalled) -> list[Command]:
         kind = "sigterm_sent" if ev.signal == SIGTERM else "sigkill_sent"
         details: dict[str, Any] = {"container": ev.container, "name": ev.name, "via": ev.via}
+        announced = TERM_ANNOUNCED if ev.signal == SIGTERM else KILL_ANNOUNCED
+        if self.ledger(ev.container) != announced:
+            # Only an announced container may be signalled (write before act).
+            raise InvalidTransition(
+                self.reclaim_id, ev.container, self.ledger(ev.container), ev.signal
+            )
         if ev.error:
             details["error"] = ev.error
+            self._move(ev.container, self.announced[ev.container]["before"])
             return [Emit("signal_failed", {**details, "signal": ev.signal})]
         for key in ("image", "kind"):
             if getattr(ev, key):
                 details[key] = getattr(ev, key)
         self.names[ev.container] = ev.name
         new = ev.container not in self.signalled
-        self.signalled[ev.container] = ev.signal
+        self._move(ev.container, TERM_SENT if ev.signal == SIGTERM else KILL_SENT)
         if ev.signal == SIGTERM:
             self.sigterm_at.setdefault(ev.container, ev.now)
         commands: list[Command] = [Emit(kind, details)]
@@ -687,6 +912,7 @@ class Reclamation:
         else:
             signal = SIGTERM
             done = frozenset(self.signalled) | frozenset(self.gated) | frozenset(rentals)
+        done |= frozenset(self.announced)
         if not frozenset(running) - done:
             return []
         return [self._signal(signal, skip=done)]

@@ -136,7 +136,14 @@ class SourceHub:
                     self.drains.notice(notice)
                 case _:
                     raise TypeError(cmd)
-        write_atomic(self._book_path, self.book.saved(), mode=0o600)
+        try:
+            write_atomic(self._book_path, self.book.saved(), mode=0o600)
+        except OSError as e:
+            # A full disk stops nothing (agent/state.py): the book is in memory, and the next
+            # change writes it whole again.
+            self.drains.health.failed(self._book_path, e)
+        else:
+            self.drains.health.wrote(self._book_path)
         self._wake.set()
 
     def _load_book(self) -> dict[str, dict[str, Any]]:

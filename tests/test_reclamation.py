@@ -25,17 +25,27 @@ from hypothesis.stateful import (
 
 from spotdrain.agent.notice import Notice
 from spotdrain.agent.reclamation import (
+    BY_PREVIOUS_RUN,
+    KILL_ANNOUNCED,
+    KILL_SENT,
+    LEDGER_TRANSITIONS,
     SIGKILL,
     SIGTERM,
+    TERM_ANNOUNCED,
+    TERM_BY_PREVIOUS_RUN,
+    TERM_SENT,
     ApplyLocalTaint,
     Cancelled,
     Command,
     ContainerExited,
     ContainerSignalled,
     CutWorkers,
+    DeliverSignals,
     DrainWorkers,
     Emit,
     Event,
+    InvalidState,
+    InvalidTransition,
     LiftTaints,
     Margins,
     Observe,
@@ -44,6 +54,8 @@ from spotdrain.agent.reclamation import (
     RequestTaint,
     Resumed,
     RetryRemoteTaint,
+    RoundListed,
+    RoundTarget,
     SignalContainers,
     SignalRoundDone,
     TaintAnswered,
@@ -186,6 +198,9 @@ class Story:
     rec: Reclamation = field(init=False)
     log: list[tuple[float, Command]] = field(default_factory=list)
     deadlines: tuple = ()
+    # Strict: a delivery must follow the machine's own DeliverSignals (the world below); else a
+    # ContainerSignalled stands for a whole round that listed that one container first.
+    strict: bool = False
 
     def begin(
         self, n: Notice | None = None, now: float = T0, reason: str = "notice"
@@ -195,6 +210,17 @@ class Story:
         return self._log(now, commands)
 
     def __call__(self, event: Event) -> list[Command]:
+        announced = self.rec.announced.get(getattr(event, "container", ""), {})
+        if (
+            isinstance(event, ContainerSignalled)
+            and not self.strict
+            and announced.get("signal") != event.signal
+        ):
+            # A delivery stands for a round that listed the container first (write before act);
+            # the stories about the announcement itself feed RoundListed themselves.
+            target = RoundTarget(event.container, event.name, event.kind, event.image)
+            listed = self.rec.handle(RoundListed(event.now, event.signal, (target,)))
+            assert listed == [DeliverSignals(event.signal, (event.container,))], listed
         return self._log(event.now, self.rec.handle(event))
 
     def restart(self, now: float) -> list[Command]:
@@ -216,6 +242,7 @@ class Story:
 
     def _log(self, now: float, commands: list[Command]) -> list[Command]:
         self.log += [(now, c) for c in commands]
+        self.rec.validate()  # like dask's validate_state(), after every step
         return commands
 
 
@@ -831,7 +858,11 @@ class ReclamationWorld(RuleBasedStateMachine):
     """A node with a few jobs and GPU processes, a shell that carries out the machine's commands
     and wakes when next_wakeup() says, and a world that does anything in any order: jobs exit on
     their own or not at all, signals fail, NVML errs, the coordinator answers late or never, the
-    agent restarts, the notice is cancelled. The story's invariants must hold after every step."""
+    agent restarts, the notice is cancelled. The story's invariants must hold after every step.
+
+    Signal rounds run as the shell runs them: one at a time, each listing what runs, waiting for
+    the machine's DeliverSignals, then delivering exactly that. An agent that dies mid-round may
+    have got any of its announced signals out first; no container ever hears SIGTERM twice."""
 
     @initialize(
         d_offset=st.sampled_from([None, 30.0, 30.0, 12.0, 5.0, 2.5, 1.0, 0.0, -5.0]),
@@ -842,13 +873,15 @@ class ReclamationWorld(RuleBasedStateMachine):
     def begin(
         self, d_offset: float | None, coordinator: str, running: set[str], zombies: set[int]
     ) -> None:
-        self.story = Story()
+        self.story = Story(strict=True)
         self.now = T0
         self.running = set(running)
         self.zombies = set(zombies)  # CUDA processes outliving their container
         self.exited: set[str] = set()  # exited in the world, exit not yet reported
         self.watched: set[str] = set()
-        self.rounds: list[tuple[str, set[str]]] = []  # signal rounds in flight
+        # Signal rounds in flight, in order: [signal, skip, targets]; targets None until listed.
+        self.rounds: list[list[Any]] = []
+        self.sigterms: dict[str, int] = {}  # SIGTERMs each container really received
         self.observes = 0  # Observe commands in flight
         self.strays = iter(f"s{i}" for i in range(100))
         self.strays_started = 0
@@ -864,7 +897,7 @@ class ReclamationWorld(RuleBasedStateMachine):
     def _carry_out(self, commands: list[Command]) -> None:
         for c in commands:
             if isinstance(c, SignalContainers):
-                self.rounds.append((c.signal, self.running - c.skip))
+                self.rounds.append([c.signal, c.skip, None])
             elif isinstance(c, Observe):
                 self.observes += 1
             elif isinstance(c, WatchExits):
@@ -893,7 +926,26 @@ class ReclamationWorld(RuleBasedStateMachine):
 
     # the Docker engine and the jobs
 
-    @precondition(lambda self: any(targets for _, targets in self.rounds))
+    @precondition(lambda self: self.rounds and self.rounds[0][2] is None)
+    @rule(dt=DELAYS)
+    def round_listed(self, dt: float) -> None:
+        now = self._at(dt)
+        signal, skip, _ = self.rounds[0]
+        found = tuple(RoundTarget(c, f"job-{c}") for c in sorted(self.running - skip))
+        commands = self.story(RoundListed(now, signal, found))
+        [answer] = [c for c in commands if isinstance(c, DeliverSignals)]
+        assert answer.signal == signal and set(answer.containers) <= self.running
+        self.rounds[0][2] = set(answer.containers)
+        self._carry_out(commands)
+
+    def _received(self, c: str, signal: str, obeys: bool) -> None:
+        if signal == SIGTERM:
+            self.sigterms[c] = self.sigterms.get(c, 0) + 1
+        if (signal == SIGKILL or obeys) and c in self.running:
+            self.running.discard(c)
+            self.exited.add(c)
+
+    @precondition(lambda self: self.rounds and self.rounds[0][2])
     @rule(
         dt=DELAYS,
         pick=st.integers(0, 10),
@@ -902,19 +954,20 @@ class ReclamationWorld(RuleBasedStateMachine):
     )
     def signal_delivered(self, dt: float, pick: int, fails: bool, obeys: bool) -> None:
         now = self._at(dt)
-        signal, targets = next((s, t) for s, t in self.rounds if t)
+        if not (self.rounds and self.rounds[0][2]):
+            return  # the timer that fired first was the end of the drain
+        signal, _, targets = self.rounds[0]
         c = sorted(targets)[pick % len(targets)]
         targets.discard(c)
         error = "engine timeout; pid route: ESRCH" if fails else ""
         self._deliver(ContainerSignalled(now, c, f"job-{c}", signal, via="api", error=error))
-        if (signal == SIGKILL or obeys) and not fails and c in self.running:
-            self.running.discard(c)
-            self.exited.add(c)
+        if not fails:
+            self._received(c, signal, obeys)
 
-    @precondition(lambda self: self.rounds and not self.rounds[0][1])
+    @precondition(lambda self: self.rounds and self.rounds[0][2] == set())
     @rule(dt=DELAYS)
     def signal_round_done(self, dt: float) -> None:
-        signal, _ = self.rounds.pop(0)
+        signal, _, _ = self.rounds.pop(0)
         self._deliver(SignalRoundDone(self._at(dt), signal))
 
     @precondition(lambda self: self.running)
@@ -975,8 +1028,15 @@ class ReclamationWorld(RuleBasedStateMachine):
         if rarely == 0:
             self._deliver(Cancelled(self._at(dt)))
 
-    @rule(dt=DELAYS)
-    def agent_restarts(self, dt: float) -> None:
+    @rule(dt=DELAYS, got_out=st.integers(0, 7), obeys=st.booleans())
+    def agent_restarts(self, dt: float, got_out: int, obeys: bool) -> None:
+        """The agent is SIGKILLed. Of the round it was delivering, the signals picked by
+        `got_out` had reached the engine already; the results died with the process."""
+        if self.rounds and self.rounds[0][2]:
+            signal, _, targets = self.rounds[0]
+            for i, c in enumerate(sorted(targets)):
+                if got_out >> i & 1:
+                    self._received(c, signal, obeys)
         self.now += dt
         self.rounds.clear()  # whatever the old process had in flight died with it
         self.observes = 0
@@ -987,6 +1047,10 @@ class ReclamationWorld(RuleBasedStateMachine):
     @invariant()
     def the_story_keeps_the_invariants(self) -> None:
         self.story.check()
+
+    @invariant()
+    def no_container_ever_hears_sigterm_twice(self) -> None:
+        assert all(n <= 1 for n in self.sigterms.values()), self.sigterms
 
     @invariant()
     def the_shell_is_woken_by_every_pending_deadline(self) -> None:
@@ -1031,7 +1095,8 @@ def test_a_bundle_from_an_older_agent_still_loads() -> None:
     since then take their defaults, the deadlines are untouched."""
     rec, _ = Reclamation.begin(notice(), "node-a", T0, MARGINS)
     doc = rec.to_json()
-    for newer in ("taint_answer_s", "rounds_in_flight", "observe_again"):
+    for newer in ("taint_answer_s", "rounds_in_flight", "observe_again", "announced",
+                  "sigterm_by_previous_run"):
         doc.pop(newer)
     again = Reclamation.from_json(doc)
     assert (again.terminate_at, again.grace_deadline, again.overrun_at) == (D, G, O)
@@ -1136,3 +1201,177 @@ def test_a_resume_mid_drain_ends_the_pause_and_lifts_its_taints() -> None:
 def test_resumed_means_nothing_to_a_provider_notice(story: Story) -> None:
     tainted_with(story, "c1")
     assert story(Resumed(T0 + 1)) == []
+
+
+# --- SIGTERM at most once, across agent restarts (write before act) -----------------------------
+
+
+def job(c: str, kind: str = "batch") -> RoundTarget:
+    return RoundTarget(c, f"job-{c}", kind, f"registry.local/{c}:1")
+
+
+def listed(now: float, *containers: str, signal: str = SIGTERM) -> RoundListed:
+    return RoundListed(now, signal, tuple(job(c) for c in containers))
+
+
+def test_a_round_announces_its_targets_in_the_bundle_before_anything_is_sent() -> None:
+    """The SIGTERM round has listed two jobs. The machine records them as announced and only
+    then answers with exactly those two to deliver: the shell saves the bundle in between, so
+    the announcement is on disk before the first SIGTERM leaves."""
+    story = Story(strict=True)
+    story.begin()
+    assert story(TaintAnswered(T0 + 0.05))[-1] == SignalContainers(SIGTERM)
+    assert story(listed(T0 + 0.06, "c1", "c2")) == [DeliverSignals(SIGTERM, ("c1", "c2"))]
+    bundle = json.loads(json.dumps(story.rec.to_json()))
+    assert {c: e["signal"] for c, e in bundle["announced"].items()} == {
+        "c1": SIGTERM, "c2": SIGTERM,
+    }
+    assert story.rec.ledger("c1") == TERM_ANNOUNCED
+    assert story(signalled("c1", T0 + 0.07)) == [emit("sigterm_sent", container="c1", via="api"),
+                                                 WatchExits(("c1",))]
+    assert story.rec.ledger("c1") == TERM_SENT and "c1" not in story.rec.announced
+    story.check()
+
+
+def test_an_agent_killed_right_after_its_first_sigterms_never_sends_a_second() -> None:
+    """The agent sends SIGTERM to two jobs and is SIGKILLed before the engine's answers come
+    back: the bundle says only that both were announced. The restarted agent counts both as
+    signalled by the previous run, reports them so (with the image and kind the round listed),
+    watches their exits, and a look that still sees them running sends nothing: many runtimes
+    take a second SIGTERM as "exit now, skip the cleanup". SIGKILL at G still comes."""
+    story = Story(strict=True)
+    story.begin()
+    story(TaintAnswered(T0 + 0.05))
+    story(listed(T0 + 0.06, "c1", "c2"))
+
+    assert story.restart(T0 + 2) == [
+        emit("sigterm_sent", container="c1", name="job-c1", by=BY_PREVIOUS_RUN,
+             announced_at=T0 + 0.06, image="registry.local/c1:1"),
+        emit("sigterm_sent", container="c2", by=BY_PREVIOUS_RUN),
+        match(WriteDeadlineFile, terminate_at=D, grace_deadline=G),
+        match(DrainWorkers, grace_deadline=G),
+        WatchExits(("c1", "c2")),
+        Observe(),
+    ]
+    first = story.log[-6][1]
+    assert first.details["kind"] == "batch"  # the contract of its image counts it (timeline.py)
+    assert "via" not in first.details  # nobody knows which route it took
+    assert story.rec.ledger("c1") == TERM_BY_PREVIOUS_RUN
+    assert story(Observed(T0 + 2.1, running=("c1", "c2"))) == []  # no stray: both had theirs
+    assert story(listed(T0 + 2.2, "c1", "c2")) == [DeliverSignals(SIGTERM, ())]
+    assert story(exited("c1", T0 + 3)) == [emit("container_exited", exit_code=0)]
+    assert story(Tick(G)) == [match(CutWorkers), SignalContainers(SIGKILL), Observe()]
+    assert story(listed(G + 0.01, "c2", signal=SIGKILL)) == [DeliverSignals(SIGKILL, ("c2",))]
+    assert story(signalled("c2", G + 0.02, SIGKILL)) == [emit("sigkill_sent", container="c2")]
+    assert story.rec.ledger("c2") == KILL_SENT
+    assert story.kinds.count("sigterm_sent") == 2
+    story.check()
+
+
+def test_a_restart_twice_over_reports_the_previous_runs_sigterms_once() -> None:
+    """The agent crash-loops: the second restart finds the SIGTERMs already counted and says
+    nothing more about them."""
+    story = Story(strict=True)
+    story.begin()
+    story(TaintAnswered(T0 + 0.05))
+    story(listed(T0 + 0.06, "c1"))
+    story.restart(T0 + 2)
+    assert story.restart(T0 + 4) == [
+        match(WriteDeadlineFile), match(DrainWorkers), WatchExits(("c1",)), Observe(),
+    ]
+    assert story.kinds.count("sigterm_sent") == 1
+
+
+def test_a_sigkill_announced_when_the_agent_died_is_sent_again() -> None:
+    """The agent dies in the SIGKILL round at G. A second SIGKILL is harmless, and the job may
+    not have had the first: the restarted agent kills what still runs."""
+    story = Story(strict=True)
+    story.begin()
+    story(TaintAnswered(T0 + 0.05))
+    story(listed(T0 + 0.06, "c1"))
+    story(signalled("c1", T0 + 0.07))
+    story(SignalRoundDone(T0 + 0.08, SIGTERM))
+    story(Tick(G))
+    assert story(listed(G + 0.01, "c1", signal=SIGKILL)) == [DeliverSignals(SIGKILL, ("c1",))]
+    assert story.rec.ledger("c1") == KILL_ANNOUNCED
+    commands = story.restart(G + 1)
+    assert emit("sigkill_sent") not in commands and story.rec.ledger("c1") == TERM_SENT
+    assert story(Observed(G + 1.1, running=("c1",))) == [
+        SignalContainers(SIGKILL, skip=frozenset())
+    ]
+    assert story(listed(G + 1.2, "c1", signal=SIGKILL)) == [DeliverSignals(SIGKILL, ("c1",))]
+
+
+def test_a_later_round_leaves_out_every_container_that_had_its_sigterm() -> None:
+    """A stray round lists a job already signalled, one the previous run announced, and one
+    started by hand: only the new one is announced and delivered."""
+    story = Story(strict=True)
+    story.begin()
+    story(TaintAnswered(T0 + 0.05))
+    story(listed(T0 + 0.06, "c1", "c2"))
+    story(signalled("c1", T0 + 0.07))
+    story.restart(T0 + 1)  # c2: announced, never answered
+    assert story(Observed(T0 + 1.1, running=("c1", "c2", "c9"))) == [
+        SignalContainers(SIGTERM, skip=frozenset({"c1", "c2"}))
+    ]
+    assert story(listed(T0 + 1.2, "c1", "c2", "c9")) == [DeliverSignals(SIGTERM, ("c9",))]
+
+
+def test_a_round_listed_after_the_owner_resumed_delivers_nothing() -> None:
+    """The owner resumes while the SIGTERM round is still listing: the machine is theirs again,
+    and the round sends nothing."""
+    story = Story(strict=True)
+    story.begin(notice(terminate_at=T0 + 120), reason="pause")
+    story(TaintAnswered(T0 + 0.05))
+    story(Resumed(T0 + 0.06))
+    assert story(listed(T0 + 0.07, "c1")) == [DeliverSignals(SIGTERM, ())]
+    assert story.rec.announced == {}
+
+
+def test_a_delivery_nobody_announced_is_refused() -> None:
+    """The shell may only signal what the machine announced: anything else is a bug, and says
+    which container and which move."""
+    story = Story(strict=True)
+    story.begin()
+    story(TaintAnswered(T0 + 0.05))
+    with pytest.raises(InvalidTransition, match="c1: None -> SIGTERM"):
+        story.rec.handle(signalled("c1", T0 + 0.06))
+
+
+@pytest.mark.parametrize("start", [None, TERM_ANNOUNCED, TERM_SENT, TERM_BY_PREVIOUS_RUN,
+                                   KILL_ANNOUNCED, KILL_SENT])
+@pytest.mark.parametrize("finish", [None, TERM_ANNOUNCED, TERM_SENT, TERM_BY_PREVIOUS_RUN,
+                                    KILL_ANNOUNCED, KILL_SENT])
+def test_the_signal_ledger_moves_only_along_its_table(start, finish) -> None:
+    """Every move of a container's ledger entry is in LEDGER_TRANSITIONS or refused; a SIGTERM
+    never follows a SIGTERM, announced or sent, by this process or the one before."""
+    rec, _ = Reclamation.begin(notice(), NODE, T0, MARGINS)
+    rec.phase, rec.sigterm_round, rec.rounds_in_flight = "draining", True, 1
+    path = {
+        None: [], TERM_ANNOUNCED: [TERM_ANNOUNCED], TERM_SENT: [TERM_ANNOUNCED, TERM_SENT],
+        TERM_BY_PREVIOUS_RUN: [TERM_ANNOUNCED, TERM_BY_PREVIOUS_RUN],
+        KILL_ANNOUNCED: [KILL_ANNOUNCED], KILL_SENT: [KILL_ANNOUNCED, KILL_SENT],
+    }[start]
+    for step in path:
+        rec._move("c1", step, job("c1"), T0 + 1)
+    assert rec.ledger("c1") == start
+    if (start, finish) in LEDGER_TRANSITIONS:
+        rec._move("c1", finish, job("c1"), T0 + 2)
+        assert rec.ledger("c1") == finish
+    else:
+        with pytest.raises(InvalidTransition):
+            rec._move("c1", finish, job("c1"), T0 + 2)
+    assert (TERM_SENT, TERM_ANNOUNCED) not in LEDGER_TRANSITIONS
+    assert (TERM_BY_PREVIOUS_RUN, TERM_ANNOUNCED) not in LEDGER_TRANSITIONS
+
+
+def test_validate_names_what_a_broken_bundle_breaks() -> None:
+    """validate() is the machine's own check of its invariants; a state no transition makes
+    (an announcement without a round, a SIGTERM before the taint) is named."""
+    rec, _ = Reclamation.begin(notice(), NODE, T0, MARGINS)
+    rec.validate()
+    rec.announced["c1"] = {"signal": SIGTERM, "name": "job-c1", "kind": "", "image": "",
+                           "at": T0, "before": None}
+    with pytest.raises(InvalidState, match="invariant 1") as e:
+        rec.validate()
+    assert "announced without a round in flight" in str(e.value)

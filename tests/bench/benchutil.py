@@ -135,7 +135,8 @@ def write_json(path: Path | None, doc: dict[str, Any]) -> None:
 def engine_run(prefix: str, keep: bool, work_prefix: str = "sdbench-") -> Iterator[tuple]:
     """A work dir under /tmp and a Docker engine (a private dockerd when none answers) with the
     test images and no container named `prefix`*: (work, engine). Afterwards those containers
-    are removed, the engine stopped if this run started it, the work dir removed unless `keep`.
+    are removed, the engine stopped if this run started it, the work dir removed unless `keep`
+    or the run failed.
     """
     work = Path(tempfile.mkdtemp(prefix=work_prefix, dir="/tmp"))
     engine = None
@@ -145,6 +146,9 @@ def engine_run(prefix: str, keep: bool, work_prefix: str = "sdbench-") -> Iterat
         ensure_images(engine.client)
         remove_test_containers(engine.client, prefix)
         yield work, engine
+    except BaseException:
+        keep = True  # the logs of a failed run are what explains it
+        raise
     finally:
         if engine is not None:
             try:

@@ -538,10 +538,16 @@ def run_source(ctx: Context, source: Source, runs: int) -> Result:
                 # A uniform random phase against the agent's poll schedule.
                 time.sleep(random.uniform(0, source.poll_s))
             t0, key = source.flip(i)
-            t1 = ctx.probe.wait(wl.name, timeout=timeout)
-            res.samples_ms.append((t1 - t0) * 1000)
             rid = reclaim_id_for(agent.node_id, key)
             _, admin = ctx.coordinator()
+            try:
+                t1 = ctx.probe.wait(wl.name, timeout=timeout)
+            except TimeoutError as e:
+                kinds = [ev["kind"] for ev in admin.events(node=agent.node_id, reclaim_id=rid)]
+                tail = "".join(agent.proc.log().splitlines(keepends=True)[-25:])
+                raise RuntimeError(f"{source.name} run {i}: {e}; events of {rid}: {kinds}; "
+                                   f"{agent.log_path} ends:\n{tail}") from None  # fmt: skip
+            res.samples_ms.append((t1 - t0) * 1000)
             admin.wait_for("drained", node=agent.node_id, timeout=30, reclaim_id=rid)
             breakdown(res, admin.events(node=agent.node_id, reclaim_id=rid), t0, t1, "flip")
             ctx.progress(res, runs)

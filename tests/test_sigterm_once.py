@@ -1,0 +1,145 @@
+"""SIGTERM at most once, across an agent SIGKILLed mid-round (issue 11, item 7), on real parts:
+a coordinator and an agent as processes, a real Docker engine, the real pynvml over the fake
+library. The agent reaches the engine through a pass-through socket that holds back the answer
+to the first SIGTERM and kills the agent right then: the signal is delivered, and the agent
+never learns it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dockerenv import run_workload
+from harness import AgentOptions, start_agent, wait_until
+
+pytestmark = pytest.mark.docker
+
+KILL_SIGTERM = re.compile(rb"POST /[^ ]*containers/[^/ ]+/kill\?signal=SIGTERM ")
+
+
+class KillTrap:
+    """A unix socket in front of the Docker engine that passes every byte through, except the
+    answer to the first `kill?signal=SIGTERM`: that one is dropped and `on_trip` called instead
+    (the request itself reached the engine, so the container got its SIGTERM). HTTP/1.1 answers
+    a connection's requests in order, so the first bytes back after that request are its answer.
+    """
+
+    def __init__(self, path: Path, upstream: str, on_trip: Callable[[], None]) -> None:
+        self.upstream = upstream.removeprefix("unix://")
+        self.on_trip = on_trip
+        self.tripped = threading.Event()
+        self._lock = threading.Lock()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(64)
+        self.address = f"unix://{path}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            engine = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            engine.connect(self.upstream)
+            asked = threading.Event()  # a SIGTERM kill on this connection awaits its answer
+            threading.Thread(target=self._requests, args=(client, engine, asked),
+                             daemon=True).start()  # fmt: skip
+            threading.Thread(target=self._answers, args=(engine, client, asked),
+                             daemon=True).start()  # fmt: skip
+
+    def _requests(self, client: socket.socket, engine: socket.socket, asked: threading.Event):
+        try:
+            while data := client.recv(65536):
+                if not self.tripped.is_set() and KILL_SIGTERM.search(data):
+                    asked.set()
+                engine.sendall(data)
+        except OSError:
+            pass
+        finally:
+            engine.close()
+
+    def _answers(self, engine: socket.socket, client: socket.socket, asked: threading.Event):
+        try:
+            while data := engine.recv(65536):
+                if asked.is_set():
+                    with self._lock:
+                        first = not self.tripped.is_set()
+                        self.tripped.set()
+                    if first:
+                        self.on_trip()
+                        return
+                client.sendall(data)
+        except OSError:
+            pass
+        finally:
+            client.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_an_agent_killed_after_its_sigterm_reached_the_engine_never_sends_a_second(
+    tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers
+):
+    """A job traps TERM, counts it and carries on. The notice comes; the agent's SIGTERM
+    reaches the engine and the job, and the agent is SIGKILLed before the engine's answer
+    arrives. The bundle on disk already names the job as announced (written before the
+    signal). The restarted agent sends it no second SIGTERM, reports the first one as sent
+    by the previous run, and kills the job at the original G; the node drains."""
+    stubborn = run_workload(docker_engine.client, name=containers + "stubborn",
+                            node_id="node-a", kind="ignores_term")
+    agent_box: dict = {}
+
+    def kill_agent() -> None:
+        os.kill(agent_box["agent"].proc.pid, signal.SIGKILL)
+
+    trap = KillTrap(tmp_path / "engine-proxy.sock", docker_engine.host, kill_agent)
+    agent = start_agent(tmp_path, "node-a", coordinator, trap.address, gpus, nvml_lib,
+                        AgentOptions(grace_s=5.0, overrun_s=1.0))
+    agent_box["agent"] = agent
+    admin = coordinator.admin()
+    try:
+        wait_until(lambda: any(n.connected for n in admin.nodes()), 10, "node-a to register")
+        t_notice = time.time()
+        agent.write_notice({"id": "once-1", "action": "terminate",
+                            "terminate_at": t_notice + 12})
+        assert trap.tripped.wait(10), "the agent never sent its SIGTERM"
+        agent.proc.popen.wait(10)
+        assert agent.proc.popen.returncode == -signal.SIGKILL
+        wait_until(lambda: stubborn.logs().decode().count("SIGTERM ignored") == 1, 5,
+                   "the job to hear the SIGTERM")
+        [bundle_path] = (agent.state_dir / "reclamations").glob("rcl-*.json")
+        bundle = json.loads(bundle_path.read_text())  # what the restarted agent will find
+
+        agent.restart()
+        drained = admin.wait_for("drained", node="node-a", timeout=30)
+        # The job heard SIGTERM exactly once: not again from the restarted agent.
+        assert stubborn.logs().decode().count("SIGTERM ignored") == 1
+        events = admin.events(node="node-a", reclaim_id=drained["reclaim_id"])
+        notice = next(e for e in events if e["kind"] == "notice_received")
+        sigterms = [e for e in events if e["kind"] == "sigterm_sent"]
+        assert len(sigterms) == 1
+        assert sigterms[0]["by"] == "previous run" and sigterms[0]["container"] == stubborn.id
+        assert sigterms[0]["image"]  # its image's contract counts it (coordinator/timeline.py)
+        kills = [e for e in events if e["kind"] == "sigkill_sent"]
+        assert [k["container"] for k in kills] == [stubborn.id]
+        assert kills[0]["wall_time"] >= notice["grace_deadline"]  # at G, not before
+        stubborn.reload()
+        assert stubborn.attrs["State"]["ExitCode"] == 137
+        assert [e["kind"] for e in events].count("notice_received") == 1
+        assert list(bundle.get("announced", {})) == [stubborn.id]  # on disk before it was sent
+        assert bundle["signalled"] == {}  # the answer died with the agent
+    finally:
+        agent.proc.stop()
+        trap.close()

@@ -84,9 +84,11 @@ def _no_browser(error: BaseException | str) -> NoReturn:
     raise pytest.fail.Exception(f"no browser: {error}\n({where})", pytrace=False) from None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
-    """Headless chromium (Debian's, through Playwright's executable_path), for the session."""
+    """Headless chromium (Debian's, through Playwright's executable_path), for one module.
+    Not the session: Playwright's sync API keeps an event loop running on the main thread
+    while it is open, and every asyncio test after it would fail to start its own."""
     try:
         from playwright.sync_api import sync_playwright  # noqa: PLC0415 (only where used)
     except ImportError as e:

@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from spotdrain import limits
 from spotdrain.agent.config import AgentConfig
 from spotdrain.agent.outbox import Outbox, OutgoingEvent, bounded_details, details_json
 from spotdrain.leader import Replicas, leader_hint
@@ -234,7 +235,7 @@ class CoordinatorLink:
     # --- and registration re-sends every running worker and rental) -------------------------
 
     def report_worker(self, worker_id: str, report: dict) -> None:
-        msg = pb.WorkerReport(worker_id=worker_id, **report)
+        msg = pb.WorkerReport(worker_id=worker_id, **_short(report))
         self._reports.append(pb.AgentMessage(worker=msg))
         self._outbox_changed.set()
 
@@ -248,7 +249,7 @@ class CoordinatorLink:
 
     def report_rental(self, rental_id: str, report: dict) -> None:
         """A rental's container started, stopped or was refused (RentalReport fields)."""
-        msg = pb.RentalReport(rental_id=rental_id, **report)
+        msg = pb.RentalReport(rental_id=rental_id, **_short(report))
         self._reports.append(pb.AgentMessage(rental=msg))
         self._outbox_changed.set()
 
@@ -364,3 +365,11 @@ class CoordinatorLink:
                 self._outbox_changed.set()
             elif which in ("start_worker", "drain_worker", "start_rental", "stop_rental"):
                 self.on_command(msg)
+
+
+def _short(report: dict) -> dict:
+    """Free text (a Docker error, an exit reason) cut to what the coordinator accepts, so a
+    long message is a shortened report rather than a refused one that ends the stream."""
+    cap = limits.MAX_STRING_CHARS
+    return {k: (v[: cap - 3] + "..." if isinstance(v, str) and len(v) > cap else v)
+            for k, v in report.items()}  # fmt: skip

@@ -293,3 +293,14 @@ async def test_a_backlog_of_2000_varied_events_reaches_the_coordinator_once_in_o
     assert broken == []
     for b in servicer.batches:
         assert all(len(e.details_json.encode()) <= MAX_DETAILS_BYTES for e in b)
+
+
+def test_a_long_free_text_report_is_shortened_not_refused():
+    """The coordinator refuses any string over limits.MAX_STRING_CHARS (and the stream with it):
+    a Docker error of 10,000 characters goes out cut to that length instead."""
+    from spotdrain import limits
+    from spotdrain.agent.link import _short
+
+    report = _short({"state": "stopped", "reason": "x" * 10_000, "exit_code": 137})
+    assert len(report["reason"]) == limits.MAX_STRING_CHARS and report["reason"].endswith("...")
+    assert report["state"] == "stopped" and report["exit_code"] == 137

@@ -4,7 +4,9 @@
 #     images' userland), python3-venv, a C compiler (the fake NVML library), PostgreSQL (the
 #     server the store tests start themselves, tests/pgserver.py), dbus-daemon (the private bus
 #     the shutdown source's tests run a fake logind on), chromium (the dashboard's browser test
-#     drives it through Playwright's executable_path; Playwright never downloads a browser here).
+#     drives it through Playwright's executable_path; Playwright never downloads a browser here),
+#     patroni and etcd-server (the PostgreSQL cluster the failover test starts itself,
+#     tests/patroni.py; neither is started as a service).
 #   - .venv in the repository root, with the project installed editable with its test extras,
 #     reinstalled whenever pyproject.toml changes.
 set -euo pipefail
@@ -18,7 +20,8 @@ stamp="$venv/.spotdrain-install-stamp"
 # the journal is spoken to without systemd-python. Drop them here when control drops them.
 packages=(docker.io busybox-static debootstrap python3-venv gcc libc6-dev ca-certificates
           libsystemd-dev pkg-config python3-dev
-          build-essential debhelper lintian systemd postgresql dbus-daemon chromium)
+          build-essential debhelper lintian systemd postgresql dbus-daemon chromium
+          patroni etcd-server)
 missing=()
 for package in "${packages[@]}"; do
     if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed'; then

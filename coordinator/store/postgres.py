@@ -40,6 +40,12 @@ from spotdrain.coordinator.store.sqlite import check_version
 EVENTS_LOCK = 0x5D01
 MIGRATION_LOCK = 0x5D02
 CONNECT_TIMEOUT_S = 5.0
+# While the database answers nothing (no primary: mid-failover), a call waits this long for a
+# connection rather than CONNECT_TIMEOUT_S: a Taint fails fast with UNAVAILABLE, well inside
+# the agent's 800 ms, so the agent's local taint applies at once instead of at its deadline,
+# and an event batch goes unacknowledged (it waits in the agent's outbox); nothing is answered
+# that was not stored. The first call that gets a connection ends it.
+DOWN_WAIT_S = 0.2
 
 # The fence: a share lock on the lease row at this term, or an error naming the term. A
 # transaction of a leader stopped mid-way (SIGSTOP) would hold that lock, and with it every
@@ -172,6 +178,17 @@ class PostgresBackend(Backend):
         self._fenced_off = ""  # a follower's reason: every write refused, no trip
         self.on_fenced: Callable[[str], None] = lambda why: None
         self._lease_conn: psycopg.AsyncConnection | None = None
+        self._down = False  # the last call found no database to talk to
+
+    def _wait_s(self) -> float | None:
+        """How long a call waits for a pool connection (None: the pool's CONNECT_TIMEOUT_S)."""
+        return DOWN_WAIT_S if self._down else None
+
+    def _failure(self, e: Exception) -> StoreError:
+        error = _failed(self.where, e)
+        if isinstance(error, StoreUnavailable):
+            self._down = True
+        return error
 
     # --- the leader lease and the fence ------------------------------------------------------
 
@@ -271,14 +288,18 @@ class PostgresBackend(Backend):
         fence = self._fence
         pool = self._critical if priority else self._bulk
         try:
-            async with pool.connection() as conn, conn.transaction():
+            async with pool.connection(self._wait_s()) as conn, conn.transaction():
                 pg = _PgConn(conn, self.where)
                 if fence is not None:
                     pg.defer(FENCE, fence)  # goes out with the first statement, same trip
                 yield pg
                 await pg.flush()
+            self._down = False
         except (psycopg.Error, PoolTimeout) as e:
-            raise _failed(self.where, e) from e
+            raise self._failure(e) from e
+        except StoreUnavailable:  # a statement's own (_PgConn)
+            self._down = True
+            raise
         except Fenced as e:
             self._refused(e)
             raise
@@ -286,31 +307,43 @@ class PostgresBackend(Backend):
     async def write(self, sql: str, args: Sequence[Any] = (), priority: bool = False) -> Result:
         self._check_fence()
         fence = self._fence
+        pool = self._critical if priority else self._bulk
         try:
-            async with (self._critical if priority else self._bulk).connection() as conn:
+            async with pool.connection(self._wait_s()) as conn:
                 if fence is None:  # autocommit: one statement, one round trip
-                    return await _PgConn(conn, self.where).execute(sql, args)
-                # Fenced: BEGIN, the fence, the statement and COMMIT, still one trip.
-                async with conn.pipeline(), conn.transaction():
-                    await conn.execute(_params(FENCE), fence)
-                    cur = await conn.execute(_params(sql), tuple(args))
-                rows = await cur.fetchall() if cur.description else []
-                return Result(rows, cur.rowcount)
+                    result = await _PgConn(conn, self.where).execute(sql, args)
+                else:
+                    # Fenced: BEGIN, the fence, the statement and COMMIT, still one trip.
+                    async with conn.pipeline(), conn.transaction():
+                        await conn.execute(_params(FENCE), fence)
+                        cur = await conn.execute(_params(sql), tuple(args))
+                    rows = await cur.fetchall() if cur.description else []
+                    result = Result(rows, cur.rowcount)
+            self._down = False
+            return result
         except (psycopg.Error, PoolTimeout) as e:
-            error = _failed(self.where, e)
+            error = self._failure(e)
             if isinstance(error, Fenced):
                 self._refused(error)
             raise error from e
+        except StoreUnavailable:
+            self._down = True
+            raise
         except Fenced as e:
             self._refused(e)
             raise
 
     async def read(self, sql: str, args: Sequence[Any] = ()) -> Result:
         try:
-            async with self._bulk.connection() as conn:
-                return await _PgConn(conn, self.where).execute(sql, args)
+            async with self._bulk.connection(self._wait_s()) as conn:
+                result = await _PgConn(conn, self.where).execute(sql, args)
+            self._down = False
+            return result
         except PoolTimeout as e:
-            raise _failed(self.where, e) from e
+            raise self._failure(e) from e
+        except StoreUnavailable:
+            self._down = True
+            raise
 
     async def close(self) -> None:
         await self._drop_lease_conn()

@@ -23,6 +23,8 @@ from spotdrain.agent.reclamation import (
     Margins,
     Observed,
     Reclamation,
+    RoundListed,
+    RoundTarget,
     SignalRoundDone,
     TaintAnswered,
     Tick,
@@ -49,6 +51,12 @@ def draining() -> Reclamation:
     return rec
 
 
+def delivered(rec: Reclamation, sent: ContainerSignalled) -> list:
+    """A signal round's delivery: its round listed the container first (write before act)."""
+    rec.handle(RoundListed(sent.now, sent.signal, (RoundTarget(sent.container, sent.name),)))
+    return rec.handle(sent)
+
+
 def emitted(commands) -> list[tuple[str, dict, float | None]]:
     return [(c.kind, c.details, c.at) for c in commands if isinstance(c, Emit)]
 
@@ -65,7 +73,7 @@ def test_the_final_checkpoint_sits_between_sigterm_and_exit():
     """The published timeline: SIGTERM at T0, the job starts checkpoint 18 at once, commits
     1.4 GB 31 s later, and exits 0. Each report says how long after its SIGTERM it came."""
     rec = draining()
-    out = rec.handle(ContainerSignalled(T0 + 0.02, "c1", "job", SIGTERM, "api"))
+    out = delivered(rec, ContainerSignalled(T0 + 0.02, "c1", "job", SIGTERM, "api"))
     out += rec.handle(started(T0 + 0.05))
     out += rec.handle(committed(T0 + 31.02))
     out += rec.handle(ContainerExited(T0 + 31.5, "c1", "job", 0))
@@ -87,7 +95,7 @@ def test_a_report_before_the_sigterm_waits_for_it():
     the sigterm_sent, stamped with that time, and marked as having come first."""
     rec = draining()
     assert rec.handle(started(T0 + 0.015)) == []
-    out = rec.handle(ContainerSignalled(T0 + 0.02, "c1", "job", SIGTERM, "api"))
+    out = delivered(rec, ContainerSignalled(T0 + 0.02, "c1", "job", SIGTERM, "api"))
     assert [(k, at) for k, _, at in emitted(out)] == [
         ("sigterm_sent", T0 + 0.02), ("checkpoint_started", T0 + 0.02)]
     details = emitted(out)[1][1]
@@ -97,7 +105,7 @@ def test_a_report_before_the_sigterm_waits_for_it():
 
 def test_a_report_after_the_exit_is_dropped():
     rec = draining()
-    rec.handle(ContainerSignalled(T0 + 0.02, "c1", "job", SIGTERM, "api"))
+    delivered(rec, ContainerSignalled(T0 + 0.02, "c1", "job", SIGTERM, "api"))
     rec.handle(ContainerExited(T0 + 2, "c1", "job", 0))
     assert rec.handle(committed(T0 + 2.1)) == []
     assert rec.pending_reports == {}
@@ -108,7 +116,7 @@ def test_held_reports_of_a_container_never_signalled_come_out_before_its_exit():
     recorded before its exit, with no time since SIGTERM to give."""
     rec = draining()
     rec.handle(started(T0 + 5, name="rental"))
-    out = rec.handle(ContainerSignalled(G, "r1", "rental", SIGKILL, "api"))
+    out = delivered(rec, ContainerSignalled(G, "r1", "rental", SIGKILL, "api"))
     out += rec.handle(ContainerExited(G + 0.2, "r1", "rental", 137))
     kinds = [(k, d.get("since_sigterm_s", "-")) for k, d, _ in emitted(out)]
     assert kinds == [("sigkill_sent", "-"), ("checkpoint_started", None),
@@ -119,7 +127,7 @@ def test_reports_move_no_deadline_and_prove_nothing():
     """A workload that reports "committed" while it (or a GPU process) is still there gets no
     `drained`: reports are information, never verification (docs/design.md invariant 5)."""
     rec = draining()
-    rec.handle(ContainerSignalled(T0 + 0.02, "c1", "job", SIGTERM, "api"))
+    delivered(rec, ContainerSignalled(T0 + 0.02, "c1", "job", SIGTERM, "api"))
     rec.handle(SignalRoundDone(T0 + 0.03, SIGTERM))
     before = (rec.terminate_at, rec.grace_deadline, rec.overrun_at, rec.next_wakeup())
     out = rec.handle(committed(T0 + 1))
@@ -137,7 +145,7 @@ def test_held_reports_are_bounded_and_survive_a_restart():
         rec.handle(started(T0 + 0.001 * i, generation=i))
     assert len(rec.pending_reports["job"]) == PENDING_REPORTS_KEPT
     again = Reclamation.from_json(json.loads(json.dumps(rec.to_json())))
-    out = again.handle(ContainerSignalled(T0 + 0.1, "c1", "job", SIGTERM, "api"))
+    out = delivered(again, ContainerSignalled(T0 + 0.1, "c1", "job", SIGTERM, "api"))
     assert [d["generation"] for k, d, _ in emitted(out) if k == "checkpoint_started"] == list(
         range(PENDING_REPORTS_KEPT))
 

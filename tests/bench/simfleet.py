@@ -34,6 +34,7 @@ import grpc  # noqa: E402
 
 from spotdrain.agent.link import BACKOFF_S, HEARTBEAT_S  # noqa: E402
 from spotdrain.agent.link import CHANNEL_OPTIONS as AGENT_CHANNEL_OPTIONS  # noqa: E402
+from spotdrain.leader import Replicas  # noqa: E402
 from spotdrain.limits import MAX_BATCH_BYTES, MAX_BATCH_EVENTS  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2 as pb  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc  # noqa: E402
@@ -57,8 +58,12 @@ class SimNode:
         self.shard = shard
         self.node_id = node_id
         self.group = group
-        self.channel = grpc.aio.secure_channel(shard.address, creds, options=CHANNEL_OPTIONS)
-        self.link = pb_grpc.AgentLinkStub(self.channel)
+        # Several replicas ("a,b"): the stream and the Taint find the leader as the agent's do
+        # (spotdrain.leader); one address is one channel, as before.
+        self.replicas = Replicas(
+            shard.address.split(","),
+            lambda a: grpc.aio.secure_channel(a, creds, options=CHANNEL_OPTIONS),
+        )
         self.workers: dict[str, list[Any]] = {}  # worker id -> [gate address, capacity, state]
         self.outbox: asyncio.Queue[pb.AgentMessage | None] | None = None  # set while registered
         self.registered_at = 0.0  # monotonic, the latest Registered
@@ -116,7 +121,7 @@ class SimNode:
     async def _session(self) -> tuple[bool, str]:
         queue: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
         queue.put_nowait(self._register())
-        call = self.link.Connect(_drain(queue))
+        call = self.replicas.stub(pb_grpc.AgentLinkStub).Connect(_drain(queue))
         registered, code = False, "OK"
         try:
             async for message in call:
@@ -134,6 +139,7 @@ class SimNode:
                     self.shard.on_ack(self, message.ack.uids)
         except grpc.aio.AioRpcError as e:
             code = e.code().name
+            self.replicas.moved(e)
             if "connect" in (e.details() or "").lower():
                 # No connection at all (the coordinator not back yet, the channel's own
                 # backoff): not a stream the coordinator accepted and then dropped.
@@ -200,7 +206,9 @@ class SimNode:
         )
         t0 = time.monotonic()
         try:
-            await self.link.Taint(request, timeout=TAINT_DEADLINE_S)
+            await self.replicas.on_leader(
+                pb_grpc.AgentLinkStub, "Taint", request, TAINT_DEADLINE_S
+            )
             code = "OK"
         except grpc.aio.AioRpcError as e:
             code = e.code().name
@@ -305,7 +313,7 @@ class Shard:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        await asyncio.gather(*(n.channel.close() for n in self.nodes.values()))
+        await asyncio.gather(*(n.replicas.close() for n in self.nodes.values()))
         self.done.set()
         return 0
 

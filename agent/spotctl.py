@@ -255,7 +255,7 @@ async def events(stub: Any, args: Any) -> int:  # noqa: ANN401
     last_id = args.from_id
     # Opened again from the last id printed, on another replica if need be (any replica serves
     # events from the store): each event printed once.
-    async for stored in args.replicas.stream_from_leader(
+    async for stored in args.coordinators.stream_from_leader(
         pb_grpc.AdminStub,
         "WatchEvents",
         lambda: pb.WatchEventsRequest(from_id=last_id, follow=args.follow),  # noqa: B023 (late: the latest id)
@@ -686,15 +686,15 @@ ADMIN_COMMANDS = {
 async def run(args: Any) -> int:
     if args.command in ("pause", "resume", "status"):
         return await local(args)
-    args.replicas = replicas(args)
+    args.coordinators = replicas(args)
     wait = args.leader_wait_s
     try:
         if args.command == "rentals":
             return await rentals(
-                LeaderStub(args.replicas, pb_grpc.RentalsStub, "Rentals", wait), args
+                LeaderStub(args.coordinators, pb_grpc.RentalsStub, "Rentals", wait), args
             )
         return await ADMIN_COMMANDS[args.command](
-            LeaderStub(args.replicas, pb_grpc.AdminStub, "Admin", wait), args
+            LeaderStub(args.coordinators, pb_grpc.AdminStub, "Admin", wait), args
         )
     except grpc.aio.AioRpcError as e:
         print(
@@ -703,7 +703,7 @@ async def run(args: Any) -> int:
         )
         return 1
     finally:
-        await args.replicas.close()
+        await args.coordinators.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,6 +52,21 @@ class RouteWatcher:
             pass
 
 
+def two_ready_workers(coordinator, admin, image: str) -> tuple[dict, dict]:
+    """fake-model's two workers, ready: the first on node-a, then the second on node-b (the
+    least loaded of b and c). Their worker_starting events."""
+    events = coordinator.admin()
+    admin.SetModelReplicas(pb.SetModelReplicasRequest(
+        model="fake-model", replicas=1, image=image, slots=4), timeout=30)
+    first = events.wait_for("worker_starting", node="node-a", timeout=20)
+    admin.SetModelReplicas(pb.SetModelReplicasRequest(model="fake-model", replicas=2),
+                           timeout=30)
+    second = events.wait_for("worker_starting", node="node-b", timeout=20)
+    for started in (first, second):
+        wait_state(coordinator, started["worker_id"], "ready", timeout=90)
+    return first, second
+
+
 def test_a_paused_nodes_worker_is_replaced_while_it_drains(
     tmp_path, docker_engine, coordinator, pki, gpus, nvml_lib
 ):
@@ -64,15 +79,7 @@ def test_a_paused_nodes_worker_is_replaced_while_it_drains(
     try:
         wait_until(lambda: sum(n.connected for n in events.nodes()) == 3, 20, "three nodes")
         watcher = RouteWatcher(coordinator, pki)
-        # One worker first (on node-a), then the second (node-b, the least loaded of b and c).
-        admin.SetModelReplicas(pb.SetModelReplicasRequest(
-            model="fake-model", replicas=1, image=image, slots=4), timeout=30)
-        first = events.wait_for("worker_starting", node="node-a", timeout=20)
-        admin.SetModelReplicas(pb.SetModelReplicasRequest(model="fake-model", replicas=2),
-                               timeout=30)
-        second = events.wait_for("worker_starting", node="node-b", timeout=20)
-        for started in (first, second):
-            wait_state(coordinator, started["worker_id"], "ready", timeout=90)
+        first, _ = two_ready_workers(coordinator, admin, image)
         wait_until(lambda: watcher.armed, 10, "the router to see two workers")
 
         # A request in flight keeps node-a's worker draining after the pause.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_capacity_live import RouteWatcher
+from test_capacity_live import RouteWatcher, two_ready_workers
 from test_pause import spotctl, wait_state
 
 from cloudmeta import AwsImds, iso_utc
@@ -52,14 +52,7 @@ def test_a_rebalance_recommendation_prepares_and_the_notice_after_it_drains(
     watcher = None
     try:
         wait_until(lambda: sum(n.connected for n in events.nodes()) == 3, 20, "three nodes")
-        admin.SetModelReplicas(pb.SetModelReplicasRequest(
-            model="fake-model", replicas=1, image=image, slots=4), timeout=30)
-        first = events.wait_for("worker_starting", node="node-a", timeout=20)
-        admin.SetModelReplicas(pb.SetModelReplicasRequest(model="fake-model", replicas=2),
-                               timeout=30)
-        second = events.wait_for("worker_starting", node="node-b", timeout=20)
-        for started in (first, second):
-            wait_state(coordinator, started["worker_id"], "ready", timeout=90)
+        first, second = two_ready_workers(coordinator, admin, image)
         watcher = RouteWatcher(coordinator, pki)
         wait_until(lambda: watcher.armed, 10, "the router to see two workers")
 

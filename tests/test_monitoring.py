@@ -283,8 +283,10 @@ def test_the_agent_says_whether_it_reaches_the_coordinator(daemons):
     the agent's stream is registered, 0 once the coordinator is gone; and the outcome counters
     are there at 0 before any reclamation, so increase() sees the first overrun."""
     coord, _agent, ports = daemons
+    # The metrics port opens before the stream is registered: wait for the registration.
+    wait_until(lambda: sample(scrape(ports["agent"]), "spotdrain_coordinator_connected") == 1.0,
+               15, "the agent to register with the coordinator")
     text = scrape(ports["agent"])
-    assert sample(text, "spotdrain_coordinator_connected") == 1.0
     for outcome in ("drained", "overrun"):
         assert (
             f'spotdrain_reclamations_total{{outcome="{outcome}",reason="notice"}} 0.0' in text

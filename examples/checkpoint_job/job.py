@@ -67,6 +67,10 @@ def object_key(generation: int, index: int) -> str:
 # --- buckets -----------------------------------------------------------------------------------
 
 
+# Objects are hashed and written in pieces of this size: one pass over memory for both.
+PIECE = 4 * 1024 * 1024
+
+
 class DirBucket:
     """A directory as a bucket. Objects are written `parallel` at a time and fsynced all
     together just before the manifest, which lands by rename. One fsync per object as it is
@@ -84,19 +88,25 @@ class DirBucket:
         self._lock = threading.Lock()
         (root / MANIFESTS).mkdir(parents=True, exist_ok=True)
 
-    def put_object(self, key: str, data: memoryview) -> None:
+    def put_object(self, key: str, data: memoryview) -> str:
+        """Write one object; its SHA-256, computed in the same pass: each piece is hashed
+        while it is still in the CPU's cache, then written."""
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)
         self._unsynced_dirs.add(path.parent)
+        digest = hashlib.sha256()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            view = data
-            while view:
-                view = view[os.write(fd, view) :]
+            for at in range(0, len(data), PIECE):
+                view = data[at : at + PIECE]
+                digest.update(view)
+                while view:
+                    view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
         with self._lock:
             self._unsynced.append(path)
+        return digest.hexdigest()
 
     def _sync_objects(self) -> None:
         """fsync every object written since the last manifest, all at once."""
@@ -170,8 +180,10 @@ class S3Bucket:
         self.client = boto3.client("s3", endpoint_url=endpoint_url)
         self.parallel = parallel
 
-    def put_object(self, key: str, data: memoryview) -> None:
-        self.client.put_object(Bucket=self.name, Key=self.prefix + key, Body=bytes(data))
+    def put_object(self, key: str, data: memoryview) -> str:
+        body = bytes(data)
+        self.client.put_object(Bucket=self.name, Key=self.prefix + key, Body=body)
+        return hashlib.sha256(body).hexdigest()
 
     def put_manifest(self, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.name, Key=self.prefix + key, Body=data)
@@ -369,20 +381,17 @@ class Job:
         self.reporter.checkpoint_started(generation)
         view = memoryview(self.state)
         objects = []
-        with ThreadPoolExecutor(max_workers=self.bucket.parallel + 1) as pool:
-            # Hashing runs beside the writes (hashlib lets go of the GIL for large buffers).
+        with ThreadPoolExecutor(max_workers=self.bucket.parallel) as pool:
+            # Each put hashes what it writes (hashlib lets go of the GIL for large buffers).
             pending = []
             for i, at in enumerate(range(0, len(view), self.object_bytes)):
                 chunk = view[at : at + self.object_bytes]
                 key = object_key(generation, i)
-                digest = pool.submit(lambda c: hashlib.sha256(c).hexdigest(), chunk)
-                put = pool.submit(self.bucket.put_object, key, chunk)
-                pending.append((key, len(chunk), digest, put))
+                pending.append((key, len(chunk), pool.submit(self.bucket.put_object, key, chunk)))
                 if self.pace_s:
                     time.sleep(self.pace_s)
-            for key, size, digest, put in pending:
-                put.result()
-                objects.append((key, size, digest.result()))
+            for key, size, put in pending:
+                objects.append((key, size, put.result()))
         manifest = Manifest(generation, self.step, len(self.state), tuple(objects))
         self.bucket.put_manifest(manifest_key(generation), manifest.to_bytes())
         self.generation = generation

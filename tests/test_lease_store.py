@@ -153,3 +153,18 @@ async def test_the_lease_is_renewed_only_by_its_holder_at_its_term_and_never_rev
     assert (taken, held_term, holder) == (False, term, "a:1 x") and 0 < left <= TTL
     await asyncio.sleep(TTL + 0.1)
     assert not await a.backend.renew_lease("a:1 x", term, TTL, 1.0)  # ran out: not revived
+
+
+async def test_the_leaders_own_writes_never_hold_up_its_renewal(two_stores):
+    """A fenced write transaction of the leader is open (a long event batch): the renewal of the
+    same lease goes through at once, so a busy leader does not depose itself waiting on its
+    own writes."""
+    a, _b = two_stores
+    term = await take(a, "a:1 x", 5.0)
+    renewed_while_open = asyncio.Event()
+    async with a.transaction():
+        await a.set_workload("node-a", False)  # the fence is in this transaction's first trip
+        renewed = await asyncio.wait_for(a.backend.renew_lease("a:1 x", term, 5.0, 2.0), 3.0)
+        if renewed:
+            renewed_while_open.set()
+    assert renewed_while_open.is_set()

@@ -110,7 +110,16 @@ async def test_a_follower_sends_agents_to_the_leader_and_serves_store_reads(repl
         assert [t.reclaim_id for t in reply.taints] == ["r-1"]
 
         admin = b.admin()
-        assert admin.timeline("r-1").reclamation.node_id == "node-a"
+
+        def timeline_at_the_follower():
+            try:
+                return admin.timeline("r-1")
+            except grpc.RpcError as e:  # the record may land just after the Taint's answer
+                assert e.code() == grpc.StatusCode.NOT_FOUND
+                return None
+
+        timeline = wait_until(timeline_at_the_follower, 5, "the follower to read the record")
+        assert timeline.reclamation.node_id == "node-a"
         assert any(e["kind"] == "tainted" or e["reclaim_id"] == "r-1" for e in admin.events())
         with pytest.raises(grpc.RpcError) as listing:
             admin.nodes()  # live state: the leader's

@@ -47,7 +47,10 @@ CONNECT_TIMEOUT_S = 5.0
 # that was not stored. The first call that gets a connection ends it.
 DOWN_WAIT_S = 0.2
 
-# The fence: a share lock on the lease row at this term, or an error naming the term. A
+# The fence: a key-share lock on the lease row at this term, or an error naming the term. A
+# key-share lock does not hold up the leader's own renewals (an UPDATE of non-key columns), so
+# a busy leader never deposes itself waiting for its writes; a takeover locks the row FOR
+# UPDATE (below), which does wait for every fenced write in flight. A
 # transaction of a leader stopped mid-way (SIGSTOP) would hold that lock, and with it every
 # takeover, for as long as its socket lives: the same statement limits how long a fenced
 # transaction may sit idle (the lease's TTL), after which PostgreSQL ends the session.
@@ -55,14 +58,19 @@ FENCE_TAG = "spotdrain-fence"
 FENCE = (
     "SELECT set_config('idle_in_transaction_session_timeout', ?, true), "
     "COALESCE((SELECT '1' FROM leader_lease WHERE id = 1 AND term = ? AND holder = ? "
-    "FOR SHARE), ?)::int"
+    "FOR KEY SHARE), ?)::int"
 )
 _CLOCK = "EXTRACT(EPOCH FROM clock_timestamp())::double precision"
 # Take the lease when it has run out (by the database's clock), with the next term; the row as
 # it is when someone else holds it.
+# The row is locked FOR UPDATE only once the lease has run out, so a follower's routine
+# attempt never stalls the leader's writes; a takeover waits for the old leader's writes in flight.
 ACQUIRE = (
-    f"WITH taken AS (UPDATE leader_lease SET holder = ?, term = term + 1, "
-    f"expires_at = {_CLOCK} + ? WHERE id = 1 AND expires_at <= {_CLOCK} "
+    f"WITH expired AS (SELECT id FROM leader_lease WHERE id = 1 AND expires_at <= {_CLOCK} "
+    f"FOR UPDATE), "
+    f"taken AS (UPDATE leader_lease SET holder = ?, term = term + 1, "
+    f"expires_at = {_CLOCK} + ? WHERE id IN (SELECT id FROM expired) "
+    f"AND expires_at <= {_CLOCK} "
     f"RETURNING term, holder, expires_at) "
     f"SELECT term, holder, expires_at - {_CLOCK}, TRUE FROM taken UNION ALL "
     f"SELECT term, holder, expires_at - {_CLOCK}, FALSE FROM leader_lease "

@@ -409,7 +409,17 @@ class DrainRunner:
                         self.health.failed(self.cfg.deadline_file, e)
                     self._spawn(self._lift_remote_taint(rec))
                 case r.WriteDeadlineFile(_, terminate_at, grace_deadline, reason):
-                    if not self._write_deadline_file(rid, terminate_at, grace_deadline, reason):
+                    # The file is the node's: with two reclamations in force (one preemption
+                    # heard by two sources) it keeps the earlier G; a later one never moves it.
+                    first = self._earliest_other(rec)
+                    if first is not None and first.grace_deadline < grace_deadline:
+                        first_id, terminate_at, grace_deadline, reason = (
+                            first.reclaim_id, first.terminate_at, first.grace_deadline,
+                            first.reason)  # fmt: skip
+                    else:
+                        first_id = rid
+                    if not self._write_deadline_file(first_id, terminate_at, grace_deadline,
+                                                     reason):  # fmt: skip
                         self._next_write_retry = self.clock() + RETRY_WRITES_S
                 case r.SignalContainers(signal, skip):
                     self._spawn(self._signal_round(rid, signal, skip, cmd.skip_kinds))
@@ -505,6 +515,9 @@ class DrainRunner:
     ) -> None:
         async with self._signal_lock:
             found = await self.docker.targets(skip, skip_kinds)
+            if signal == r.SIGTERM:  # at most once per container, whichever reclamation sent it
+                already = self._sigtermed_elsewhere(rid)
+                found = [t for t in found if t.id not in already]
             listed = r.RoundListed(
                 self.clock(),
                 signal,
@@ -517,6 +530,21 @@ class DrainRunner:
             async for result in self.docker.signal_each(targets, signal):
                 self.feed(rid, result)
             self.feed(rid, r.SignalRoundDone(self.clock(), signal))
+
+    def _others(self, rid: str) -> list[r.Reclamation]:
+        return [o for o in (*self.live.values(), *self.recent.values()) if o.reclaim_id != rid]
+
+    def _earliest_other(self, rec: r.Reclamation) -> r.Reclamation | None:
+        """The other reclamation in force with the earliest grace deadline, if any."""
+        others = [o for o in self._others(rec.reclaim_id) if not o.lifted and not o.finished]
+        return min(others, key=lambda o: o.grace_deadline, default=None)
+
+    def _sigtermed_elsewhere(self, rid: str) -> set[str]:
+        """Containers another reclamation has SIGTERMed (or announced): a second notice for
+        the same machine (two sources, one preemption) must not signal them again."""
+        terms = (r.TERM_ANNOUNCED, r.TERM_SENT, r.TERM_BY_PREVIOUS_RUN)
+        return {c for o in self._others(rid) for c in (*o.announced, *o.signalled)
+                if o.ledger(c) in terms}  # fmt: skip
 
     async def _watch_exit(self, rid: str, container_id: str, name: str) -> None:
         exited = await self.docker.wait_exit(container_id, name)

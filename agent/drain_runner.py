@@ -264,6 +264,11 @@ class DrainRunner:
             self._deadline_unwritten = (rid, terminate_at, grace_deadline, reason)
             self.health.failed(path, e)
             return False
+        except ValueError as e:  # a deadline the file's format refuses: never a crash (loop)
+            log.error("node %s reclamation %s: deadline file not written: %s",
+                      self.cfg.node_id, rid, e)  # fmt: skip
+            self._deadline_unwritten = None
+            return True
         self._deadline_unwritten = None
         self.health.wrote(path)
         return True

@@ -34,6 +34,12 @@ class NoticeInvalid:
     content_hash: str
 
 
+def in_range(seconds: float) -> bool:
+    """Whether an epoch time is one a provider can mean (finite, 2000 to 2200): every source
+    checks its times here, so none can hand the machine a deadline it cannot store."""
+    return math.isfinite(seconds) and EARLIEST <= seconds <= LATEST
+
+
 def content_hash(raw: bytes) -> str:
     return "sha256:" + hashlib.sha256(raw).hexdigest()
 
@@ -125,7 +131,7 @@ def _parse_time(value: object) -> tuple[float | None, str | None]:
         seconds = parsed.timestamp()
     else:
         return None, f"must be an ISO 8601 string or epoch seconds, got {_show(value)}"
-    if not math.isfinite(seconds) or not EARLIEST <= seconds <= LATEST:
+    if not in_range(seconds):
         return None, f"is out of range: {_show(value)}"
     return seconds, None
 

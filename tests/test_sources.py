@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from typing import Any
 
@@ -368,3 +369,20 @@ def test_health_goes_down_after_three_failures_and_backs_off():
     assert sink.told == [("down", "aws")]
     health.ok()
     assert sink.told == [("down", "aws"), ("up", "aws")] and health.failures == 0
+
+
+def test_azure_not_before_out_of_range_is_invalid_not_a_deadline():
+    """A NotBefore in year 9999 (or 1960) is a broken document, not a deadline the agent would
+    store and then fail to write into the workloads' deadline file."""
+    for date in ("Fri, 31 Dec 9999 23:59:59 GMT", "Fri, 01 Jan 1960 00:00:00 GMT"):
+        doc = {"DocumentIncarnation": 2, "Events": [
+            {**azure_event("e-far"), "NotBefore": date}]}
+        parsed = azure.parse_document(json.dumps(doc).encode(), "gpu-node-0")
+        assert isinstance(parsed, NoticeInvalid) and "out of range" in parsed.reason
+
+
+def test_aws_maintenance_date_out_of_range_is_invalid():
+    event = aws_maintenance_event(event_id="instance-event-far")
+    event["NotBefore"] = "31 Dec 9999 23:59:59 GMT"
+    parsed = aws.parse_maintenance(json.dumps([event]).encode())
+    assert isinstance(parsed, NoticeInvalid) and "out of range" in parsed.reason

@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from spotdrain.agent.notice import Notice, NoticeInvalid, content_hash, parse_notice
+from spotdrain.agent.notice import Notice, NoticeInvalid, content_hash, in_range, parse_notice
 from spotdrain.agent.sources.base import Advisory, Health, Sink
 from spotdrain.agent.sources.http import ReadFailed, Reply, fetch, session
 from spotdrain.agent.sources.settings import check_keys, endpoint, number
@@ -98,7 +98,7 @@ def parse_maintenance(body: bytes) -> list[Advisory] | NoticeInvalid:
 
 def _iso(value: Any) -> float:
     seconds = datetime.fromisoformat(str(value)).timestamp()
-    if not 946684800 <= seconds <= 7258118400:  # 2000 to 2200
+    if not in_range(seconds):
         raise ValueError(f"time out of range: {value!r}")
     return seconds
 
@@ -107,6 +107,8 @@ def _aws_date(value: Any) -> float | None:
     if not value:
         return None
     parsed = datetime.strptime(str(value), "%d %b %Y %H:%M:%S GMT").replace(tzinfo=UTC)
+    if not in_range(parsed.timestamp()):
+        raise ValueError(f"date out of range: {value!r}")
     return parsed.timestamp()
 
 

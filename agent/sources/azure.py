@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from spotdrain.agent.notice import Notice, NoticeInvalid, content_hash
+from spotdrain.agent.notice import Notice, NoticeInvalid, content_hash, in_range
 from spotdrain.agent.sources.base import Advisory, Health, Sink
 from spotdrain.agent.sources.http import ReadFailed, fetch, session
 from spotdrain.agent.sources.settings import check_keys, endpoint, number
@@ -114,8 +114,10 @@ def parse_document(body: bytes, vm_name: str) -> Document | NoticeInvalid:
         raw = ev.get("NotBefore") or ""
         try:
             not_before = parsedate_to_datetime(raw).timestamp() if raw else None
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             return invalid(f"event {event_id}: NotBefore {raw!r} is not a date")
+        if not_before is not None and not in_range(not_before):
+            return invalid(f"event {event_id}: NotBefore {raw!r} is out of range")
         description = str(ev.get("Description", ""))[:200]
         out.events[event_id] = Scheduled(event_id, kind, not_before, description)
     return out

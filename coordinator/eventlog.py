@@ -7,11 +7,14 @@ announced; watchers (WatchEvents, the metrics) learn of new ones without polling
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from spotdrain.coordinator.store import NewEvent, Store
+
+log = logging.getLogger("spotdrain.coordinator.events")
 
 
 class EventLog:
@@ -82,7 +85,12 @@ class EventLog:
                 )
                 for at, kind, node_id, details, reclaim_id in queued
             ]
-            await self.store.add_events(events, fresh=True)
+            try:
+                await self.store.add_events(events, fresh=True)
+            except Exception as e:  # noqa: BLE001 - a background task: say so, never die silent
+                log.error("%d coordinator events (%s) not stored: %s: %s", len(events),
+                          ", ".join(sorted({ev.kind for ev in events})), type(e).__name__, e)
+                continue
             await self.notify()
 
     async def flush(self) -> None:
@@ -100,8 +108,15 @@ class EventLog:
         await self.notify()
         for ev in fresh:  # once per event, however often the agent resends it
             reaction = self._reactions.get(ev.kind)
-            if reaction is not None:
+            if reaction is None:
+                continue
+            try:
                 await reaction(ev)
+            except Exception as e:  # noqa: BLE001 - the batch is stored: its ack must go out
+                # A reaction (an advisory's window, a contract's count) that failed is logged;
+                # it must not end the agent's stream over events that are already stored.
+                log.error("node %s: %s reaction failed: %s: %s", ev.node_id, ev.kind,
+                          type(e).__name__, e)  # fmt: skip
         return [ev.uid for ev in events]
 
     async def notify(self) -> None:

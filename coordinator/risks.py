@@ -56,11 +56,10 @@ class Risks:
         until = min(float(until), now + MAX_RISK_S)
         if until <= now:
             return  # over before it arrived (an outbox that was offline for the whole window)
-        risks = fleet.nodes.risks.setdefault(ev.node_id, {})
-        if key in risks:
+        if key in fleet.nodes.risks.get(ev.node_id, {}):
             return
-        risks[key] = until
         await fleet.store.set_risk_later(ev.node_id, key, source, reason, until)
+        fleet.nodes.risks.setdefault(ev.node_id, {})[key] = until  # once the write is queued
         log.info("node %s at risk (%s from %s) until %.0f: replacing its workers elsewhere",
                  ev.node_id, reason, source, until)  # fmt: skip
         fleet.capacity.wanted("recovery")

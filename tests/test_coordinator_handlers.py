@@ -179,3 +179,25 @@ async def test_a_command_reaches_its_agent_only_once_what_led_to_it_is_stored(st
     assert stream.get_nowait() == start
     fleet.send("node-a", start)  # outside a transaction: at once
     assert stream.get_nowait() == start
+
+
+async def test_a_failing_reaction_still_acknowledges_the_stored_batch(store, clock):
+    """An advisory's reaction that fails (a store error) is logged; the agent's batch, already
+    stored, is acknowledged all the same, so its stream is not ended over it."""
+    from spotdrain.coordinator.eventlog import EventLog
+    from spotdrain.coordinator.store import NewEvent
+
+    log = EventLog(store, clock)
+    seen = []
+
+    async def broken(ev):
+        seen.append(ev.uid)
+        raise RuntimeError("the risk table is gone")
+
+    log.react({"advisory_received": broken})
+    batch = [NewEvent(uid=f"u-{i}", kind=kind, node_id="node-a", reclaim_id="", wall_time=1.0,
+                      t_offset_s=None, details={})
+             for i, kind in enumerate(("advisory_received", "notice_source_down"))]
+    assert await log.accept(batch) == ["u-0", "u-1"]
+    assert seen == ["u-0"]
+    assert [e.uid for e in await store.events_after(0)] == ["u-0", "u-1"]

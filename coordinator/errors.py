@@ -76,7 +76,11 @@ def one_line(text: str) -> str:
     return text if len(text) <= MAX_LINE_CHARS else text[:MAX_LINE_CHARS] + "..."
 
 
-async def abort_for(context: grpc.aio.ServicerContext, error: BaseException, call: str) -> None:
+async def abort_for(
+    context: grpc.aio.ServicerContext, error: BaseException, call: str, refusals: bool = True
+) -> None:
+    """The error as its status code. `refusals=False`: a caller that counts and logs refusals
+    itself (the rejection interceptor) gets only the INTERNAL line from here."""
     code, message = status_for(error)
     if code == grpc.StatusCode.INTERNAL:
         # Ours, not the caller's: one line naming the exception; its traceback at DEBUG only.
@@ -85,7 +89,7 @@ async def abort_for(context: grpc.aio.ServicerContext, error: BaseException, cal
             call, context.peer(), type(error).__name__, one_line(str(error)),
         )  # fmt: skip
         log.debug("%s failed", call, exc_info=error)
-    elif code not in MALFORMED:
+    elif refusals and code not in MALFORMED:
         log.info("%s: %s: %s", call, code.name, one_line(message))
     await context.abort(code, bounded(message))
 

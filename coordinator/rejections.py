@@ -29,7 +29,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from spotdrain.coordinator import convert
-from spotdrain.coordinator.errors import BadRequest, bounded, one_line, status_for
+from spotdrain.coordinator.errors import BadRequest, abort_for, one_line
 
 log = logging.getLogger("spotdrain.coordinator.rejections")
 
@@ -224,14 +224,7 @@ class RejectionGuard(grpc.aio.ServerInterceptor):
 
     @staticmethod
     async def _abort(context: grpc.aio.ServicerContext, error: Exception, path: str) -> None:
-        code, message = status_for(error)
-        if code == grpc.StatusCode.INTERNAL:
-            log.error(
-                "%s from %s failed: %s: %s",
-                path, context.peer(), type(error).__name__, one_line(str(error)),
-            )  # fmt: skip
-            log.debug("%s failed", path, exc_info=error)
-        await context.abort(code, bounded(message))
+        await abort_for(context, error, path, refusals=False)  # refusals: account() below
 
     def account(self, context: grpc.aio.ServicerContext, path: str) -> None:
         """Count the call if it was rejected; its line if the peer's budget allows."""

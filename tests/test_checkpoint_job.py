@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+import zlib
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,9 @@ class DirView:
     def put(self, key: str, data: bytes) -> None:
         (self.root / key).write_bytes(data)
 
+    def delete(self, key: str) -> None:
+        (self.root / key).unlink()
+
 
 class S3View:
     def __init__(self, s3: S3Endpoint, bucket: str) -> None:
@@ -72,6 +76,9 @@ class S3View:
     def put(self, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=f"job-1/{key}", Body=data)
 
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=f"job-1/{key}")
+
 
 @pytest.fixture(params=["dir", "s3"])
 def bucket(request, tmp_path):
@@ -89,15 +96,23 @@ def committed(view) -> list[int]:
     return [int(k[len("manifests/gen-"):-len(".json")]) for k in view.keys("manifests/")]
 
 
+def summed(doc_object: dict, data: bytes) -> bool:
+    """Whether `data` matches an object's entry in a manifest: CRC-32 (what the job writes)
+    or SHA-256 (what manifests of older generations name)."""
+    if "crc32" in doc_object:
+        return f"{zlib.crc32(data):08x}" == doc_object["crc32"]
+    return hashlib.sha256(data).hexdigest() == doc_object["sha256"]
+
+
 def check_generation(view, generation: int) -> dict:
-    """Every object the manifest names is there, whole: its size and SHA-256 match."""
+    """Every object the manifest names is there, whole: its size and checksum match."""
     doc = json.loads(view.get(f"manifests/gen-{generation:012d}.json"))
     assert doc["generation"] == generation
     assert sum(o["size"] for o in doc["objects"]) == doc["bytes"]
     for o in doc["objects"]:
         data = view.get(o["key"])
         assert data is not None, f"generation {generation}: {o['key']} missing"
-        assert len(data) == o["size"] and hashlib.sha256(data).hexdigest() == o["sha256"], (
+        assert len(data) == o["size"] and summed(o, data), (
             f"generation {generation}: {o['key']} is not what its manifest says")
     return doc
 
@@ -205,6 +220,42 @@ def test_a_damaged_generation_is_refused_not_resumed(bucket, tmp_path):
     assert proc.returncode == 3
     assert f"generation 1: {key}" in proc.stderr and "does not match" in proc.stderr
     assert bucket.keys("") == before
+
+
+def test_a_generation_an_older_job_committed_with_sha256_still_resumes(bucket, tmp_path):
+    """Manifests written before the job moved to CRC-32 name SHA-256: a job started on such a
+    bucket verifies them with SHA-256, resumes, and commits its next generation with CRC-32.
+    A damaged object under a SHA-256 manifest is still refused."""
+    run = Run(bucket, tmp_path / "s1")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish() == 0
+    key = "manifests/gen-000000000001.json"
+    doc = json.loads(bucket.get(key))
+    assert all("crc32" in o and "sha256" not in o for o in doc["objects"])
+    for o in doc["objects"]:  # rewrite it as the older job did
+        o["sha256"] = hashlib.sha256(bucket.get(o["key"])).hexdigest()
+        del o["crc32"]
+    bucket.put(key, json.dumps(doc, sort_keys=True).encode())
+    check_generation(bucket, 1)
+
+    again = Run(bucket, tmp_path / "s2")
+    assert again.resumed_from() == 1, again.lines
+    again.proc.send_signal(signal.SIGTERM)
+    assert again.finish() == 0, again.lines
+    newer = check_generation(bucket, 2)
+    assert all("crc32" in o for o in newer["objects"])
+
+    # Damage under the older checksum is still caught.
+    bucket.put(key, json.dumps(doc, sort_keys=True).encode())
+    object_key = doc["objects"][2]["key"]
+    data = bytearray(bucket.get(object_key))
+    data[-1] ^= 0x01
+    bucket.put(object_key, bytes(data))
+    bucket.delete("manifests/gen-000000000002.json")  # generation 1 the newest again
+    proc = subprocess.run([sys.executable, str(JOB), "--bucket", bucket.arg],
+                          env={**os.environ, **bucket.env}, capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 3 and "sha256" in proc.stderr, proc.stderr
 
 
 def test_bad_arguments_are_refused(tmp_path):

@@ -21,8 +21,10 @@ Per run, in this order, all under `--dir` (default: a temporary directory on /va
   dir         the job's final checkpoint to a directory bucket (objects, fsync, manifest, rename)
   s3          the same to moto's S3 server on 127.0.0.1 (in this process; the first --s3-runs runs)
 
-Printed: p50 and p99 (nearest rank) of each, and dir / (cp+fsync) and dir / cp at p50. The page
-cache is left as it is (dropping it needs root and would time the disk's read too).
+Printed: p50 and p99 (nearest rank) of each, and dir / (cp+fsync) and dir / cp at p50. Before
+each timed step the disk is settled (`sync`), so no step pays for the writeback or the deletes
+of the one before it. The page cache is left as it is (dropping it needs root and would time the
+disk's read too).
 """
 
 from __future__ import annotations
@@ -51,7 +53,14 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, int(round(q * len(ordered) + 0.5)) - 1))]
 
 
+def settled() -> None:
+    """Flush what the previous step left dirty or deleted (1.4 GB of writeback, the journal
+    of a removed bucket) before the next timed step, so no step pays for another's."""
+    os.sync()
+
+
 def timed_cp(src: Path, dst: Path, fsync: bool) -> float:
+    settled()
     start = time.perf_counter()
     subprocess.run(["cp", str(src), str(dst)], check=True)
     if fsync:
@@ -78,6 +87,7 @@ def timed_checkpoint(work: Path, bucket: str, state_mb: float, object_mb: float,
             break
     else:
         raise RuntimeError(f"the job did not start: {''.join(lines)}")
+    settled()
     sent = time.time()
     proc.send_signal(signal.SIGTERM)
     rest, _ = proc.communicate(timeout=600)

@@ -20,13 +20,20 @@ and the timelines. Run it with tests/demo.sh (README.md); everything it starts, 
     Act 2: the provider sends node-b a hard notice (terminate at notice + --deadline). The
     coordinator asks group ondemand-b's acquirer for capacity at once, avoids group spot-a, and
     replaces node-b's worker on node-c: the clients never run out of workers.
+
+    --ha: the same on two coordinator replicas over a throwaway PostgreSQL (tests/pgserver.py),
+    every agent, the router and spotctl given both addresses (docs/fleet.md "Several
+    replicas"). Halfway from the pause to G the leader is SIGKILLed; the other replica takes
+    the lease, and the rest of both acts runs on it with every promise kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +46,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import docker.types  # noqa: E402
+import grpc  # noqa: E402
+import psycopg  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from dockerenv import (  # noqa: E402
     ensure_engine,
@@ -50,7 +60,9 @@ from dockerenv import (  # noqa: E402
 from fakenvml import FakeGpus, build  # noqa: E402
 from harness import (  # noqa: E402
     BIN,
+    Admin,
     AgentOptions,
+    Coordinator,
     start_agent,
     start_coordinator,
     start_router,
@@ -58,6 +70,7 @@ from harness import (  # noqa: E402
 )
 from images.checkpoint_job import ensure_checkpoint_job_image  # noqa: E402
 from images.fake_model import ensure_model_image  # noqa: E402
+from pgserver import fresh_database, start_postgres  # noqa: E402
 from pki import Pki  # noqa: E402
 from spotdrain.agent.rentals import CONTAINER_DEADLINE_DIR  # noqa: E402
 from spotdrain.agent.status_dirs import CONTAINER_STATUS_DIR  # noqa: E402
@@ -71,10 +84,107 @@ from spotdrain.workload import (  # noqa: E402
 )
 
 PREFIX = "spotdrain-demo-"
+# --ha: how long the demo's own calls wait for a leader while one is replaced (spotctl's
+# --leader-wait-s is the same 10 s).
+LEADER_WAIT_S = 10.0
 
 
 def say(text: str) -> None:
     print(f"demo: {text}", flush=True)
+
+
+@dataclasses.dataclass
+class Clients:
+    """The demo's own calls to one coordinator: as the operator, and as alice the renter."""
+
+    coordinator: Coordinator
+    admin: Admin
+    ops: pb_grpc.AdminStub
+    renter: pb_grpc.RentalsStub
+
+
+class Coordinators:
+    """The coordinator, or with --ha its replicas (named a, b). The demo's own calls go to
+    the one that leads, found by its health (only the leader's AgentLink is SERVING); with
+    --ha a call a replica refused or could not answer waits for the next leader."""
+
+    def __init__(self, replicas: dict[str, Coordinator], alice, ha: bool) -> None:  # noqa: ANN001
+        self.replicas, self.ha = replicas, ha
+        self.clients = {
+            name: Clients(c, c.admin(), pb_grpc.AdminStub(c.channel()),
+                          pb_grpc.RentalsStub(c.channel(alice)))
+            for name, c in replicas.items()
+        }  # fmt: skip
+
+    def everywhere(self) -> Coordinator:
+        """The first coordinator with every address, as the router and spotctl take them."""
+        first = next(iter(self.replicas.values()))
+        return dataclasses.replace(
+            first, address=",".join(c.address for c in self.replicas.values())
+        )
+
+    def leader(self, timeout: float = LEADER_WAIT_S) -> str:
+        """The name of the replica that leads now (waiting for one while it is replaced)."""
+        if not self.ha:
+            return next(iter(self.replicas))
+        return wait_until(lambda: next((
+            name for name, c in self.replicas.items()
+            if c.proc.popen.poll() is None and leading(c)), None),
+            timeout, "a replica to lead", every=0.02)  # fmt: skip
+
+    def call(self, what, retry: bool = True):  # noqa: ANN001, ANN201
+        """what(clients of the leader). With --ha, and `retry`, a refusal or a replica gone is
+        tried again at the leader then, for up to LEADER_WAIT_S (never for a call that may
+        have run: CreateRental is sent once)."""
+        if not self.ha:
+            return what(self.clients[self.leader()])
+        given_up = time.monotonic() + LEADER_WAIT_S
+        while True:
+            try:
+                return what(self.clients[self.leader()])
+            except grpc.RpcError as e:
+                moved = e.code() in (grpc.StatusCode.UNAVAILABLE,
+                                     grpc.StatusCode.DEADLINE_EXCEEDED)  # fmt: skip
+                if not (retry and moved) or time.monotonic() > given_up:
+                    raise
+                time.sleep(0.1)
+
+
+def leading(coordinator: Coordinator) -> bool:
+    """Its AgentLink SERVING: a replica that leads and has rebuilt (coordinator/replica.py)."""
+    with coordinator.channel() as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="spotdrain.v1.AgentLink"), timeout=0.5
+            )
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def start_replica(work: Path, db: str, pki: Pki, extra: tuple[str, ...]) -> Coordinator:
+    """A coordinator replica on `db`, advertising the port it listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return start_coordinator(
+        work, tls=pki, db=db, port=port, extra=("--advertise", f"127.0.0.1:{port}", *extra)
+    )
+
+
+def lease_term(db: str) -> tuple[int, str]:
+    """The leader lease as PostgreSQL holds it: (term, the holder's address)."""
+    with psycopg.connect(db) as conn:
+        [(term, holder)] = conn.execute("SELECT term, holder FROM leader_lease").fetchall()
+    return term, holder.split(" ")[0]
+
+
+def steps_not_once(fleet: Coordinators, reclaim_id: str) -> list[str]:
+    """The steps of a reclamation that must be stored once and were not (the agents resend
+    what the dead leader may not have stored; the new one must store it once)."""
+    kinds = [e["kind"] for e in fleet.call(lambda c: c.admin.events(reclaim_id=reclaim_id))]
+    once = ("notice_received", "tainted", "deadline_file_written", "verified_empty", "drained")
+    return [f"{k} x{kinds.count(k)}" for k in once if kinds.count(k) != 1]
 
 
 class Traffic:
@@ -140,6 +250,9 @@ def main() -> int:
     ap.add_argument("--checkpoint-mb", type=float, default=256.0,
                     help="state the checkpointing job holds, and writes at its final checkpoint")
     ap.add_argument("--keep", action="store_true", help="keep the work dir for inspection")
+    ap.add_argument("--ha", action="store_true",
+                    help="two coordinator replicas over PostgreSQL; the leader is SIGKILLed in "
+                    "the middle of act 1")
     args = ap.parse_args()
     if args.deadline < 6:
         ap.error("--deadline must be at least 6 seconds")
@@ -152,6 +265,7 @@ def main() -> int:
     started: list = []
     engine = None
     traffic = None
+    postgres = None
     try:
         say(f"work dir {work}")
         engine = ensure_engine(work / "docker")
@@ -170,10 +284,25 @@ def main() -> int:
         (work / "acquirers.toml").write_text(
             "avoid_s = 300\n[groups.ondemand-b]\n"
             f'exec = ["{sys.executable}", "{work / "acquire.py"}", "{acquired}"]\n')
-        coord = start_coordinator(work / "coordinator", tls=pki,
-                                  extra=("--acquirers", str(work / "acquirers.toml")))
-        started.append(coord.proc)
-        say(f"coordinator on {coord.address} (mutual TLS), SQLite at {coord.db}")
+        acquirers = ("--acquirers", str(work / "acquirers.toml"))
+        if args.ha:
+            postgres = start_postgres()
+            db = fresh_database(postgres, "spotdrain_demo")
+            replicas = {"a": start_replica(work / "replica-a", db, pki, acquirers)}
+            started.append(replicas["a"].proc)
+            wait_until(lambda: leading(replicas["a"]), 20, "replica a to lead")
+            replicas["b"] = start_replica(work / "replica-b", db, pki, acquirers)
+            started.append(replicas["b"].proc)
+            wait_until(lambda: "following" in replicas["b"].proc.log(), 20, "replica b to follow")
+            say(f"coordinator replicas a on {replicas['a'].address} (leading) and b on "
+                f"{replicas['b'].address} (following), mutual TLS, PostgreSQL {db}")
+        else:
+            replicas = {"": start_coordinator(work / "coordinator", tls=pki, extra=acquirers)}
+            started.append(replicas[""].proc)
+            say(f"coordinator on {replicas[''].address} (mutual TLS), SQLite at "
+                f"{replicas[''].db}")
+        fleet = Coordinators(replicas, pki.issue("renter:alice"), args.ha)
+        coord = fleet.everywhere()  # what agents, the router and spotctl are given
 
         agents, gpus = {}, {}
         nodes = {"node-a": ("spot-a", True), "node-b": ("spot-a", True),
@@ -189,8 +318,8 @@ def main() -> int:
             gpus[node].set(gpus=2)
             agents[node] = start_agent(work, node, coord, engine.host, gpus[node], lib, options)
             started.append(agents[node].proc)
-        admin = coord.admin()
-        wait_until(lambda: sum(n.connected for n in admin.nodes()) == 3, 20, "all three nodes")
+        wait_until(lambda: sum(n.connected for n in fleet.call(lambda c: c.admin.nodes())) == 3,
+                   20, "all three nodes")  # fmt: skip
         say("agents up: node-a and node-b (spot, group spot-a), node-c (on-demand, group "
             "ondemand-b), each with 2 fake GPUs (real pynvml)")
 
@@ -209,14 +338,14 @@ def main() -> int:
         say(f"node-a runs batch jobs quick, ckpt ({args.checkpoint_mb:.0f} MB of state, its "
             "bucket a directory) and stubborn, each holding a GPU")
 
-        ops = pb_grpc.AdminStub(coord.channel())
         router = start_router(work / "router", coord)
         started.append(router.proc)
         spotctl = [str(BIN / "spotctl"), *coord.cli_args()]
         long_answer: list = []
 
         def ready(count: int) -> bool:
-            return ops.ListModels(pb.ListModelsRequest(), timeout=10).models[0].ready >= count
+            models = fleet.call(lambda c: c.ops.ListModels(pb.ListModelsRequest(), timeout=10))
+            return models.models[0].ready >= count
 
         # One worker first, so the long answer lands on node-a; then the second one.
         subprocess_text([*spotctl, "models", "set-replicas", "fake-model", "1", "--image", image,
@@ -231,11 +360,15 @@ def main() -> int:
         say("`spotctl models set-replicas fake-model 2`: workers on the least-loaded nodes")
         print(subprocess_text([*spotctl, "workers", "list"]))
 
-        renter = pb_grpc.RentalsStub(coord.channel(pki.issue("renter:alice")))
-        rental = renter.CreateRental(pb.CreateRentalRequest(node_id="node-a", image=rental_image),
-                                     timeout=30)
-        wait_until(lambda: renter.GetRental(pb.GetRentalRequest(rental_id=rental.rental_id))
-                   .state == "running", 30, "alice's rental to run")
+        rental = fleet.call(lambda c: c.renter.CreateRental(
+            pb.CreateRentalRequest(node_id="node-a", image=rental_image), timeout=30),
+            retry=False)  # fmt: skip
+
+        def alices() -> pb.Rental:
+            return fleet.call(lambda c: c.renter.GetRental(
+                pb.GetRentalRequest(rental_id=rental.rental_id), timeout=10))  # fmt: skip
+
+        wait_until(lambda: alices().state == "running", 30, "alice's rental to run")
         say(f"alice rents a GPU on node-a: rental {rental.rental_id}, through the placement gate")
 
         traffic = Traffic(router.url)
@@ -250,17 +383,23 @@ def main() -> int:
                                   "pause", "--json"])
         say(f"pause accepted: reclamation {answer.get('reclaim_id')}, "
             f"D in {args.deadline:.0f} s")
-        told = wait_until(lambda: (r := renter.GetRental(pb.GetRentalRequest(
-            rental_id=rental.rental_id))).HasField("reclaim_at") and r, 10, "reclaim_at")
+        told = wait_until(lambda: (r := alices()).HasField("reclaim_at") and r, 10, "reclaim_at")
         say(f"alice is told reclaim_at = pause + {told.reclaim_at - paused_at:.1f} s "
             "(the grace deadline G), in the API, her watch stream and her deadline file")
-        replaced = admin.wait_for("worker_starting", node="node-c", timeout=20)
+        replaced = fleet.call(lambda c: c.admin.wait_for("worker_starting", node="node-c",
+                                                         timeout=20))  # fmt: skip
         say(f"the lost worker's replacement {replaced['worker_id']} starts on node-c "
             f"{replaced['wall_time'] - paused_at:.2f} s after the pause, while node-a drains")
-        result_a = wait_until(lambda: outcome(admin, "node-a"), args.deadline + 15,
+        failover = None
+        if args.ha:
+            # Halfway from the pause to G: node-a drains, ckpt checkpoints, alice's rental
+            # and the long answer run until G, and node-c's replacement may still be starting.
+            failover = kill_the_leader(fleet, db, paused_at + (args.deadline - grace) / 2,
+                                       paused_at)  # fmt: skip
+        result_a = wait_until(lambda: outcome(fleet, "node-a"), args.deadline + 15,
                               "node-a's outcome", 0.2)
-        empty_after = next(e["wall_time"] for e in admin.events(node="node-a")
-                           if e["kind"] == "verified_empty") - paused_at
+        empty_after = next(e["wall_time"] for e in fleet.call(lambda c: c.admin.events(
+            node="node-a")) if e["kind"] == "verified_empty") - paused_at  # fmt: skip
         print()
         print(subprocess_text([*spotctl, "timeline", answer.get("reclaim_id", "")]))
         print()
@@ -276,7 +415,7 @@ def main() -> int:
         else:
             say("ckpt's bucket holds no committed generation")
         say(f"the long answer on node-a: {long_answer[0][0] if long_answer else 'still open'}")
-        ended = renter.GetRental(pb.GetRentalRequest(rental_id=rental.rental_id))
+        ended = alices()
         say(f"alice's rental: {ended.state}, ended by {ended.ended_by or '-'}, "
             f"{(ended.ended_at or 0) - told.reclaim_at:+.2f} s from reclaim_at")
         say(f"node-a verified empty {empty_after:.1f} s after the pause; outcome {result_a}")
@@ -297,7 +436,7 @@ def main() -> int:
         say(f"group {asked['request']['target_group']}'s acquirer asked "
             f"{asked['at'] - noticed:.2f} s after the notice, for {asked['request']['models']}; "
             f"group spot-a is avoided for new placements")
-        result_b = wait_until(lambda: outcome(admin, "node-b"), args.deadline + 15,
+        result_b = wait_until(lambda: outcome(fleet, "node-b"), args.deadline + 15,
                               "node-b's outcome", 0.2)
         wait_until(lambda: ready(2), 60, "the model back at two ready workers", every=0.2)
         time.sleep(1.0)
@@ -317,12 +456,22 @@ def main() -> int:
             f"{ended.ended_by}")
         ok = (result_a == "drained" and result_b == "drained" and act1[1] == 0 and ckpt_ok
               and act1[3] == 0 and traffic.failed == 0 and ended.ended_by == "reclaim")
+        if failover is not None:
+            old, new, took_s = failover
+            term, holder = lease_term(db)
+            wrong = steps_not_once(fleet, answer.get("reclaim_id", ""))
+            say(f"failover: replica {old} SIGKILLed in act 1, replica {new} led {took_s:.2f} s "
+                f"later; replica {fleet.leader()} leads now, at term {term} ({holder}); node-a's "
+                f"steps each stored once: {'yes' if not wrong else wrong}")
+            ok = ok and fleet.leader() == new and holder == replicas[new].address and not wrong
         return 0 if ok else 1
     finally:
         if traffic is not None:
             traffic.close()
         for proc in reversed(started):
             proc.stop()
+        if postgres is not None:
+            postgres.stop()
         if engine is not None:
             for prefix in (PREFIX, "spotdrain-w-", "spotdrain-rental-"):
                 remove_test_containers(engine.client, prefix)
@@ -358,8 +507,25 @@ def run_checkpoint_job(client, image: str, agent, name: str, bucket: Path, state
     return c
 
 
-def outcome(admin, node: str) -> str | None:
-    kinds = admin.kinds(node=node)
+def kill_the_leader(fleet: Coordinators, db: str, at: float, paused_at: float):  # noqa: ANN201
+    """SIGKILL the leader at wall time `at`; (its name, the next leader's, seconds from the
+    kill to the next leader serving)."""
+    time.sleep(max(0.0, at - time.time()))
+    old = fleet.leader()
+    killed, killed_wall = time.monotonic(), time.time()
+    fleet.replicas[old].proc.kill()
+    say(f"SIGKILL the leader, replica {old} ({fleet.replicas[old].address}), "
+        f"{killed_wall - paused_at:.1f} s after the pause, mid-drain")
+    new = fleet.leader(timeout=30)
+    took_s = time.monotonic() - killed
+    term, _ = lease_term(db)
+    say(f"replica {new} ({fleet.replicas[new].address}) leads at term {term}, "
+        f"{took_s:.2f} s after the SIGKILL; agents, the router and spotctl follow it")
+    return old, new, took_s
+
+
+def outcome(fleet: Coordinators, node: str) -> str | None:
+    kinds = fleet.call(lambda c: c.admin.kinds(node=node))
     return "drained" if "drained" in kinds else "overrun" if "overrun" in kinds else None
 
 

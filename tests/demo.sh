@@ -4,6 +4,7 @@
 # command works as root on a fresh Debian machine.
 #   tests/demo.sh                 # 30 s notice
 #   tests/demo.sh --deadline 60   # options go to tests/demo.py
+#   tests/demo.sh --ha            # two replicas over PostgreSQL, the leader SIGKILLed in act 1
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

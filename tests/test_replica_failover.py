@@ -4,8 +4,10 @@ batch containers, the reference router and spotctl as processes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import signal
 import sqlite3
 import subprocess
 import threading
@@ -15,9 +17,17 @@ import urllib.request
 import psycopg
 import pytest
 from test_pause import PAUSE, Stream, spotctl, start_worker, wait_state
-from test_replicas import FAILOVER_S, db, leading, lease_row, replicas  # noqa: F401 (fixtures)
+from test_replicas import (  # noqa: F401 (fixtures)
+    FAILOVER_S,
+    db,
+    leading,
+    lease_row,
+    replicas,
+    store_rows,
+)
 
 from dockerenv import remove_test_containers, run_workload
+from fakenode import FakeNode
 from harness import BIN, AgentOptions, start_agent, start_router, wait_until
 from images.fake_model import ensure_model_image
 
@@ -276,3 +286,41 @@ def test_the_leader_sigkilled_mid_pause_and_mid_notice_both_nodes_drain_inside_d
         router.proc.stop()
         node_a.proc.stop()
         node_b.proc.stop()
+
+
+@pytest.mark.parametrize("when", ["at_once", "as_it_steps_down"])
+async def test_a_deposed_leader_resumed_and_told_to_stop_exits_cleanly_writing_nothing(
+    replicas, db, pki, when  # noqa: F811
+):
+    """The leader, with an agent's stream open, is SIGSTOPped past its lease and the follower
+    leads. While it is stopped the agent sends an event on that stream. Then it is resumed and
+    told to stop (SIGTERM), as systemd stops a unit it had frozen: at once, or once it has
+    found itself deposed and is stepping down. Either way it ends through its own orderly
+    shutdown, never the forced exit a deposed leader falls back on when its shutdown hangs
+    (coordinator/replica.py, STEP_DOWN_EXIT_S), and the store holds exactly what it held
+    before."""
+    a, b = replicas
+    node = FakeNode(a, pki, "node-a")
+    try:
+        await node.connect()
+        a.proc.signal(signal.SIGSTOP)
+        wait_until(lambda: leading(b), 2 * FAILOVER_S, "replica B to lead")
+        before = store_rows(db)
+        uid = await node.event("notice_received", {"note": "sent to a stopped leader"})
+        a.proc.signal(signal.SIGCONT)
+        if when == "as_it_steps_down":
+            wait_until(lambda: "stepping down from term 1" in a.proc.log(), 10,
+                       "replica A to step down", every=0.001)  # fmt: skip
+        a.proc.signal(signal.SIGTERM)
+        # The bound only stops a hang from hanging the test; the forced exit comes first.
+        await asyncio.to_thread(a.proc.popen.wait, 30)
+        log = a.proc.log()
+        assert "still not stopped: exiting now" not in log, log[-3000:]
+        assert "coordinator INFO stopping" in log, log[-3000:]
+        after = store_rows(db)
+        assert after == before
+        assert uid not in {row[1] for row in after["events"]}
+        assert lease_row(db) == (2, b.address)
+        assert leading(b)
+    finally:
+        await node.close()

@@ -39,16 +39,21 @@ class FollowerClients:
     def __init__(self, work, replica, worker_id: str) -> None:
         self.replica = replica
         self.router = start_router(work, replica)
-        assert chat(self.router.url) == 200  # the first request starts the model's watch
-        self.view = RouterView(self.router.url)
-        wait_until(lambda: worker_id in self.view.routable, 10, "the router to route it")
-        self.nodes = Loop(lambda: spotctl_nodes(replica), every=0.3)
-        self.requests = Loop(lambda: chat(self.router.url))
+        self.view = self.nodes = self.requests = None
+        try:
+            assert chat(self.router.url) == 200  # the first request starts the model's watch
+            self.view = RouterView(self.router.url)
+            wait_until(lambda: worker_id in self.view.routable, 10, "the router to route it")
+            self.nodes = Loop(lambda: spotctl_nodes(replica), every=0.3)
+            self.requests = Loop(lambda: chat(self.router.url))
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self) -> None:
-        self.nodes.stop()
-        self.requests.stop()
-        self.view.stop()
+        for running in (self.nodes, self.requests, self.view):
+            if running is not None:
+                running.stop()
         self.router.proc.stop()
 
     def check(self, node_ids: list[str], worker_id: str) -> None:

@@ -34,9 +34,11 @@ def test_thirty_reclamations_under_random_faults_break_no_promise(
     soak = Soak(config, tmp_path, docker_engine.host, nvml_lib, prefix=containers)
     soak.run()
     counts = count(soak)
-    print(report(counts, seed))
-    assert counts.counts == dict.fromkeys(FAILURES, 0), report(counts, seed)
-    assert counts.completed == RECLAMATIONS, report(counts, seed)
+    # The agents' and coordinator's logs and stores stay in the work dir for a failure.
+    summary = f"{report(counts, seed)}\nwork dir {tmp_path}"
+    print(summary)
+    assert counts.counts == dict.fromkeys(FAILURES, 0), summary
+    assert counts.completed == RECLAMATIONS, summary
     assert len(soak.rounds) == RECLAMATIONS
     # The faults did happen, and in the middle of reclamations.
-    assert soak.faults and counts.info["reclamations_hit_by_a_fault"] > 0, report(counts, seed)
+    assert soak.faults and counts.info["reclamations_hit_by_a_fault"] > 0, summary

@@ -26,7 +26,8 @@ from spotdrain.coordinator.contracts import ContractPolicy
 from spotdrain.coordinator.errors import BadRequest, Refused, abort_for, grpc_errors
 from spotdrain.coordinator.eventlog import EventLog
 from spotdrain.coordinator.fleet import Fleet
-from spotdrain.coordinator.store import NewEvent, Store
+from spotdrain.coordinator.store import NewEvent, Store, StoreError
+from spotdrain.coordinator.store.backend import Fenced
 from spotdrain.metrics import CollectorRegistry, GaugeCollector, ReclamationMetrics
 from spotdrain.security import NODE, OPERATOR, ROUTER, Identity, parse_common_name
 from spotdrain.v1 import spotdrain_pb2 as pb
@@ -262,7 +263,15 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
                 task.cancel()
             await asyncio.gather(*spawned, return_exceptions=True)
             if session["node_id"]:
-                await self.coord.fleet.reports.disconnected(session["node_id"], out)
+                try:
+                    await self.coord.fleet.reports.disconnected(session["node_id"], out)
+                except StoreError as e:
+                    # Its last-seen not stored (a deposed leader's write, refused by its term):
+                    # the stream has ended already, with its own status; raising here would
+                    # abort it a second time (grpc's "Abort already called").
+                    log.log(logging.DEBUG if isinstance(e, Fenced) else logging.WARNING,
+                            "node %s disconnected; its last-seen not stored: %s",
+                            session["node_id"], e)  # fmt: skip
 
     async def _read(
         self,

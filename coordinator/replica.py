@@ -27,7 +27,6 @@ import logging
 import math
 import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any
 
@@ -112,8 +111,10 @@ class Replica:
         if not hasattr(self.backend, "acquire_lease"):
             raise StoreError("replicas need a PostgreSQL store")
         self.advertise = advertise
-        # Unique per process: a restarted replica is a new holder, never its old self's term.
-        self.holder = f"{advertise} {uuid.uuid4().hex[:12]}"
+        # Unique per process: a restarted replica is a new holder, never its old self's term. It
+        # names this process's database sessions, which a successor ends should this replica
+        # stop inside a write while leading (coordinator/store/postgres.py, END_EXPIRED).
+        self.holder = self.backend.holder_for(advertise)
         self.lease = lm.Lease(ttl_s, renew_s)
         self.clock = clock
         self.ready = asyncio.Event()  # the leader has rebuilt: it serves

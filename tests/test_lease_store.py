@@ -107,28 +107,68 @@ async def test_a_takeover_waits_for_the_write_in_flight(two_stores):
     assert not (await b.node("node-a")).workload_enabled
 
 
-async def test_a_leader_stopped_inside_a_transaction_does_not_hold_the_lease_for_ever(two_stores):
-    """A is stopped (SIGSTOP) inside a transaction that passed the fence: the share lock it holds
-    would block every takeover for as long as its socket lives. The database ends A's idle
-    session after the lease's TTL; B takes over, and A's transaction never commits."""
+async def sessions(store, name: str) -> list[tuple[int, str]]:
+    """(pid, state) of the database sessions whose application_name is `name`."""
+    return (await store.backend.read(
+        "SELECT pid, state FROM pg_stat_activity WHERE application_name = ? ORDER BY pid", (name,)
+    )).rows  # fmt: skip
+
+
+async def test_a_leader_stopped_inside_a_write_is_ended_by_the_takeover(two_stores):
+    """A is stopped (SIGSTOP, a paused VM) inside a pause's transaction: the fence and the
+    workload flag went in one pipeline (so PostgreSQL's idle limit is not armed), and the share
+    lock it holds on the lease row would hold every takeover for as long as A's sockets live.
+    A's lease runs out: B's takeover ends A's session and takes term 2 within a few tries; A's
+    transaction never commits, and B, leading, writes."""
     a, b = two_stores
-    await take(a, "a:1 x")
-    resume = asyncio.Event()
+    holder_a, holder_b = a.backend.holder_for("a:1"), b.backend.holder_for("b:1")
+    await take(a, holder_a)
+    await a.upsert_node("node-a", True, "default", [])
+    inside, resume = asyncio.Event(), asyncio.Event()
 
     async def stopped_write() -> None:
         async with a.transaction():
-            await a.set_workload("node-a", False)
+            assert await a.set_workload("node-a", False)
+            inside.set()
             await resume.wait()  # "stopped"
 
     writer = asyncio.create_task(stopped_write())
-    await asyncio.sleep(0.1)
-    started = time.monotonic()
-    assert await take(b, "b:1 y") == 2
-    assert time.monotonic() - started < 3 * TTL
+    await asyncio.wait_for(inside.wait(), 10)
+    [stopped] = [pid for pid, state in await sessions(b, a.backend.session_name)
+                 if state == "idle in transaction"]  # fmt: skip
+
+    tries: list[object] = []
+    taken = False
+    while not taken and len(tries) < 5:
+        try:
+            taken, term, _, left = await b.backend.acquire_lease(holder_b, TTL, 1.0)
+            tries.append(left)
+        except StoreError as e:  # the row stayed locked: no takeover this try
+            tries.append(e)
+            left = 0.0
+        await asyncio.sleep(max(left, 0.05))
+    assert taken and term == 2, tries
+    assert stopped not in [pid for pid, _ in await sessions(b, a.backend.session_name)]
     resume.set()
     with pytest.raises(StoreError):
-        await writer
-    assert (await b.node("node-a")) is None
+        await writer  # its commit: the session is gone, the transaction rolled back
+    assert (await b.node("node-a")).workload_enabled
+
+    b.backend.fence_to(term, holder_b, TTL)
+    assert await b.set_workload("node-a", False)
+    assert not (await b.node("node-a")).workload_enabled
+
+
+async def test_a_takeover_never_ends_a_live_leaders_sessions(two_stores):
+    """A leads with a transaction open; B tries to take the lease while A's is still running:
+    B is told A holds it, and A's transaction commits."""
+    a, b = two_stores
+    await take(a, a.backend.holder_for("a:1"), 5.0)
+    async with a.transaction():
+        await a.add_events([event("u-1")])
+        taken, term, _, left = await b.backend.acquire_lease(b.backend.holder_for("b:1"), 5.0, 1.0)
+        assert (taken, term) == (False, 1) and left > 0
+    assert [e.uid for e in await b.events_after(0)] == ["u-1"]
 
 
 async def test_a_follower_refuses_writes_without_asking_the_database_and_still_reads(two_stores):

@@ -11,12 +11,19 @@ takes a share lock on the lease row at that term or fails the transaction. A dep
 writes fail; a takeover (an UPDATE of that row) waits for the writes in flight to commit, so the
 new leader's rebuild reads every write its predecessor was told succeeded. `fence_off()` (a
 follower) refuses every write without a trip.
+
+Every connection names its process (`application_name`, "spotdrain " and the last word of the
+lease holder it takes, `holder_for`). A takeover that waits too long for the row (its holder
+stopped mid-transaction: SIGSTOP, a paused VM) ends that holder's sessions and takes it: the
+holder's lease has run out, and whatever it still has open is rolled back, never committed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -36,6 +43,8 @@ from spotdrain.coordinator.store.backend import (
 )
 from spotdrain.coordinator.store.sqlite import check_version
 
+log = logging.getLogger("spotdrain.coordinator.store")
+
 # Any fixed number: the key of the transaction-scoped advisory locks below.
 EVENTS_LOCK = 0x5D01
 MIGRATION_LOCK = 0x5D02
@@ -50,10 +59,11 @@ DOWN_WAIT_S = 0.2
 # The fence: a key-share lock on the lease row at this term, or an error naming the term. A
 # key-share lock does not hold up the leader's own renewals (an UPDATE of non-key columns), so
 # a busy leader never deposes itself waiting for its writes; a takeover locks the row FOR
-# UPDATE (below), which does wait for every fenced write in flight. A
-# transaction of a leader stopped mid-way (SIGSTOP) would hold that lock, and with it every
-# takeover, for as long as its socket lives: the same statement limits how long a fenced
-# transaction may sit idle (the lease's TTL), after which PostgreSQL ends the session.
+# UPDATE (below), which does wait for every fenced write in flight. A transaction of a leader
+# stopped mid-way (SIGSTOP) would hold that lock, and with it every takeover, for as long as its
+# socket lives: the takeover ends that leader's sessions (END_EXPIRED). The idle limit set here
+# is only a second net: PostgreSQL arms it after a plain statement, not after a pipeline (the
+# fence's own trip always is one), so a transaction stopped right after such a trip sits on.
 FENCE_TAG = "spotdrain-fence"
 FENCE = (
     "SELECT set_config('idle_in_transaction_session_timeout', ?, true), "
@@ -64,7 +74,8 @@ _CLOCK = "EXTRACT(EPOCH FROM clock_timestamp())::double precision"
 # Take the lease when it has run out (by the database's clock), with the next term; the row as
 # it is when someone else holds it.
 # The row is locked FOR UPDATE only once the lease has run out, so a follower's routine
-# attempt never stalls the leader's writes; a takeover waits for the old leader's writes in flight.
+# attempt never stalls the leader's writes; a takeover waits for the old leader's writes in
+# flight, for up to the lease connection's lock_timeout (LOCK_WAIT_SHARE of its timeout).
 ACQUIRE = (
     f"WITH expired AS (SELECT id FROM leader_lease WHERE id = 1 AND expires_at <= {_CLOCK} "
     f"FOR UPDATE), "
@@ -83,6 +94,25 @@ RENEW = (
 )
 HOLDER = f"SELECT term, holder, expires_at - {_CLOCK} FROM leader_lease WHERE id = 1"
 
+# What names a process's sessions: SESSION_PREFIX and its lease holder's last word.
+SESSION_PREFIX = "spotdrain "
+# A takeover waits this share of its time for the old leader's writes in flight to commit: a
+# live leader's transactions take milliseconds; one held longer past the lease's expiry belongs
+# to a leader that is stopped, whose sessions END_EXPIRED ends in the rest of the time.
+LOCK_WAIT_SHARE = 0.5
+# The sessions of the holder whose lease has run out (by the database's clock), named by its
+# application_name: never this session, never this process's (the holder may be ourselves,
+# resumed), and only while the row still names that holder run out, so never a live leader's:
+# an expired lease is never renewed (RENEW), and a new holder's name is another. Ending them
+# rolls back what they have open: nothing of a run-out term commits after the takeover.
+END_EXPIRED = (
+    f"SELECT l.holder, l.term, a.pid, pg_terminate_backend(a.pid) "
+    f"FROM leader_lease l JOIN pg_stat_activity a "
+    f"ON a.application_name = ? || substring(l.holder FROM '[^ ]+$') "
+    f"WHERE l.id = 1 AND l.expires_at <= {_CLOCK} AND a.datname = current_database() "
+    f"AND a.pid <> pg_backend_pid() AND a.application_name <> ?"
+)
+
 
 def _params(sql: str) -> str:
     # The queries are written with SQLite's `?`; psycopg wants `%s` (no query holds a `%`).
@@ -100,6 +130,10 @@ def _failed(where: str, e: Exception) -> StoreError:
     if isinstance(e, psycopg.OperationalError | PoolTimeout):
         return StoreUnavailable(f"database {where}: {e}")
     return StoreError(f"database {where}: {e}")
+
+
+class _RowLocked(StoreError):
+    """A lease statement waited its lock_timeout for the lease row (held by a transaction)."""
 
 
 class _PgConn(Conn):
@@ -172,7 +206,14 @@ class PostgresBackend(Backend):
     def __init__(self, url: str, pool_size: int = 8) -> None:
         self.url = url
         self.where = redact(url)
-        kwargs = {"autocommit": True, "connect_timeout": int(CONNECT_TIMEOUT_S)}
+        # Unique per process: the name of every session it opens (above, END_EXPIRED).
+        self.session = uuid.uuid4().hex[:12]
+        self.session_name = SESSION_PREFIX + self.session
+        kwargs = {
+            "autocommit": True,
+            "connect_timeout": int(CONNECT_TIMEOUT_S),
+            "application_name": self.session_name,
+        }
         self._bulk = AsyncConnectionPool(
             url, kwargs=kwargs, min_size=1, max_size=pool_size, open=False,
             timeout=CONNECT_TIMEOUT_S, name="spotdrain-bulk",
@@ -199,6 +240,11 @@ class PostgresBackend(Backend):
         return error
 
     # --- the leader lease and the fence ------------------------------------------------------
+
+    def holder_for(self, advertise: str) -> str:
+        """The lease holder this process takes the lease as: its address, and the word that
+        names its sessions (so a successor can end them should it stop mid-write)."""
+        return f"{advertise} {self.session}"
 
     def fence_to(self, term: int, holder: str, idle_limit_s: float) -> None:
         """From now on every write is fenced by `term`: it fails unless `holder` holds the
@@ -227,13 +273,17 @@ class PostgresBackend(Backend):
         try:
             async with asyncio.timeout(timeout_s):
                 if self._lease_conn is None or self._lease_conn.closed:
-                    ms = str(max(1, int(timeout_s * 1000)))
+                    ms = max(2, int(timeout_s * 1000))
+                    lock_ms = max(1, int(ms * LOCK_WAIT_SHARE))
                     self._lease_conn = await psycopg.AsyncConnection.connect(
                         self.url, autocommit=True, connect_timeout=int(CONNECT_TIMEOUT_S),
-                        options=f"-c statement_timeout={ms} -c lock_timeout={ms}",
+                        application_name=self.session_name,
+                        options=f"-c statement_timeout={ms} -c lock_timeout={lock_ms}",
                     )  # fmt: skip
                 cur = await self._lease_conn.execute(_params(sql), tuple(args))
                 return await cur.fetchall()
+        except psycopg.errors.LockNotAvailable as e:  # the statement failed, the connection not
+            raise _RowLocked(f"database {self.where}: lease: the row stayed locked ({e})") from e
         except (psycopg.Error, TimeoutError) as e:
             await self._drop_lease_conn()
             if isinstance(e, TimeoutError):
@@ -250,8 +300,29 @@ class PostgresBackend(Backend):
     ) -> tuple[bool, int, str, float]:
         """(taken, term, holder, seconds left by the database's clock): the lease taken at the
         next term when it had run out, else who holds it."""
-        [(term, who, left, taken)] = await self._lease(ACQUIRE, (holder, ttl_s), timeout_s)
+        try:
+            rows = await self._lease(ACQUIRE, (holder, ttl_s), timeout_s)
+        except _RowLocked:
+            # Only a run-out lease's row is locked by ACQUIRE, and a write of its holder held
+            # it past the wait: that holder is stopped mid-transaction. End it, take the row.
+            await self._end_expired(timeout_s)
+            rows = await self._lease(ACQUIRE, (holder, ttl_s), timeout_s)
+        [(term, who, left, taken)] = rows
         return bool(taken), int(term), str(who), float(left)
+
+    async def _end_expired(self, timeout_s: float) -> None:
+        args = (SESSION_PREFIX, self.session_name)
+        try:
+            ended = await self._lease(END_EXPIRED, args, timeout_s)
+        except StoreError as e:
+            # Most likely the role may not end the other replica's sessions (docs/fleet.md).
+            log.warning("lease: could not end the sessions of the holder whose lease ran out "
+                        "(it holds the lease row): %s", e)  # fmt: skip
+            raise
+        if ended:
+            who, term = ended[0][0], ended[0][1]
+            log.warning("lease: %s let term %d run out inside a transaction (stopped?): ended "
+                        "its sessions %s", who, term, [pid for _, _, pid, _ in ended])  # fmt: skip
 
     async def renew_lease(self, holder: str, term: int, ttl_s: float, timeout_s: float) -> bool:
         """True when renewed: `ttl_s` from when the database ran it."""

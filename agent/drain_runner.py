@@ -26,7 +26,12 @@ from typing import Any
 
 from spotdrain.agent import reclamation as r
 from spotdrain.agent.config import AgentConfig
-from spotdrain.agent.docker_engine import RENTAL_KIND, DockerEngine, DockerUnavailable
+from spotdrain.agent.docker_engine import (
+    RENTAL_KIND,
+    ContainerInfo,
+    DockerEngine,
+    DockerUnavailable,
+)
 from spotdrain.agent.gpu import GpuError, Nvml
 from spotdrain.agent.link import CoordinatorLink, TaintError
 from spotdrain.agent.notice import Notice, NoticeInvalid
@@ -91,6 +96,11 @@ class DrainRunner:
         self._round_answer: asyncio.Future[tuple[str, ...]] | None = None
         self._taint_calls: dict[str, asyncio.Task[None]] = {}
         self._taint_retries: dict[str, asyncio.Task[None]] = {}
+        # The node's containers, listed while the Taint call is in flight: the first SIGTERM
+        # round signals these at once when the taint lands instead of listing then. One started
+        # in between is not lost: the observation right after the round sees it and the stray
+        # round signals it (invariant 1 holds either way: nothing is signalled before a taint).
+        self._listed_ahead: dict[str, asyncio.Task[list[ContainerInfo]]] = {}
         self._blind_resume: asyncio.Task[None] | None = None
         # Sources waiting for a reclamation to settle (a logind lock, an Azure acknowledgement).
         self._settling: dict[str, list[asyncio.Future[str]]] = {}
@@ -217,7 +227,11 @@ class DrainRunner:
                 try:
                     # A small floor: a get with no time to run would never receive.
                     wait = None if timeout is None else max(timeout, 0.001)
-                    key, item = await asyncio.wait_for(self._queue.get(), wait)
+                    # asyncio.timeout, not wait_for: Python 3.11's wait_for can turn a
+                    # cancel that meets its timeout into a TimeoutError, and this loop would
+                    # then carry on instead of stopping.
+                    async with asyncio.timeout(wait):
+                        key, item = await self._queue.get()
                 except TimeoutError:
                     continue
             if key == "crash":
@@ -388,6 +402,11 @@ class DrainRunner:
     # --- commands ----------------------------------------------------------------------------
 
     def _execute(self, rec: r.Reclamation, commands: list[r.Command]) -> None:
+        # One outbox transaction for the step's events (nothing below awaits).
+        with self.outbox.hold():
+            self._execute_each(rec, commands)
+
+    def _execute_each(self, rec: r.Reclamation, commands: list[r.Command]) -> None:
         rid = rec.reclaim_id
         for cmd in commands:
             match cmd:
@@ -398,6 +417,10 @@ class DrainRunner:
                     self._emit(kind, rid, now - rec.t0, now, details)
                 case r.RequestTaint(_, answer_by):
                     self._taint_calls[rid] = self._spawn(self._request_taint(rec, answer_by))
+                    if rid not in self._listed_ahead:
+                        self._listed_ahead[rid] = asyncio.ensure_future(
+                            self.docker.targets(frozenset(), frozenset())
+                        )
                 case r.ApplyLocalTaint():
                     self.local_taints.apply(rid)  # held in memory if the disk refuses it
                     if self.local_taints.dirty:
@@ -406,6 +429,9 @@ class DrainRunner:
                     if rid not in self._taint_retries or self._taint_retries[rid].done():
                         self._taint_retries[rid] = self._spawn(self._retry_taint(rec))
                 case r.LiftTaints():
+                    ahead = self._listed_ahead.pop(rid, None)
+                    if ahead is not None:
+                        ahead.cancel()
                     self.local_taints.lift(rid)
                     self._deadline_unwritten = None
                     try:
@@ -470,6 +496,8 @@ class DrainRunner:
         return self._tasks.spawn(coro)
 
     async def close(self) -> None:
+        for ahead in self._listed_ahead.values():
+            ahead.cancel()
         await self._tasks.close()
 
     # --- adapters, reporting back as events --------------------------------------------------
@@ -519,7 +547,14 @@ class DrainRunner:
         self, rid: str, signal: str, skip: frozenset[str], skip_kinds: frozenset[str]
     ) -> None:
         async with self._signal_lock:
-            found = await self.docker.targets(skip, skip_kinds)
+            ahead = self._listed_ahead.pop(rid, None)
+            if ahead is not None and signal != r.SIGTERM:
+                ahead.cancel()  # no SIGTERM round came first (a notice past G): list afresh
+                ahead = None
+            if ahead is not None:
+                found = [t for t in await ahead if t.id not in skip and t.kind not in skip_kinds]
+            else:
+                found = await self.docker.targets(skip, skip_kinds)
             if signal == r.SIGTERM:  # at most once per container, whichever reclamation sent it
                 already = self._sigtermed_elsewhere(rid)
                 found = [t for t in found if t.id not in already]
@@ -573,8 +608,9 @@ class DrainRunner:
         rec = self._reclamation_for(name)
         if rec is None:
             # A periodic checkpoint outside any reclamation: nothing to put it in.
-            log.debug("node %s: report from %s outside a reclamation: %s", self.cfg.node_id,
-                      name, report)
+            log.debug(
+                "node %s: report from %s outside a reclamation: %s", self.cfg.node_id, name, report
+            )
             return
         self.feed(
             rec.reclaim_id,

@@ -286,7 +286,8 @@ class PlainWorkloads:
         if sent.error:
             log.warning("node %s: SIGTERM to %s: %s", self.node_id, c.name, sent.error)
         try:
-            await asyncio.wait_for(c.exited.wait(), self.stop_grace_s)
+            async with asyncio.timeout(self.stop_grace_s):  # (wait_for can swallow a cancel)
+                await c.exited.wait()
             return
         except TimeoutError:
             pass

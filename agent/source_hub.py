@@ -118,7 +118,8 @@ class SourceHub:
             due = self.book.next_expiry()
             timeout = None if due is None else max(0.0, due - self.clock())
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):  # (wait_for can swallow a cancel)
+                    await self._wake.wait()
             except TimeoutError:
                 pass
             self._wake.clear()

@@ -126,6 +126,7 @@ class EventLog:
     async def wait(self, timeout: float) -> None:
         async with self._new_event:
             try:
-                await asyncio.wait_for(self._new_event.wait(), timeout)
+                async with asyncio.timeout(timeout):  # (wait_for can swallow a cancel)
+                    await self._new_event.wait()
             except TimeoutError:
                 pass

@@ -188,7 +188,8 @@ class Replica:
                 timeout = min(ttl, max(0.0, self.lease.wake_at() - self.clock()))
                 self._wake.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), timeout)
+                    async with asyncio.timeout(timeout):  # (wait_for can swallow a cancel)
+                        await self._wake.wait()
                 except TimeoutError:
                     pass
         finally:

@@ -228,7 +228,8 @@ class Dashboard:
                     if json.loads(message)["done"]:
                         return response
                 try:
-                    message = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+                    async with asyncio.timeout(KEEPALIVE_S):  # (wait_for can swallow a cancel)
+                        message = await queue.get()
                 except TimeoutError:
                     message = None
                     await response.write(b": keepalive\n\n")

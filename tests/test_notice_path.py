@@ -1,0 +1,206 @@
+"""The notice path's work after the taint, kept short without weakening its order: the node's
+containers are listed while the Taint call is in flight (and a container started after that
+listing is still signalled, by the stray round right after), and the events of one drain step
+go to the outbox in one transaction. The drain runner with in-memory adapters, as
+tests/test_full_disk.py has them."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+from test_full_disk import NODE, Engine, Gpus, Link, Workers
+
+from spotdrain.agent.config import AgentConfig
+from spotdrain.agent.docker_engine import ContainerInfo
+from spotdrain.agent.drain_runner import DrainRunner
+from spotdrain.agent.notice import Notice
+from spotdrain.agent.outbox import Outbox
+from spotdrain.agent.reclamation import Margins
+
+
+class HeldLink(Link):
+    """A coordinator that answers Taint only when the test says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = asyncio.Event()
+        self.asked = asyncio.Event()
+
+    async def taint(self, reclaim_id: str, reason: str, timeout: float, **_: Any) -> None:
+        self.taints.append(reclaim_id)
+        self.asked.set()
+        await self.answer.wait()
+
+
+class CountingEngine(Engine):
+    """Two jobs; every listing counted. Each signalled job goes; the node is empty when both
+    have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listings: list[tuple[str, ...]] = []
+        self.late = ContainerInfo("d2" * 32, "job-late", "batch", 0, image="trainer:1")
+
+    async def targets(self, skip: frozenset[str], skip_kinds: frozenset[str]) -> list:
+        found = await super().targets(skip, skip_kinds)
+        self.listings.append(tuple(t.id for t in found))
+        return found
+
+    async def signal_each(self, targets: list, signal: str):  # type: ignore[override]
+        for t in targets:
+            self.signals.append((t.id, signal))
+            self.running_now = [c for c in self.running_now if c.id != t.id]
+            yield self._signalled(t, signal)
+        if not self.running_now:
+            self.gone.set()
+
+    def _signalled(self, t: ContainerInfo, signal: str) -> Any:
+        from spotdrain.agent.docker_engine import ContainerSignalled
+
+        return ContainerSignalled(time.time(), t.id, t.name, signal, "api", image=t.image,
+                                  kind=t.kind)  # fmt: skip
+
+
+def config(tmp_path: Path) -> AgentConfig:
+    cfg = AgentConfig(coordinator="127.0.0.1:1", node_id=NODE, notice_file=tmp_path / "n.json",
+                      state_dir=tmp_path / "state", insecure=True,
+                      deadline_file=tmp_path / "workload" / "deadline.json",
+                      status_dir=tmp_path / "status", socket=tmp_path / "agent.sock",
+                      margins=Margins(grace_s=3, overrun_s=1, observe_every_s=0.05))  # fmt: skip
+    cfg.state_dir.mkdir()
+    return cfg
+
+
+async def until(predicate: Any, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.005)
+
+
+async def test_containers_are_listed_while_the_taint_is_in_flight(tmp_path: Path) -> None:
+    """The listing happens before the coordinator answers, nothing is signalled before the
+    answer (invariant 1), and the job that started after that listing gets its one SIGTERM
+    too, from the stray round that follows the first."""
+    cfg = config(tmp_path)
+    outbox = Outbox(cfg.state_dir / "outbox.sqlite")
+    engine, link = CountingEngine(), HeldLink()
+    drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers())  # type: ignore[arg-type]
+    loop = asyncio.create_task(drains.run())
+    try:
+        drains.notice(Notice(key="n-1", notice_id="n-1", action="terminate",
+                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        await asyncio.wait_for(link.asked.wait(), 5)
+        await until(lambda: engine.listings, "a listing while the Taint is unanswered")
+        assert engine.listings == [(engine.job.id,)]
+        assert engine.signals == []  # listed, not signalled: the taint is not in force yet
+
+        engine.running_now.append(engine.late)  # started after the listing
+        link.answer.set()
+        outcome = await asyncio.wait_for(drains.settled("n-1"), 10)
+        assert outcome == "drained"
+        assert engine.signals[0] == (engine.job.id, "SIGTERM")  # the listed one, first
+        assert sorted(engine.signals) == sorted(
+            [(engine.job.id, "SIGTERM"), (engine.late.id, "SIGTERM")])  # each once
+        kinds = [e.kind for e in outbox.pending()]
+        assert kinds.index("tainted") < kinds.index("sigterm_sent")
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await drains.close()
+        outbox.close()
+
+
+async def test_a_cancel_before_the_answer_signals_nothing(tmp_path: Path) -> None:
+    """The listing made ahead is dropped with the reclamation: a cancel while the Taint is in
+    flight sends no signal, even once the answer comes."""
+    cfg = config(tmp_path)
+    outbox = Outbox(cfg.state_dir / "outbox.sqlite")
+    engine, link = CountingEngine(), HeldLink()
+    drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers())  # type: ignore[arg-type]
+    loop = asyncio.create_task(drains.run())
+    try:
+        drains.notice(Notice(key="n-2", notice_id="n-2", action="terminate",
+                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        await asyncio.wait_for(link.asked.wait(), 5)
+        drains.notice(Notice(key="n-2", notice_id="n-2", action="cancel", terminate_at=None,
+                             source="file"))  # fmt: skip
+        outcome = await asyncio.wait_for(drains.settled("n-2"), 5)
+        assert outcome == "cancelled"
+        link.answer.set()
+        await until(lambda: "notice_cancelled" in [e.kind for e in outbox.pending()],
+                    "the cancel recorded")  # fmt: skip
+        await until(lambda: not drains._listed_ahead, "the listing made ahead dropped")
+        assert engine.signals == []
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await drains.close()
+        outbox.close()
+
+
+async def test_one_step_puts_its_events_in_one_transaction(tmp_path: Path) -> None:
+    """The taint's answer makes several events (tainted, deadline_file_written): they are
+    stored together, one commit (one fsync), before anything the step started can act."""
+    cfg = config(tmp_path)
+    outbox = Outbox(cfg.state_dir / "outbox.sqlite")
+    commits: list[str] = []
+    assert outbox.db is not None
+    outbox.db.set_trace_callback(lambda sql: commits.append(sql) if sql in (
+        "COMMIT",) or sql.startswith("INSERT") else None)  # fmt: skip
+    engine, link = CountingEngine(), HeldLink()
+    drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers())  # type: ignore[arg-type]
+    loop = asyncio.create_task(drains.run())
+    try:
+        drains.notice(Notice(key="n-3", notice_id="n-3", action="terminate",
+                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        await asyncio.wait_for(link.asked.wait(), 5)
+        before = len(commits)
+        link.answer.set()
+        await until(lambda: engine.signals, "the SIGTERM")
+        step = commits[before:]
+        tainted = next(i for i, sql in enumerate(step) if '"kind": "tainted"' in sql)
+        written = next(i for i, sql in enumerate(step) if '"kind": "deadline_file_written"' in sql)
+        # The answer's step: both events in one transaction (no COMMIT between), then one COMMIT.
+        assert "COMMIT" not in step[min(tainted, written) : max(tainted, written)], step
+        assert "COMMIT" in step[max(tainted, written) :], step
+        stored = [row[0] for row in sqlite3.connect(cfg.state_dir / "outbox.sqlite").execute(
+            "SELECT body FROM outbox ORDER BY seq")]  # fmt: skip
+        assert any('"kind": "tainted"' in b for b in stored)
+        assert any('"kind": "deadline_file_written"' in b for b in stored)
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await drains.close()
+        outbox.close()
+
+
+async def test_the_drain_loop_stops_when_cancelled_between_two_wakeups(tmp_path: Path) -> None:
+    """The loop waits for its next deadline with a timeout; a cancel that arrives as that
+    timeout fires must still stop it (Python 3.11's asyncio.wait_for could turn such a cancel
+    into a TimeoutError, and the loop went on waiting, so an agent never finished stopping)."""
+    cfg = config(tmp_path)
+    outbox = Outbox(cfg.state_dir / "outbox.sqlite")
+    engine, link = CountingEngine(), HeldLink()
+    drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers())  # type: ignore[arg-type]
+    loop = asyncio.create_task(drains.run())
+    try:
+        drains.notice(Notice(key="n-4", notice_id="n-4", action="terminate",
+                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        await asyncio.wait_for(link.asked.wait(), 5)
+        link.answer.set()
+        await until(lambda: engine.signals, "the SIGTERM")
+        # The job never exits (its exit is never reported): the loop keeps waking to observe.
+        for _ in range(50):
+            await asyncio.sleep(0.001)
+        loop.cancel()
+        done, _ = await asyncio.wait({loop}, timeout=10)
+        assert loop in done and loop.cancelled()
+    finally:
+        loop.cancel()
+        await drains.close()
+        outbox.close()

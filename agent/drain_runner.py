@@ -244,6 +244,10 @@ class DrainRunner:
                 self._on_listed(*item)
             elif key in self.live:
                 self._step(self.live[key], item)
+            elif key in self.recent and isinstance(item, r.ContainerExited):
+                # Verified empty (and finished) before the engine's wait came back: the exit
+                # still belongs in the timeline.
+                self._step(self.recent[key], item)
 
     def _until_next_deadline(self) -> float | None:
         wakeups = [w for rec in self.live.values() if (w := rec.next_wakeup()) is not None]
@@ -323,18 +327,20 @@ class DrainRunner:
             return
         reclaim_id = r.reclaim_id_for(self.cfg.node_id, parsed.key)
         if parsed.action == "cancel":
-            rec = self.live.get(reclaim_id)
-            if rec is None:
+            # A finished reclamation takes its cancel too: recorded once, however often it is
+            # read (an agent restarted with the cancel still in the notice file reads it again).
+            rec = (
+                self.live.get(reclaim_id)
+                or self.recent.get(reclaim_id)
+                or self.bundles.load(reclaim_id)
+            )
+            if rec is None:  # a cancel of a notice this node never had
                 self._emit(
                     "notice_cancelled",
-                    reclaim_id if self.bundles.exists(reclaim_id) else "",
+                    "",
                     None,
                     now,
-                    {
-                        "notice_id": parsed.notice_id,
-                        "lifted": False,
-                        "known": self.bundles.exists(reclaim_id),
-                    },
+                    {"notice_id": parsed.notice_id, "lifted": False, "known": False},
                 )
                 return
             self._step(rec, r.Cancelled(now))
@@ -535,6 +541,11 @@ class DrainRunner:
         self.feed(rec.reclaim_id, r.TaintsLifted(self.clock()))
 
     async def _retry_taint(self, rec: r.Reclamation) -> None:
+        # After the SIGTERMs the same step asked for: the coordinator has had its 800 ms, and a
+        # call started beside the kill calls competes with them for the loop and the GIL.
+        await asyncio.sleep(0)  # the round spawned in the same step takes the lock first
+        async with self._signal_lock:
+            pass
         await self.link.taint_until_answered(
             rec.reclaim_id,
             rec.reason,

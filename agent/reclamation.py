@@ -399,6 +399,9 @@ class Reclamation:
     announced: dict[str, dict[str, Any]] = field(default_factory=dict)
     # SIGTERMs the previous agent process announced and may have sent (never sent again).
     sigterm_by_previous_run: list[str] = field(default_factory=list)
+    # The notice's cancel has been recorded: the same cancel read again (an agent restarted
+    # while the cancel is still the notice file's content) records nothing more.
+    cancel_recorded: bool = False
 
     # --- construction ----------------------------------------------------------------------
 
@@ -490,7 +493,9 @@ class Reclamation:
     def _announced_by_previous_run(self) -> list[Command]:
         """The announcements the old process left: each SIGTERM may have been delivered, so it
         counts as sent (reported with `by: previous run`) and is never sent again; a SIGKILL
-        is withdrawn (the next look kills it again if it still runs, which is harmless)."""
+        is withdrawn (the next look kills it again if it still runs, which is harmless) and
+        reported the same way, since it may have been delivered: a container that exits 137
+        has its sigkill_sent."""
         commands: list[Command] = []
         for container, entry in list(self.announced.items()):
             if entry["signal"] == SIGTERM:
@@ -509,6 +514,10 @@ class Reclamation:
                 commands += self._held_reports(container, None)
             else:
                 self._move(container, entry["before"])
+                commands.append(Emit("sigkill_sent", {
+                    "container": container, "name": entry["name"], "by": BY_PREVIOUS_RUN,
+                    "announced_at": entry["at"],
+                }))  # fmt: skip
         return commands
 
     # --- the signal ledger ---------------------------------------------------------------------
@@ -951,6 +960,9 @@ class Reclamation:
         return commands
 
     def _cancelled(self, now: float) -> list[Command]:
+        if self.cancel_recorded:
+            return []
+        self.cancel_recorded = True
         if self.phase == "done" or self.lifted:
             return [Emit("notice_cancelled", {"lifted": False, "outcome": self.outcome})]
         # "Nothing was stopped yet": still tainting, or the SIGTERM round found no container.

@@ -164,6 +164,18 @@ class BundleStore:
     def exists(self, reclaim_id: str) -> bool:
         return reclaim_id in self.unsaved or self.path(reclaim_id).exists()
 
+    def load(self, reclaim_id: str) -> Reclamation | None:
+        """One reclamation, finished or not (None when there is no bundle for it)."""
+        if reclaim_id in self.unsaved:
+            return self.unsaved[reclaim_id]
+        path = self.path(reclaim_id)
+        try:
+            return Reclamation.from_json(json.loads(path.read_text()))
+        except FileNotFoundError:
+            return None
+        except (ValueError, TypeError) as e:
+            raise RuntimeError(f"reclamation bundle {path} is unreadable: {e}") from e
+
     def load_all(self) -> list[Reclamation]:
         recs: dict[str, Reclamation] = {}
         try:

@@ -701,9 +701,19 @@ def test_a_cancel_while_tainting_lifts_the_taints_and_nothing_is_ever_signalled(
     for later in (TaintAnswered(T0 + 0.2), Tick(T0 + 0.8), Tick(G), Tick(O), Tick(D)):
         assert story(later) == []
     assert story(TaintsLifted(T0 + 0.3)) == [] and story.rec.finished
-    assert story(Cancelled(T0 + 40)) == [
-        emit("notice_cancelled", lifted=False, outcome="cancelled")
-    ]  # recorded either way
+    # The same cancel read again (an agent restarted while it is still the notice file's
+    # content): recorded once, not again.
+    assert story(Cancelled(T0 + 40)) == []
+
+
+def test_a_cancel_of_a_finished_drain_is_recorded_once(story: Story) -> None:
+    """The notice is withdrawn after the node was drained: recorded with the outcome, once."""
+    tainted_with(story, "c1")
+    story(ContainerExited(T0 + 1, "c1", "c1", 0))
+    story(Observed(T0 + 1.1))
+    assert story.rec.outcome == "drained" and story.rec.finished
+    assert story(Cancelled(T0 + 2)) == [emit("notice_cancelled", lifted=False, outcome="drained")]
+    assert story(Cancelled(T0 + 3)) == []
 
 
 def test_a_cancel_after_jobs_were_signalled_is_recorded_and_the_drain_goes_on(
@@ -1284,7 +1294,8 @@ def test_a_restart_twice_over_reports_the_previous_runs_sigterms_once() -> None:
 
 def test_a_sigkill_announced_when_the_agent_died_is_sent_again() -> None:
     """The agent dies in the SIGKILL round at G. A second SIGKILL is harmless, and the job may
-    not have had the first: the restarted agent kills what still runs."""
+    not have had the first: the restarted agent kills what still runs. The first may have been
+    delivered, too (the job exits 137): it is reported as the previous run's."""
     story = Story(strict=True)
     story.begin()
     story(TaintAnswered(T0 + 0.05))
@@ -1295,7 +1306,9 @@ def test_a_sigkill_announced_when_the_agent_died_is_sent_again() -> None:
     assert story(listed(G + 0.01, "c1", signal=SIGKILL)) == [DeliverSignals(SIGKILL, ("c1",))]
     assert story.rec.ledger("c1") == KILL_ANNOUNCED
     commands = story.restart(G + 1)
-    assert emit("sigkill_sent") not in commands and story.rec.ledger("c1") == TERM_SENT
+    assert [c.details for c in commands if isinstance(c, Emit) and c.kind == "sigkill_sent"] == [
+        {"container": "c1", "name": "job-c1", "by": "previous run", "announced_at": G + 0.01}]
+    assert story.rec.ledger("c1") == TERM_SENT  # withdrawn: it may be sent again
     assert story(Observed(G + 1.1, running=("c1",))) == [
         SignalContainers(SIGKILL, skip=frozenset())
     ]

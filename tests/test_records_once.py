@@ -1,0 +1,115 @@
+"""Every fact in a reclamation's record, once: what the soak (tests/soak) caught the agent
+losing or doubling. An exit the engine reports after the node was verified empty, and a cancel
+read again by a restarted agent. The drain runner with in-memory adapters, as
+tests/test_full_disk.py has them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from test_full_disk import NODE, Engine, Gpus, Link, Workers
+
+from spotdrain.agent.config import AgentConfig
+from spotdrain.agent.docker_engine import ContainerExited
+from spotdrain.agent.drain_runner import DrainRunner
+from spotdrain.agent.notice import Notice
+from spotdrain.agent.outbox import Outbox
+from spotdrain.agent.reclamation import Margins
+
+
+class LateWaitEngine(Engine):
+    """The job is gone from the engine's list at once on SIGTERM, but the engine's wait for
+    its exit comes back only when the test says so (a busy daemon)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wait_returns = asyncio.Event()
+
+    async def wait_exit(self, container_id: str, name: str) -> ContainerExited:
+        await self.wait_returns.wait()
+        return ContainerExited(time.time(), container_id, name, 0)
+
+
+def config(tmp_path: Path) -> AgentConfig:
+    cfg = AgentConfig(coordinator="127.0.0.1:1", node_id=NODE, notice_file=tmp_path / "n.json",
+                      state_dir=tmp_path / "state", insecure=True,
+                      deadline_file=tmp_path / "workload" / "deadline.json",
+                      status_dir=tmp_path / "status", socket=tmp_path / "agent.sock",
+                      margins=Margins(grace_s=3, overrun_s=1, observe_every_s=0.05))  # fmt: skip
+    cfg.state_dir.mkdir(exist_ok=True)
+    return cfg
+
+
+async def until(predicate, what: str, timeout: float = 5.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.005)
+
+
+def kinds(outbox: Outbox) -> list[str]:
+    return [e.kind for e in outbox.pending(limit=1000)]
+
+
+async def test_an_exit_reported_after_the_node_was_verified_empty_is_recorded(
+    tmp_path: Path,
+) -> None:
+    cfg = config(tmp_path)
+    outbox = Outbox(cfg.state_dir / "outbox.sqlite")
+    engine = LateWaitEngine()
+    drains = DrainRunner(cfg, outbox, Link(), engine, Gpus(), Workers())  # type: ignore[arg-type]
+    loop = asyncio.create_task(drains.run())
+    try:
+        drains.notice(Notice(key="late-exit", notice_id="late-exit", action="terminate",
+                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        assert await asyncio.wait_for(drains.settled("late-exit"), 5) == "drained"
+        await until(lambda: not drains.live, "the reclamation finished")
+        assert "container_exited" not in kinds(outbox)
+        engine.wait_returns.set()
+        await until(lambda: "container_exited" in kinds(outbox), "the late exit recorded")
+        assert kinds(outbox).count("container_exited") == 1
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await drains.close()
+        outbox.close()
+
+
+async def test_a_cancel_read_again_after_a_restart_is_recorded_once(tmp_path: Path) -> None:
+    """A notice and its cancel, the reclamation lifted; the agent restarts with the cancel still
+    in the notice file and reads it again, first while the lift is unanswered, then once more
+    after the reclamation finished: one notice_cancelled in all."""
+
+    class Unlifting(Link):
+        async def taint_until_answered(self, reclaim_id: str, reason: str, **_: object) -> None:
+            if _.get("remove"):
+                await asyncio.Event().wait()  # the coordinator never confirms the lift
+            self.taints.append(reclaim_id)
+
+    cfg = config(tmp_path)
+    outbox = Outbox(cfg.state_dir / "outbox.sqlite")
+    notice = Notice(key="cx", notice_id="cx", action="terminate",
+                    terminate_at=time.time() + 20, source="file")  # fmt: skip
+    cancel = Notice(key="cx", notice_id="cx", action="cancel", terminate_at=None, source="file")
+    for run in range(3):
+        drains = DrainRunner(cfg, outbox, Unlifting() if run < 2 else Link(), Engine(), Gpus(),
+                             Workers())  # type: ignore[arg-type]  # fmt: skip
+        loop = asyncio.create_task(drains.run())
+        try:
+            if run == 0:
+                drains.notice(notice)
+            drains.notice(cancel)  # run 0: the cancel itself; later runs: read again
+            await until(lambda: kinds(outbox).count("notice_cancelled") >= 1, "the cancel")
+            if run == 2:
+                await until(lambda d=drains: not d.live, "the lift answered: finished")
+                drains.notice(cancel)  # and read once more, after it finished
+            await asyncio.sleep(0)
+            await until(lambda d=drains: d._queue.empty(), "the runner idle")
+        finally:
+            loop.cancel()
+            await asyncio.gather(loop, return_exceptions=True)
+            await drains.close()
+    assert kinds(outbox).count("notice_cancelled") == 1
+    outbox.close()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from spotdrain.agent import reclamation as r
@@ -35,7 +35,7 @@ from spotdrain.agent.docker_engine import (
 from spotdrain.agent.gpu import GpuError, Nvml
 from spotdrain.agent.link import CoordinatorLink, TaintError
 from spotdrain.agent.notice import Notice, NoticeInvalid
-from spotdrain.agent.outbox import Outbox
+from spotdrain.agent.outbox import Outbox, OutgoingEvent
 from spotdrain.agent.state import BundleStore, LocalTaints, WriteHealth, write_deadline_file
 from spotdrain.agent.status_dirs import StatusDirs
 from spotdrain.agent.workers import WorkerManager
@@ -166,8 +166,7 @@ class DrainRunner:
             rec.terminate_at - now,
         )
         self.live[rec.reclaim_id] = rec
-        self._save(rec)
-        self._execute(rec, commands)
+        self._apply(rec, commands)
         self._wake()
         return rec
 
@@ -291,15 +290,45 @@ class DrainRunner:
         self.health.wrote(path)
         return True
 
-    def _save(self, rec: r.Reclamation) -> None:
+    def _apply(self, rec: r.Reclamation, commands: list[r.Command]) -> None:
+        """Carry out one step: the bundle is written before any command runs (write before
+        act), and it holds the step's events, so a SIGKILL between the bundle and the outbox
+        loses none: a restarted agent puts them into the outbox again (by uid, so once)."""
+        # The deadline file first (whether it could be written is in its event); writing it
+        # before the bundle is harmless: a restarted agent writes it again, or removes it.
+        for cmd in commands:
+            if isinstance(cmd, r.WriteDeadlineFile):
+                self._write_deadline(rec, cmd)
+        rest = [c for c in commands if not isinstance(c, r.WriteDeadlineFile)]
+        events = [self._event(rec, c) for c in rest if isinstance(c, r.Emit)]
+        self._save(rec, events)
+        self._execute(rec, rest, events)
+
+    def _event(self, rec: r.Reclamation, emit: r.Emit) -> OutgoingEvent:
+        now = self.clock() if emit.at is None else emit.at
+        details = emit.details
+        if emit.kind == "deadline_file_written" and self._deadline_unwritten is not None:
+            details = {**details, "written": False}  # see state_write_failed
+        return self.outbox.event(
+            emit.kind, self.cfg.node_id, rec.reclaim_id, now, now - rec.t0, details
+        )
+
+    def _save(self, rec: r.Reclamation, events: list[OutgoingEvent] | None = None) -> None:
         """The bundle before any command runs; on a refusal, the drain goes on from memory."""
-        if not self.bundles.save(rec) and self._next_write_retry is None:
+        if not self.bundles.save(rec, events or []) and self._next_write_retry is None:
             self._next_write_retry = self.clock() + RETRY_WRITES_S
 
     def _rebuild(self) -> None:
         """Agent restart: reload every unfinished bundle and carry on with its deadlines."""
         now = self.clock()
-        for rec in self.bundles.load_all():
+        recs = self.bundles.load_all()
+        # The last step of each bundle may have died before its events reached the outbox.
+        with self.outbox.hold():
+            for rec in recs:
+                for fields in self.bundles.step_events.pop(rec.reclaim_id, []):
+                    self.outbox.put_event(OutgoingEvent(**fields))
+        self.link.wake()
+        for rec in recs:
             if rec.finished:
                 continue
             log.info(
@@ -309,9 +338,7 @@ class DrainRunner:
                 rec.terminate_at - now,
             )
             self.live[rec.reclaim_id] = rec
-            commands = rec.resume(now)
-            self._save(rec)
-            self._execute(rec, commands)
+            self._apply(rec, rec.resume(now))
 
     def _on_notice(self, parsed: Notice | NoticeInvalid) -> None:
         now = self.clock()
@@ -363,8 +390,7 @@ class DrainRunner:
             rec.terminate_at - now,
         )
         self.live[rec.reclaim_id] = rec
-        self._save(rec)  # the bundle is on disk before anything is done
-        self._execute(rec, commands)
+        self._apply(rec, commands)  # the bundle is on disk before anything is done
 
     def _on_listed(
         self, rid: str, event: r.RoundListed, answer: asyncio.Future[tuple[str, ...]]
@@ -382,9 +408,7 @@ class DrainRunner:
                 answer.set_result(())  # a reclamation already finished: nothing to send
 
     def _step(self, rec: r.Reclamation, event: r.Event) -> None:
-        commands = rec.handle(event)
-        self._save(rec)
-        self._execute(rec, commands)
+        self._apply(rec, rec.handle(event))
         if rec.outcome:
             for waiter in self._settling.get(rec.reclaim_id, ()):
                 if not waiter.done():
@@ -407,20 +431,25 @@ class DrainRunner:
 
     # --- commands ----------------------------------------------------------------------------
 
-    def _execute(self, rec: r.Reclamation, commands: list[r.Command]) -> None:
+    def _execute(
+        self, rec: r.Reclamation, commands: list[r.Command], events: list[OutgoingEvent]
+    ) -> None:
         # One outbox transaction for the step's events (nothing below awaits).
         with self.outbox.hold():
-            self._execute_each(rec, commands)
+            self._execute_each(rec, commands, iter(events))
+        if rec.finished and events:
+            # Its last events are in the outbox now: the bundle need not carry them any more
+            # (a restarted agent would only send them again). Off the notice path: it is over.
+            self._save(rec)
 
-    def _execute_each(self, rec: r.Reclamation, commands: list[r.Command]) -> None:
+    def _execute_each(
+        self, rec: r.Reclamation, commands: list[r.Command], events: Iterator[OutgoingEvent]
+    ) -> None:
         rid = rec.reclaim_id
         for cmd in commands:
             match cmd:
-                case r.Emit(kind, details, at):
-                    now = self.clock() if at is None else at
-                    if kind == "deadline_file_written" and self._deadline_unwritten is not None:
-                        details = {**details, "written": False}  # see state_write_failed
-                    self._emit(kind, rid, now - rec.t0, now, details)
+                case r.Emit():
+                    self._put(next(events))
                 case r.RequestTaint(_, answer_by):
                     self._taint_calls[rid] = self._spawn(self._request_taint(rec, answer_by))
                     if rid not in self._listed_ahead:
@@ -445,19 +474,8 @@ class DrainRunner:
                     except OSError as e:
                         self.health.failed(self.cfg.deadline_file, e)
                     self._spawn(self._lift_remote_taint(rec))
-                case r.WriteDeadlineFile(_, terminate_at, grace_deadline, reason):
-                    # The file is the node's: with two reclamations in force (one preemption
-                    # heard by two sources) it keeps the earlier G; a later one never moves it.
-                    first = self._earliest_other(rec)
-                    if first is not None and first.grace_deadline < grace_deadline:
-                        first_id, terminate_at, grace_deadline, reason = (
-                            first.reclaim_id, first.terminate_at, first.grace_deadline,
-                            first.reason)  # fmt: skip
-                    else:
-                        first_id = rid
-                    if not self._write_deadline_file(first_id, terminate_at, grace_deadline,
-                                                     reason):  # fmt: skip
-                        self._next_write_retry = self.clock() + RETRY_WRITES_S
+                case r.WriteDeadlineFile():
+                    self._write_deadline(rec, cmd)  # (_apply writes it before the bundle)
                 case r.SignalContainers(signal, skip):
                     self._spawn(self._signal_round(rid, signal, skip, cmd.skip_kinds))
                 case r.DeliverSignals(_, containers):
@@ -483,19 +501,38 @@ class DrainRunner:
                 case _:
                     raise TypeError(cmd)
 
+    def _write_deadline(self, rec: r.Reclamation, cmd: r.WriteDeadlineFile) -> None:
+        # The file is the node's: with two reclamations in force (one preemption heard by two
+        # sources) it keeps the earlier G; a later one never moves it.
+        rid, terminate_at, grace_deadline, reason = (
+            rec.reclaim_id, cmd.terminate_at, cmd.grace_deadline, cmd.reason)  # fmt: skip
+        first = self._earliest_other(rec)
+        if first is not None and first.grace_deadline < grace_deadline:
+            rid, terminate_at, grace_deadline, reason = (
+                first.reclaim_id, first.terminate_at, first.grace_deadline,
+                first.reason)  # fmt: skip
+        if not self._write_deadline_file(rid, terminate_at, grace_deadline, reason):
+            self._next_write_retry = self.clock() + RETRY_WRITES_S
+
     def _emit(
         self, kind: str, reclaim_id: str, t_offset_s: float | None, now: float, details: dict
     ) -> None:
-        self.outbox.put(kind, self.cfg.node_id, reclaim_id, now, t_offset_s, details)
+        """An event outside a drain step (a disk's refusal, an invalid notice): no bundle."""
+        self._put(self.outbox.event(kind, self.cfg.node_id, reclaim_id, now, t_offset_s, details))
+
+    def _put(self, event: OutgoingEvent) -> None:
+        self.outbox.put_event(event)
         self.link.wake()
         if self.metrics is not None:
-            self.metrics.observe_event(kind, reclaim_id, t_offset_s, details)
+            self.metrics.observe_event(
+                event.kind, event.reclaim_id, event.t_offset_s, event.details
+            )
         log.info(
             "node %s reclamation %s: %s %s",
             self.cfg.node_id,
-            reclaim_id or "-",
-            kind,
-            details or "",
+            event.reclaim_id or "-",
+            event.kind,
+            event.details or "",
         )
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:

@@ -156,6 +156,20 @@ class Outbox:
         t_offset_s: float | None,
         details: dict[str, Any],
     ) -> OutgoingEvent:
+        return self.put_event(
+            self.event(kind, node_id, reclaim_id, wall_time, t_offset_s, details)
+        )
+
+    @staticmethod
+    def event(
+        kind: str,
+        node_id: str,
+        reclaim_id: str,
+        wall_time: float,
+        t_offset_s: float | None,
+        details: dict[str, Any],
+    ) -> OutgoingEvent:
+        """A new event with its uid, its details bounded; not stored yet (put_event)."""
         details, original_bytes = bounded_details(details)
         if original_bytes is not None:
             log.warning(
@@ -165,7 +179,7 @@ class Outbox:
                 original_bytes,
                 MAX_DETAILS_BYTES,
             )
-        event = OutgoingEvent(
+        return OutgoingEvent(
             uid=str(uuid.uuid4()),
             kind=kind,
             node_id=node_id,
@@ -174,6 +188,10 @@ class Outbox:
             t_offset_s=t_offset_s,
             details=details,
         )
+
+    def put_event(self, event: OutgoingEvent) -> OutgoingEvent:
+        """Store an event made by `event`; one whose uid is stored already is not stored again
+        (a drain step's events put again after a restart)."""
         self._memory[event.uid] = event
         if not self._held:
             self._flush()

@@ -12,19 +12,24 @@ out").
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
 import os
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotdrain.agent.reclamation import Reclamation
 from spotdrain.workload import Deadline
 
+if TYPE_CHECKING:  # (the outbox imports this module)
+    from spotdrain.agent.outbox import OutgoingEvent
+
 log = logging.getLogger("spotdrain.agent.state")
+STEP_EVENTS = "step_events"  # a bundle's key for the events of the step that wrote it
 
 Writer = Callable[[Path, Any, int], None]
 Reporter = Callable[[str, dict[str, Any]], None]
@@ -126,6 +131,10 @@ class BundleStore:
         self.health = health or WriteHealth()
         self._write = write
         self.unsaved: dict[str, Reclamation] = {}
+        self._events: dict[str, list[dict[str, Any]]] = {}
+        # Read by load_all: each bundle's last step's events (as stored: OutgoingEvent fields),
+        # for the outbox to take again.
+        self.step_events: dict[str, list[dict[str, Any]]] = {}
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -134,9 +143,12 @@ class BundleStore:
     def path(self, reclaim_id: str) -> Path:
         return self.dir / f"{reclaim_id}.json"
 
-    def save(self, rec: Reclamation) -> bool:
-        """Write the bundle; False (and held in memory) when the disk refused it."""
+    def save(self, rec: Reclamation, events: Sequence[OutgoingEvent] = ()) -> bool:
+        """Write the bundle, with the events of the step that made it (the outbox gets them
+        next; a restarted agent puts them there again, see `step_events`). False (and held in
+        memory) when the disk refused it."""
         self.unsaved[rec.reclaim_id] = rec
+        self._events[rec.reclaim_id] = [dataclasses.asdict(e) for e in events]
         ok = self._save_one(rec)
         if ok and self.unsaved:
             self.retry()
@@ -151,8 +163,12 @@ class BundleStore:
 
     def _save_one(self, rec: Reclamation) -> bool:
         path = self.path(rec.reclaim_id)
+        doc = rec.to_json()
+        events = self._events.get(rec.reclaim_id)
+        if events:
+            doc[STEP_EVENTS] = events
         try:
-            self._write(path, rec.to_json(), 0o600)
+            self._write(path, doc, 0o600)
         except OSError as e:
             self.health.failed(path, e)
             return False
@@ -170,7 +186,7 @@ class BundleStore:
             return self.unsaved[reclaim_id]
         path = self.path(reclaim_id)
         try:
-            return Reclamation.from_json(json.loads(path.read_text()))
+            return self._read(path)
         except FileNotFoundError:
             return None
         except (ValueError, TypeError) as e:
@@ -186,12 +202,20 @@ class BundleStore:
             if path.stem in self.unsaved:
                 continue  # memory is newer than the disk
             try:
-                recs[path.stem] = Reclamation.from_json(json.loads(path.read_text()))
+                recs[path.stem] = self._read(path)
             except (ValueError, TypeError) as e:
                 # A bundle we cannot read is a bug or disk damage; refuse to guess its deadlines.
                 raise RuntimeError(f"reclamation bundle {path} is unreadable: {e}") from e
         recs.update(self.unsaved)
         return [recs[k] for k in sorted(recs)]
+
+    def _read(self, path: Path) -> Reclamation:
+        doc = json.loads(path.read_text())
+        events = doc.pop(STEP_EVENTS, [])
+        rec = Reclamation.from_json(doc)
+        if events:
+            self.step_events[rec.reclaim_id] = events
+        return rec
 
 
 class LocalTaints:

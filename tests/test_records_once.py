@@ -17,6 +17,7 @@ from spotdrain.agent.drain_runner import DrainRunner
 from spotdrain.agent.notice import Notice
 from spotdrain.agent.outbox import Outbox
 from spotdrain.agent.reclamation import Margins
+from spotdrain.agent.state import BundleStore
 
 
 class LateWaitEngine(Engine):
@@ -113,3 +114,53 @@ async def test_a_cancel_read_again_after_a_restart_is_recorded_once(tmp_path: Pa
             await drains.close()
     assert kinds(outbox).count("notice_cancelled") == 1
     outbox.close()
+
+
+async def test_a_step_whose_agent_died_before_the_outbox_loses_no_event(tmp_path: Path) -> None:
+    """The agent is killed between writing the bundle of the step that recorded the SIGTERM
+    and storing that step's events in the outbox. The restarted agent finds the events in the
+    bundle and stores them, once; it sends no second SIGTERM, and the drain finishes."""
+
+    class DyingOutbox(Outbox):
+        dead = False
+
+        def put_event(self, event):  # noqa: ANN001, ANN201
+            if event.kind == "sigterm_sent" or self.dead:
+                self.dead = True  # the process is gone: nothing reaches SQLite any more
+                return event
+            return super().put_event(event)
+
+    class DyingBundles(BundleStore):
+        def save(self, rec, events=()):  # noqa: ANN001, ANN201
+            return True if outbox.dead else super().save(rec, events)
+
+    cfg = config(tmp_path)
+    outbox = DyingOutbox(cfg.state_dir / "outbox.sqlite")
+    engine = Engine()
+    drains = DrainRunner(cfg, outbox, Link(), engine, Gpus(), Workers(),
+                         bundles=DyingBundles(cfg.state_dir))  # type: ignore[arg-type]  # fmt: skip
+    loop = asyncio.create_task(drains.run())
+    try:
+        drains.notice(Notice(key="died", notice_id="died", action="terminate",
+                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        await until(lambda: outbox.dead, "the agent died after the SIGTERM step's bundle")
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await drains.close()
+        outbox.close()
+    assert "sigterm_sent" not in kinds(Outbox(cfg.state_dir / "outbox.sqlite"))
+
+    again = Outbox(cfg.state_dir / "outbox.sqlite")
+    drains = DrainRunner(cfg, again, Link(), engine, Gpus(), Workers())  # type: ignore[arg-type]
+    loop = asyncio.create_task(drains.run())
+    try:
+        assert await asyncio.wait_for(drains.settled("died"), 5) == "drained"
+        assert kinds(again).count("sigterm_sent") == 1
+        assert [s for s in engine.signals if s[1] == "SIGTERM"] == [(engine.job.id, "SIGTERM")]
+        assert kinds(again).count("notice_received") == 1
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await drains.close()
+        again.close()

@@ -41,6 +41,7 @@ from dockerenv import remove_test_containers
 from harness import AgentOptions, wait_until
 from spotdrain.agent import control_socket
 from spotdrain.agent.reclamation import Reclamation, reclaim_id_for
+from spotdrain.agent.state import STEP_EVENTS
 
 from .faults import Fault, FaultInjector
 from .observe import EngineSignals, EventMirror, outbox_rows, read_ledger
@@ -284,9 +285,11 @@ class Soak:
     def _bundle(self, rnd: Round) -> dict[str, Any] | None:
         path = self.rig.agents[rnd.node].state_dir / "reclamations" / f"{rnd.reclaim_id}.json"
         try:
-            return json.loads(path.read_text())
+            doc = json.loads(path.read_text())
         except FileNotFoundError:
             return None
+        doc.pop(STEP_EVENTS, None)  # the events of the step that wrote it, not its state
+        return doc
 
     def _follow(self, client: docker.DockerClient, rnd: Round) -> bool:
         """One look at the reclamation; True once it has settled."""

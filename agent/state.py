@@ -35,7 +35,9 @@ Writer = Callable[[Path, Any, int], None]
 Reporter = Callable[[str, dict[str, Any]], None]
 
 
-def write_atomic(path: Path, doc: Any, mode: int = 0o644) -> None:
+def write_atomic(path: Path, doc: Any, mode: int = 0o644, durable: bool = True) -> None:
+    """Write `doc` as JSON to `path` by rename: readers see the old file or the new, whole.
+    `durable`: fsync it first, so it survives the host losing power too."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     data = memoryview(json.dumps(doc, indent=1, sort_keys=True).encode())
@@ -45,7 +47,8 @@ def write_atomic(path: Path, doc: Any, mode: int = 0o644) -> None:
         # is all there or the disk says why not, so a short file is never renamed into place.
         while data:
             data = data[os.write(fd, data) :]
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)  # the space it took is what the next write needs
@@ -277,4 +280,6 @@ def write_deadline_file(
     # Readable by workloads (bind-mounted read-only). The format has one definition, in
     # spotdrain.workload (the module workloads read it with); `reclaim_at` is G there.
     deadline = Deadline(reclaim_id, terminate_at, grace_deadline, reason)
-    write_atomic(path, deadline.to_json())
+    # Atomic, but no fsync: it is on the notice path, it lives in /run (gone with the power
+    # anyway), and a restarted agent writes it again from the bundle before anything reads it.
+    write_atomic(path, deadline.to_json(), durable=False)

@@ -7,8 +7,10 @@ tests/test_full_disk.py has them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +84,19 @@ async def until(predicate: Any, what: str, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
+@contextlib.asynccontextmanager
+async def running(drains: DrainRunner, outbox: Outbox) -> AsyncIterator[asyncio.Task[None]]:
+    """The drain loop for the length of a scenario; stopped, closed and the outbox shut after."""
+    loop = asyncio.create_task(drains.run())
+    try:
+        yield loop
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await drains.close()
+        outbox.close()
+
+
 async def test_containers_are_listed_while_the_taint_is_in_flight(tmp_path: Path) -> None:
     """The listing happens before the coordinator answers, nothing is signalled before the
     answer (invariant 1), and the job that started after that listing gets its one SIGTERM
@@ -90,8 +105,7 @@ async def test_containers_are_listed_while_the_taint_is_in_flight(tmp_path: Path
     outbox = Outbox(cfg.state_dir / "outbox.sqlite")
     engine, link = CountingEngine(), HeldLink()
     drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers())  # type: ignore[arg-type]
-    loop = asyncio.create_task(drains.run())
-    try:
+    async with running(drains, outbox):
         drains.notice(Notice(key="n-1", notice_id="n-1", action="terminate",
                              terminate_at=time.time() + 20, source="file"))  # fmt: skip
         await asyncio.wait_for(link.asked.wait(), 5)
@@ -108,11 +122,6 @@ async def test_containers_are_listed_while_the_taint_is_in_flight(tmp_path: Path
             [(engine.job.id, "SIGTERM"), (engine.late.id, "SIGTERM")])  # each once
         kinds = [e.kind for e in outbox.pending()]
         assert kinds.index("tainted") < kinds.index("sigterm_sent")
-    finally:
-        loop.cancel()
-        await asyncio.gather(loop, return_exceptions=True)
-        await drains.close()
-        outbox.close()
 
 
 async def test_a_cancel_before_the_answer_signals_nothing(tmp_path: Path) -> None:
@@ -122,8 +131,7 @@ async def test_a_cancel_before_the_answer_signals_nothing(tmp_path: Path) -> Non
     outbox = Outbox(cfg.state_dir / "outbox.sqlite")
     engine, link = CountingEngine(), HeldLink()
     drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers())  # type: ignore[arg-type]
-    loop = asyncio.create_task(drains.run())
-    try:
+    async with running(drains, outbox):
         drains.notice(Notice(key="n-2", notice_id="n-2", action="terminate",
                              terminate_at=time.time() + 20, source="file"))  # fmt: skip
         await asyncio.wait_for(link.asked.wait(), 5)
@@ -136,11 +144,6 @@ async def test_a_cancel_before_the_answer_signals_nothing(tmp_path: Path) -> Non
                     "the cancel recorded")  # fmt: skip
         await until(lambda: not drains._listed_ahead, "the listing made ahead dropped")
         assert engine.signals == []
-    finally:
-        loop.cancel()
-        await asyncio.gather(loop, return_exceptions=True)
-        await drains.close()
-        outbox.close()
 
 
 async def test_one_step_puts_its_events_in_one_transaction(tmp_path: Path) -> None:
@@ -154,8 +157,7 @@ async def test_one_step_puts_its_events_in_one_transaction(tmp_path: Path) -> No
         "COMMIT",) or sql.startswith("INSERT") else None)  # fmt: skip
     engine, link = CountingEngine(), HeldLink()
     drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers())  # type: ignore[arg-type]
-    loop = asyncio.create_task(drains.run())
-    try:
+    async with running(drains, outbox):
         drains.notice(Notice(key="n-3", notice_id="n-3", action="terminate",
                              terminate_at=time.time() + 20, source="file"))  # fmt: skip
         await asyncio.wait_for(link.asked.wait(), 5)
@@ -172,11 +174,6 @@ async def test_one_step_puts_its_events_in_one_transaction(tmp_path: Path) -> No
             "SELECT body FROM outbox ORDER BY seq")]  # fmt: skip
         assert any('"kind": "tainted"' in b for b in stored)
         assert any('"kind": "deadline_file_written"' in b for b in stored)
-    finally:
-        loop.cancel()
-        await asyncio.gather(loop, return_exceptions=True)
-        await drains.close()
-        outbox.close()
 
 
 async def test_the_drain_loop_stops_when_cancelled_between_two_wakeups(tmp_path: Path) -> None:

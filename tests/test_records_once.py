@@ -9,14 +9,13 @@ import asyncio
 import time
 from pathlib import Path
 
-from test_full_disk import NODE, Engine, Gpus, Link, Workers
+from test_full_disk import Engine, Gpus, Link, Workers
+from test_notice_path import config, running, until
 
-from spotdrain.agent.config import AgentConfig
 from spotdrain.agent.docker_engine import ContainerExited
 from spotdrain.agent.drain_runner import DrainRunner
 from spotdrain.agent.notice import Notice
 from spotdrain.agent.outbox import Outbox
-from spotdrain.agent.reclamation import Margins
 from spotdrain.agent.state import BundleStore
 
 
@@ -33,22 +32,6 @@ class LateWaitEngine(Engine):
         return ContainerExited(time.time(), container_id, name, 0)
 
 
-def config(tmp_path: Path) -> AgentConfig:
-    cfg = AgentConfig(coordinator="127.0.0.1:1", node_id=NODE, notice_file=tmp_path / "n.json",
-                      state_dir=tmp_path / "state", insecure=True,
-                      deadline_file=tmp_path / "workload" / "deadline.json",
-                      status_dir=tmp_path / "status", socket=tmp_path / "agent.sock",
-                      margins=Margins(grace_s=3, overrun_s=1, observe_every_s=0.05))  # fmt: skip
-    cfg.state_dir.mkdir(exist_ok=True)
-    return cfg
-
-
-async def until(predicate, what: str, timeout: float = 5.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.005)
-
 
 def kinds(outbox: Outbox) -> list[str]:
     return [e.kind for e in outbox.pending(limit=1000)]
@@ -61,8 +44,7 @@ async def test_an_exit_reported_after_the_node_was_verified_empty_is_recorded(
     outbox = Outbox(cfg.state_dir / "outbox.sqlite")
     engine = LateWaitEngine()
     drains = DrainRunner(cfg, outbox, Link(), engine, Gpus(), Workers())  # type: ignore[arg-type]
-    loop = asyncio.create_task(drains.run())
-    try:
+    async with running(drains, outbox):
         drains.notice(Notice(key="late-exit", notice_id="late-exit", action="terminate",
                              terminate_at=time.time() + 20, source="file"))  # fmt: skip
         assert await asyncio.wait_for(drains.settled("late-exit"), 5) == "drained"
@@ -71,11 +53,6 @@ async def test_an_exit_reported_after_the_node_was_verified_empty_is_recorded(
         engine.wait_returns.set()
         await until(lambda: "container_exited" in kinds(outbox), "the late exit recorded")
         assert kinds(outbox).count("container_exited") == 1
-    finally:
-        loop.cancel()
-        await asyncio.gather(loop, return_exceptions=True)
-        await drains.close()
-        outbox.close()
 
 
 async def test_a_cancel_read_again_after_a_restart_is_recorded_once(tmp_path: Path) -> None:
@@ -139,16 +116,10 @@ async def test_a_step_whose_agent_died_before_the_outbox_loses_no_event(tmp_path
     engine = Engine()
     drains = DrainRunner(cfg, outbox, Link(), engine, Gpus(), Workers(),
                          bundles=DyingBundles(cfg.state_dir))  # type: ignore[arg-type]  # fmt: skip
-    loop = asyncio.create_task(drains.run())
-    try:
+    async with running(drains, outbox):
         drains.notice(Notice(key="died", notice_id="died", action="terminate",
                              terminate_at=time.time() + 20, source="file"))  # fmt: skip
         await until(lambda: outbox.dead, "the agent died after the SIGTERM step's bundle")
-    finally:
-        loop.cancel()
-        await asyncio.gather(loop, return_exceptions=True)
-        await drains.close()
-        outbox.close()
     assert "sigterm_sent" not in kinds(Outbox(cfg.state_dir / "outbox.sqlite"))
 
     again = Outbox(cfg.state_dir / "outbox.sqlite")

@@ -445,6 +445,7 @@ class DrainRunner:
     def _execute_each(
         self, rec: r.Reclamation, commands: list[r.Command], events: Iterator[OutgoingEvent]
     ) -> None:
+        """Every command but WriteDeadlineFile (_apply writes the file before the bundle)."""
         rid = rec.reclaim_id
         for cmd in commands:
             match cmd:
@@ -474,8 +475,6 @@ class DrainRunner:
                     except OSError as e:
                         self.health.failed(self.cfg.deadline_file, e)
                     self._spawn(self._lift_remote_taint(rec))
-                case r.WriteDeadlineFile():
-                    self._write_deadline(rec, cmd)  # (_apply writes it before the bundle)
                 case r.SignalContainers(signal, skip):
                     self._spawn(self._signal_round(rid, signal, skip, cmd.skip_kinds))
                 case r.DeliverSignals(_, containers):

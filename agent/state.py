@@ -189,7 +189,7 @@ class BundleStore:
             return self.unsaved[reclaim_id]
         path = self.path(reclaim_id)
         try:
-            return self._read(path)
+            return self._read(path)[0]
         except FileNotFoundError:
             return None
         except (ValueError, TypeError) as e:
@@ -205,20 +205,20 @@ class BundleStore:
             if path.stem in self.unsaved:
                 continue  # memory is newer than the disk
             try:
-                recs[path.stem] = self._read(path)
+                recs[path.stem], events = self._read(path)
+                if events:
+                    self.step_events[path.stem] = events
             except (ValueError, TypeError) as e:
                 # A bundle we cannot read is a bug or disk damage; refuse to guess its deadlines.
                 raise RuntimeError(f"reclamation bundle {path} is unreadable: {e}") from e
         recs.update(self.unsaved)
         return [recs[k] for k in sorted(recs)]
 
-    def _read(self, path: Path) -> Reclamation:
+    def _read(self, path: Path) -> tuple[Reclamation, list[dict[str, Any]]]:
+        """A bundle: the reclamation, and the events of the step that wrote it."""
         doc = json.loads(path.read_text())
         events = doc.pop(STEP_EVENTS, [])
-        rec = Reclamation.from_json(doc)
-        if events:
-            self.step_events[rec.reclaim_id] = events
-        return rec
+        return Reclamation.from_json(doc), events
 
 
 class LocalTaints:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import signal
 import sys
 import tomllib
@@ -143,13 +142,6 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
         raise UsageError("--insecure and TLS flags exclude each other")
     if not args.insecure and not all(tls):
         raise UsageError("give --tls-cert, --tls-key and --client-ca, or --insecure")
-    for flag, value in (
-        ("--heartbeat-ttl-s", args.heartbeat_ttl_s),
-        ("--start-timeout-s", args.start_timeout_s),
-        ("--node-gone-s", args.node_gone_s),
-    ):
-        if not math.isfinite(value) or value <= 0:
-            raise UsageError(f"{flag} must be a positive number of seconds, got {value}")
     try:
         contract_policy = ContractPolicy(
             args.contract_budget, args.contract_min, args.no_spot_for_flagged

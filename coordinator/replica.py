@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
@@ -33,7 +32,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
-from spotdrain.cli import ArgumentParser, UsageError, host_port
+from spotdrain.cli import ArgumentParser, UsageError, host_port, seconds
 from spotdrain.coordinator import lease as lm
 from spotdrain.coordinator.store import Store, StoreError
 from spotdrain.leader import LEADER_KEY  # trailing metadata: the leader's --advertise address
@@ -64,13 +63,13 @@ def add_arguments(p: ArgumentParser) -> None:
     )
     p.add_argument(
         "--lease-ttl-s",
-        type=float,
+        type=seconds(0.01, 3600),
         default=DEFAULT_TTL_S,
         help=f"replicas: the leader lease's TTL (default {DEFAULT_TTL_S})",
     )
     p.add_argument(
         "--lease-renew-s",
-        type=float,
+        type=seconds(0.01, 3600),
         default=DEFAULT_RENEW_S,
         help=f"replicas: how often the leader renews it (default {DEFAULT_RENEW_S})",
     )
@@ -82,12 +81,6 @@ def check_arguments(args: Any) -> None:  # noqa: ANN401 (argparse namespace)
     host_port(args.advertise, "--advertise")
     if not args.db.startswith(("postgresql://", "postgres://")):
         raise UsageError("--advertise (several replicas) needs a PostgreSQL --db")
-    for flag, value in (
-        ("--lease-ttl-s", args.lease_ttl_s),
-        ("--lease-renew-s", args.lease_renew_s),
-    ):
-        if not math.isfinite(value) or value <= 0:
-            raise UsageError(f"{flag} must be a positive number of seconds, got {value}")
     if args.lease_renew_s >= args.lease_ttl_s:
         raise UsageError("--lease-renew-s must be below --lease-ttl-s")
 
@@ -198,7 +191,14 @@ class Replica:
 
     async def _lead(self, term: int, on_lead: Callable[[int], Awaitable[None]]) -> None:
         started = time.monotonic()
-        await on_lead(term)
+        try:
+            await on_lead(term)
+        except Exception as e:  # noqa: BLE001 (a rebuild that failed: step down, never hold on)
+            # Holding the lease without serving would keep every other replica out: step down
+            # (and exit, for a clean start as a follower).
+            log.error("rebuild for term %d failed: %s: %s", term, type(e).__name__, e)
+            self._fenced(f"the rebuild of term {term} failed: {type(e).__name__}: {e}")
+            return
         if self.lease.leads(self.clock()) and self.lease.term == term:
             self.ready.set()
             await self.on_health(True)
@@ -215,7 +215,11 @@ class Replica:
         """A lease statement in the background; its answer is an event for the loop."""
 
         async def answer() -> None:
-            event = await coro  # (before naming the list: the loop swaps it meanwhile)
+            try:
+                event = await coro  # (before naming the list: the loop swaps it meanwhile)
+            except Exception as e:  # noqa: BLE001 (an answer must come, or the lease is stuck)
+                log.error("lease statement failed: %s: %s", type(e).__name__, e)
+                event = lm.RenewFailed(self.clock(), f"{type(e).__name__}: {e}")
             self._answers.append(event)
             self._wake.set()
 

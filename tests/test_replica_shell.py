@@ -1,0 +1,93 @@
+"""The replica's lease shell (coordinator/replica.py) over a backend that misbehaves: a rebuild
+that fails, a lease statement that raises something the store did not expect. Either way the
+replica must not hold on to a broken state: it steps down (and exits) or tries again."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from spotdrain.coordinator import replica as replica_module
+from spotdrain.coordinator.replica import Replica
+
+
+class Backend:
+    """The lease statements a replica makes, in memory; `acquire_errors` raise first, in turn."""
+
+    on_fenced = None
+
+    def __init__(self, acquire_errors: list[Exception] | None = None) -> None:
+        self.acquire_errors = list(acquire_errors or [])
+        self.term = 0
+        self.fences: list[tuple[str, object]] = []
+
+    def holder_for(self, advertise: str) -> str:
+        return f"{advertise} 0123456789ab"
+
+    def fence_off(self, why: str) -> None:
+        self.fences.append(("off", why))
+
+    def fence_to(self, term: int, holder: str, ttl: float) -> None:
+        self.fences.append(("to", term))
+
+    async def acquire_lease(self, holder: str, ttl: float, renew_s: float):  # noqa: ANN201
+        if self.acquire_errors:
+            raise self.acquire_errors.pop(0)
+        self.term += 1
+        return True, self.term, holder, ttl
+
+    async def renew_lease(self, holder: str, term: int, ttl: float, timeout: float) -> bool:
+        return term == self.term
+
+    async def lease_holder(self, renew_s: float):  # noqa: ANN201
+        return self.term, "", 0.0
+
+
+class Store:
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+
+@pytest.fixture
+def exits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The deposed replica's exit, recorded instead of ending the test process."""
+    seen: list[int] = []
+    monkeypatch.setattr(replica_module, "_exit_deposed", seen.append)
+    monkeypatch.setattr(replica_module, "STEP_DOWN_EXIT_S", 0.0)
+    return seen
+
+
+async def test_a_rebuild_that_fails_steps_down_instead_of_holding_the_lease(exits) -> None:
+    backend = Backend()
+    replica = Replica(Store(backend), "127.0.0.1:7443", ttl_s=1.0, renew_s=0.2)  # type: ignore[arg-type]
+
+    async def rebuild(term: int) -> None:
+        raise RuntimeError("the store went away mid-rebuild")
+
+    await asyncio.wait_for(replica.run(rebuild), 10)  # returns: it stepped down
+    assert not replica.ready.is_set() and not replica.serving()
+    assert ("to", 1) in backend.fences
+    assert backend.fences[-1][0] == "off" and "rebuild of term 1 failed" in str(backend.fences[-1])
+    await asyncio.sleep(0)  # the exit is scheduled at once (STEP_DOWN_EXIT_S 0 here)
+    assert exits == [1]
+
+
+async def test_a_lease_statement_that_raises_is_tried_again(exits) -> None:
+    """Something the store did not map to a StoreError: the try counts as failed and the next
+    comes, rather than the replica waiting for an answer that never arrives."""
+    backend = Backend(acquire_errors=[ValueError("not enough values to unpack")])
+    replica = Replica(Store(backend), "127.0.0.1:7443", ttl_s=1.0, renew_s=0.05)  # type: ignore[arg-type]
+    rebuilt: list[int] = []
+
+    async def rebuild(term: int) -> None:
+        rebuilt.append(term)
+
+    running = asyncio.create_task(replica.run(rebuild))
+    try:
+        await asyncio.wait_for(replica.ready.wait(), 10)
+        assert rebuilt == [1] and replica.serving()
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+    assert exits == []

@@ -155,7 +155,8 @@ def test_a_router_and_spotctl_given_only_the_follower_work_throughout_a_leader_s
         wait_until(lambda: info.worker_id in view.routable, 10, "the router to route it")
         nodes = Loop(lambda: spotctl_nodes(b))
         requests = Loop(lambda: chat(router.url))
-        time.sleep(1.0)
+        wait_until(lambda: nodes.outcomes and requests.outcomes, 30,
+                   "the clients at work before the kill")  # fmt: skip
 
         killed = time.monotonic()
         a.proc.kill()
@@ -163,7 +164,8 @@ def test_a_router_and_spotctl_given_only_the_follower_work_throughout_a_leader_s
         assert time.monotonic() - killed <= FAILOVER_S
         wait_until(lambda: re.search(rf"snapshot at version \d+ from {b.address},",
                                      router.proc.log()), 20, "the router's snapshot from B")
-        time.sleep(2.0)
+        wait_until(lambda: sum(t > killed for t, _ in nodes.outcomes) >= 5, 30,
+                   "spotctl runs after the kill")  # fmt: skip
 
         for _, run in nodes.stop():
             assert isinstance(run, subprocess.CompletedProcess), run
@@ -237,7 +239,7 @@ def test_the_leader_sigkilled_mid_pause_and_mid_notice_both_nodes_drain_inside_d
 
         paused_at = time.time()
         assert spotctl(node_a, "pause")["ok"] is True
-        wait_until(lambda: info.worker_id not in view.routable, 1.0, "the router to drop it")
+        wait_until(lambda: info.worker_id not in view.routable, 10, "the router to drop it")
         view.draining.add(info.worker_id)  # from here on it must never be routable again
         terminate_at = time.time() + 10
         node_b.write_notice({"id": "i-failover-1", "action": "terminate",
@@ -263,10 +265,9 @@ def test_the_leader_sigkilled_mid_pause_and_mid_notice_both_nodes_drain_inside_d
 
         wait_until(lambda: outbox_left(node_a) == 0 and outbox_left(node_b) == 0, 20,
                    "both outboxes to empty")  # fmt: skip
-        time.sleep(1.0)  # any resend after the change of leader would have landed by now
+        # Every event acknowledged: nothing is left to arrive. (A uid is stored once by the
+        # schema; a fact made twice would be two uids, counted below.)
         rows = stored_events(b.db)
-        uids = [uid for uid, *_ in rows]
-        assert len(uids) == len(set(uids)), "an event stored twice"
         for node, reclaim_id in (("node-a", drained_a["reclaim_id"]),
                                  ("node-b", drained_b["reclaim_id"])):  # fmt: skip
             kinds = [k for _, k, n, r in rows if n == node and r == reclaim_id]

@@ -321,7 +321,7 @@ class DrainRunner:
     def _rebuild(self) -> None:
         """Agent restart: reload every unfinished bundle and carry on with its deadlines."""
         now = self.clock()
-        recs = self.bundles.load_all()
+        recs = self.bundles.load_all(with_events=True)
         # The last step of each bundle may have died before its events reached the outbox.
         with self.outbox.hold():
             for rec in recs:
@@ -468,12 +468,12 @@ class DrainRunner:
                     ahead = self._listed_ahead.pop(rid, None)
                     if ahead is not None:
                         ahead.cancel()
-                    self.local_taints.lift(rid)
-                    self._deadline_unwritten = None
-                    try:
-                        self.cfg.deadline_file.unlink(missing_ok=True)
-                    except OSError as e:
-                        self.health.failed(self.cfg.deadline_file, e)
+                    self.local_taints.lift(rid)  # held in memory if the disk refuses it
+                    self._lift_deadline_file(rec)
+                    if (self.local_taints.dirty or self._deadline_unwritten) and (
+                        self._next_write_retry is None
+                    ):
+                        self._next_write_retry = self.clock() + RETRY_WRITES_S
                     self._spawn(self._lift_remote_taint(rec))
                 case r.SignalContainers(signal, skip):
                     self._spawn(self._signal_round(rid, signal, skip, cmd.skip_kinds))
@@ -499,6 +499,20 @@ class DrainRunner:
                     self._spawn(self._observe(rid))
                 case _:
                     raise TypeError(cmd)
+
+    def _lift_deadline_file(self, rec: r.Reclamation) -> None:
+        """The file is the node's: a lift removes it only when no other drain is in force (one
+        preemption heard by two sources, one of them withdrawn); else it names that drain."""
+        other = self._earliest_other(rec)
+        if other is not None and other.phase == "draining":
+            self._write_deadline_file(other.reclaim_id, other.terminate_at,
+                                      other.grace_deadline, other.reason)  # fmt: skip
+            return
+        self._deadline_unwritten = None
+        try:
+            self.cfg.deadline_file.unlink(missing_ok=True)
+        except OSError as e:
+            self.health.failed(self.cfg.deadline_file, e)
 
     def _write_deadline(self, rec: r.Reclamation, cmd: r.WriteDeadlineFile) -> None:
         # The file is the node's: with two reclamations in force (one preemption heard by two

@@ -135,8 +135,8 @@ class BundleStore:
         self._write = write
         self.unsaved: dict[str, Reclamation] = {}
         self._events: dict[str, list[dict[str, Any]]] = {}
-        # Read by load_all: each bundle's last step's events (as stored: OutgoingEvent fields),
-        # for the outbox to take again.
+        # Read by load_all(with_events=True): each bundle's last step's events (the fields of
+        # OutgoingEvent), for the outbox to take again.
         self.step_events: dict[str, list[dict[str, Any]]] = {}
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -195,7 +195,7 @@ class BundleStore:
         except (ValueError, TypeError) as e:
             raise RuntimeError(f"reclamation bundle {path} is unreadable: {e}") from e
 
-    def load_all(self) -> list[Reclamation]:
+    def load_all(self, with_events: bool = False) -> list[Reclamation]:
         recs: dict[str, Reclamation] = {}
         try:
             paths = sorted(self.dir.glob("rcl-*.json"))
@@ -206,7 +206,7 @@ class BundleStore:
                 continue  # memory is newer than the disk
             try:
                 recs[path.stem], events = self._read(path)
-                if events:
+                if events and with_events:  # the restart's: see DrainRunner._rebuild
                     self.step_events[path.stem] = events
             except (ValueError, TypeError) as e:
                 # A bundle we cannot read is a bug or disk damage; refuse to guess its deadlines.

@@ -70,3 +70,44 @@ async def test_one_machine_two_notices_one_sigterm_and_the_earlier_g(tmp_path: P
         await asyncio.gather(loop, return_exceptions=True)
         await drains.close()
         outbox.close()
+
+
+async def test_a_lift_leaves_the_deadline_file_to_the_drain_still_in_force(tmp_path: Path) -> None:
+    """An owner's pause and a provider's notice at once; the owner resumes while the notice's
+    drain goes on. The workloads' deadline file is not removed with the pause: it names the
+    notice's deadlines from then on."""
+    cfg = AgentConfig(coordinator="127.0.0.1:1", node_id=NODE, notice_file=tmp_path / "n.json",
+                      state_dir=tmp_path / "state", insecure=True,
+                      deadline_file=tmp_path / "workload" / "deadline.json",
+                      status_dir=tmp_path / "status", socket=tmp_path / "agent.sock",
+                      pause_notice_s=4.0,
+                      margins=Margins(grace_s=2, overrun_s=1, observe_every_s=0.05))  # fmt: skip
+    cfg.state_dir.mkdir()
+    outbox = Outbox(cfg.state_dir / "outbox.sqlite")
+    engine = StubbornEngine()
+    drains = DrainRunner(cfg, outbox, Link(), engine, Gpus(), Workers())  # type: ignore[arg-type]
+    loop = asyncio.create_task(drains.run())
+    try:
+        pause = drains.pause()
+        for _ in range(200):
+            if engine.signals:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.signals == [(engine.job.id, "SIGTERM")]
+        drains.notice(Notice(key="aws:i-1", notice_id="aws-1", action="terminate",
+                             terminate_at=time.time() + 8, source="aws-imds"))  # fmt: skip
+        for _ in range(200):
+            if len(drains.live) == 2 and all(r.phase == "draining" for r in drains.live.values()):
+                break
+            await asyncio.sleep(0.01)
+        notice = next(r for r in drains.live.values() if r.reclaim_id != pause.reclaim_id)
+        assert json.loads(cfg.deadline_file.read_text())["reclaim_id"] == pause.reclaim_id
+
+        assert drains.resume() == [pause.reclaim_id]
+        doc = json.loads(cfg.deadline_file.read_text())  # still there, for the notice now
+        assert doc["reclaim_id"] == notice.reclaim_id
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await drains.close()
+        outbox.close()

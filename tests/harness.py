@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -153,6 +154,14 @@ class Agent:
     env: dict[str, str]
     log_path: Path
     status_root: Path = Path()  # <status_root>/<container name>: a container's status dir
+
+    def outbox_left(self) -> int:
+        """Events the agent made that the coordinator has not acknowledged."""
+        conn = sqlite3.connect(self.state_dir / "outbox.sqlite")
+        try:
+            return conn.execute("SELECT count(*) FROM outbox").fetchone()[0]
+        finally:
+            conn.close()
 
     def status_dir(self, container_name: str) -> Path:
         """Made as the agent makes it for the containers it starts (a test starting its own

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sqlite3
 import threading
 import time
 
@@ -89,13 +88,6 @@ def stored(admin, kind: str, node: str, timeout: float) -> dict:
     return wait_until(find, timeout, f"{kind} on {node}", every=0.2)
 
 
-def outbox_left(agent) -> int:
-    conn = sqlite3.connect(agent.state_dir / "outbox.sqlite")
-    try:
-        return conn.execute("SELECT count(*) FROM outbox").fetchone()[0]
-    finally:
-        conn.close()
-
 
 def test_the_primary_killed_mid_drain_patroni_promotes_and_the_drain_completes_inside_d(
     tmp_path, patroni_cluster: Cluster, pki, docker_engine, gpus, nvml_lib, containers
@@ -136,7 +128,7 @@ def test_the_primary_killed_mid_drain_patroni_promotes_and_the_drain_completes_i
         assert new is not old
         drained = stored(admin, "drained", "node-a", timeout=60)
         assert killed_wall < drained["wall_time"] <= terminate_at
-        wait_until(lambda: outbox_left(agent) == 0, 30, "the agent's outbox to empty")
+        wait_until(lambda: agent.outbox_left() == 0, 30, "the agent's outbox to empty")
         wait_until(lambda: any(a[0] > killed + promoted_s and a[2] == "OK"
                                for a in probe.answers), 30, "a probe answered after")  # fmt: skip
         answers = probe.stop()

@@ -8,7 +8,6 @@ import asyncio
 import json
 import re
 import signal
-import sqlite3
 import subprocess
 import threading
 import time
@@ -196,14 +195,6 @@ def stored_events(db_url: str) -> list[tuple[str, str, str, str]]:
         ).fetchall()
 
 
-def outbox_left(agent) -> int:
-    """Events the agent made that the coordinator has not acknowledged."""
-    conn = sqlite3.connect(agent.state_dir / "outbox.sqlite")
-    try:
-        return conn.execute("SELECT count(*) FROM outbox").fetchone()[0]
-    finally:
-        conn.close()
-
 
 def test_the_leader_sigkilled_mid_pause_and_mid_notice_both_nodes_drain_inside_d(
     tmp_path, replicas, docker_engine, gpus, nvml_lib, model_image, containers,  # noqa: F811
@@ -263,7 +254,7 @@ def test_the_leader_sigkilled_mid_pause_and_mid_notice_both_nodes_drain_inside_d
         assert stream.interrupted and not stream.done_marker
         wait_state(b, info.worker_id, "stopped", timeout=20)
 
-        wait_until(lambda: outbox_left(node_a) == 0 and outbox_left(node_b) == 0, 20,
+        wait_until(lambda: node_a.outbox_left() == 0 and node_b.outbox_left() == 0, 20,
                    "both outboxes to empty")  # fmt: skip
         # Every event acknowledged: nothing is left to arrive. (A uid is stored once by the
         # schema; a fact made twice would be two uids, counted below.)

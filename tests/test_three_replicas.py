@@ -16,7 +16,6 @@ from test_replica_failover import (  # noqa: F401 (fixtures)
     RouterView,
     chat,
     model_image,
-    outbox_left,
     spotctl_nodes,
     stored_events,
     workers_cleanup,
@@ -141,7 +140,7 @@ def test_three_replicas_the_leader_and_then_its_successor_sigkilled_mid_drain_th
         assert drained["wall_time"] <= terminate_at
         assert drained["wall_time"] > killed_wall  # still draining when the second went
 
-        wait_until(lambda: outbox_left(node_a) == 0 and outbox_left(node_b) == 0, 20,
+        wait_until(lambda: node_a.outbox_left() == 0 and node_b.outbox_left() == 0, 20,
                    "both outboxes to empty")  # fmt: skip
         survivors = clients[last]
         wait_until(lambda: sum(t > killed for t, _ in survivors.nodes.outcomes) >= 5, 30,

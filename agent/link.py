@@ -141,6 +141,9 @@ class CoordinatorLink:
         self.heartbeat_slots: Callable[[], list[tuple[str, int, int, str]]] = list
         self.connected = asyncio.Event()
         self.remote_taints: list[pb.Taint] = []
+        # Notice-path Taint calls in flight: the stream sends no events meanwhile, so the
+        # coordinator stores the taint first instead of the batch of events the notice made.
+        self._quiet_for = 0
 
     def wake(self) -> None:
         """New events are in the outbox."""
@@ -169,7 +172,11 @@ class CoordinatorLink:
         remove: bool = False,
         terminate_at: float = 0.0,
         grace_deadline: float = 0.0,
+        quiet: bool = False,
     ) -> pb.TaintReply:
+        """`quiet`: the notice's own call (answered within 800 ms or given up): events wait for
+        its answer. Never for a background retry, which may go on for as long as the
+        coordinator is away."""
         request = pb.TaintRequest(
             node_id=self.cfg.node_id,
             reclaim_id=reclaim_id,
@@ -178,12 +185,17 @@ class CoordinatorLink:
             terminate_at=terminate_at,
             grace_deadline=grace_deadline,
         )
+        self._quiet_for += quiet
         try:
             return await self.on_leader("Taint", request, max(timeout, 0.001))
         except grpc.aio.AioRpcError as e:
             raise TaintError(
                 f"taint {self.cfg.node_id}: coordinator gave {e.code().name}: {e.details()}"
             ) from e
+        finally:
+            if quiet:
+                self._quiet_for -= 1
+                self._outbox_changed.set()
 
     async def taint_until_answered(
         self,
@@ -322,7 +334,9 @@ class CoordinatorLink:
                 if self._slots:
                     slots, self._slots = list(self._slots.values()), {}
                     await call.write(pb.AgentMessage(slots=pb.SlotReport(workers=slots)))
-                unsent = [to_pb(e) for e in self.outbox.pending() if e.uid not in in_flight]
+                unsent = []
+                if not self._quiet_for:
+                    unsent = [to_pb(e) for e in self.outbox.pending() if e.uid not in in_flight]
                 if unsent:
                     for batch in batches(unsent):
                         in_flight.update(e.uid for e in batch)

@@ -304,3 +304,76 @@ def test_a_long_free_text_report_is_shortened_not_refused():
     report = _short({"state": "stopped", "reason": "x" * 10_000, "exit_code": 137})
     assert len(report["reason"]) == limits.MAX_STRING_CHARS and report["reason"].endswith("...")
     assert report["state"] == "stopped" and report["exit_code"] == 137
+
+
+class TaintFirstLink(RecordingLink):
+    """RecordingLink with a Taint that waits for the test's word, and the order in which the
+    coordinator saw things: the Taint, each worker report, each event batch."""
+
+    def __init__(self) -> None:
+        super().__init__(on_batch=lambda: self.seen.append("events"))
+        self.seen: list[str] = []
+        self.answer = asyncio.Event()
+
+    async def Connect(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
+        async def reports_noted() -> AsyncIterator[pb.AgentMessage]:
+            async for msg in request_iterator:
+                if msg.WhichOneof("body") == "worker":
+                    self.seen.append(f"report {msg.worker.worker_id}")
+                yield msg
+
+        async for reply in super().Connect(reports_noted(), context):
+            yield reply
+
+    async def Taint(self, request: pb.TaintRequest, context: Any) -> pb.TaintReply:  # noqa: N802
+        self.seen.append("taint")
+        await self.answer.wait()
+        return pb.TaintReply()
+
+
+async def test_the_notices_events_wait_on_the_stream_until_its_taint_is_answered(tmp_path):
+    """While the notice's own Taint call is in flight the stream sends no events, so the
+    coordinator stores the taint without a batch of events ahead of it; the stream still
+    carries everything else, and the events follow the answer. Shown by order: two worker
+    reports sent one after the other while the Taint waits both reach the coordinator with
+    no batch between or before them, though the events were in the outbox first."""
+    outbox = Outbox(tmp_path / "outbox.db")
+    servicer = TaintFirstLink()
+    server = grpc.aio.server()
+    pb_grpc.add_AgentLinkServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    cfg = AgentConfig(coordinator=f"127.0.0.1:{port}", node_id=NODE,
+                      notice_file=tmp_path / "notice.json", state_dir=tmp_path,
+                      docker_host="", insecure=True)  # fmt: skip
+
+    async def registration() -> pb.Register:
+        return pb.Register(node_id=NODE)
+
+    link = CoordinatorLink(cfg, outbox, registration)
+    running = asyncio.create_task(link.run())
+    taint = None
+    try:
+        await asyncio.wait_for(link.connected.wait(), 10)
+        taint = asyncio.create_task(link.taint("r-1", "notice", timeout=30, quiet=True))
+        await eventually(lambda: "taint" in servicer.seen, "the Taint at the coordinator")
+        uid = outbox.put("notice_received", NODE, "r-1", time.time(), 0.0, {}).uid
+        link.wake()
+        link.report_worker("w-1", {"state": "started"})
+        await eventually(lambda: "report w-1" in servicer.seen, "the first report")
+        link.report_worker("w-2", {"state": "started"})
+        await eventually(lambda: "report w-2" in servicer.seen, "the second report")
+        assert servicer.seen == ["taint", "report w-1", "report w-2"]
+
+        servicer.answer.set()
+        await asyncio.wait_for(taint, 10)
+        await eventually(lambda: servicer.batches, "the events after the answer")
+        assert servicer.seen[-1] == "events"
+        assert [e.uid for e in servicer.batches[0]] == [uid]
+    finally:
+        servicer.answer.set()
+        running.cancel()
+        await asyncio.gather(*(t for t in (running, taint) if t), return_exceptions=True)
+        await link.close()
+        await server.stop(grace=None)
+        outbox.close()

@@ -46,6 +46,10 @@ from spotdrain.workload import Report
 log = logging.getLogger("spotdrain.agent.drain")
 RECENT_KEPT = 8  # finished reclamations kept in memory (see DrainRunner.recent)
 RETRY_WRITES_S = 1.0  # how often state the disk refused is written again
+# A drain step's events reach the outbox this long after the step: its bundle holds them
+# already, and the outbox's fsync then overlaps the calls the step started (the Taint, the
+# kills) instead of going before them.
+STORE_EVENTS_AFTER_S = 0.002
 
 
 class DrainRunner:
@@ -102,6 +106,7 @@ class DrainRunner:
         # round signals it (invariant 1 holds either way: nothing is signalled before a taint).
         self._listed_ahead: dict[str, asyncio.Task[list[ContainerInfo]]] = {}
         self._blind_resume: asyncio.Task[None] | None = None
+        self._store_events: asyncio.TimerHandle | None = None
         # Sources waiting for a reclamation to settle (a logind lock, an Azure acknowledgement).
         self._settling: dict[str, list[asyncio.Future[str]]] = {}
 
@@ -292,8 +297,10 @@ class DrainRunner:
 
     def _apply(self, rec: r.Reclamation, commands: list[r.Command]) -> None:
         """Carry out one step: the bundle is written before any command runs (write before
-        act), and it holds the step's events, so a SIGKILL between the bundle and the outbox
-        loses none: a restarted agent puts them into the outbox again (by uid, so once)."""
+        act), and it holds every event of the reclamation the outbox has not stored yet (this
+        step's, and an earlier step's still waiting for STORE_EVENTS_AFTER_S), so a SIGKILL
+        or a power cut before the outbox's write loses none: a restarted agent puts them into
+        the outbox again (by uid, so once)."""
         # The deadline file first (whether it could be written is in its event); writing it
         # before the bundle is harmless: a restarted agent writes it again, or removes it.
         for cmd in commands:
@@ -314,8 +321,11 @@ class DrainRunner:
         )
 
     def _save(self, rec: r.Reclamation, events: list[OutgoingEvent] | None = None) -> None:
-        """The bundle before any command runs; on a refusal, the drain goes on from memory."""
-        if not self.bundles.save(rec, events or []) and self._next_write_retry is None:
+        """The bundle before any command runs, with the step's new events and every earlier one
+        of the reclamation the outbox has not stored; on a refusal, the drain goes on from
+        memory."""
+        unstored = [*self.outbox.unstored(rec.reclaim_id), *(events or [])]
+        if not self.bundles.save(rec, unstored) and self._next_write_retry is None:
             self._next_write_retry = self.clock() + RETRY_WRITES_S
 
     def _rebuild(self) -> None:
@@ -434,13 +444,24 @@ class DrainRunner:
     def _execute(
         self, rec: r.Reclamation, commands: list[r.Command], events: list[OutgoingEvent]
     ) -> None:
-        # One outbox transaction for the step's events (nothing below awaits).
-        with self.outbox.hold():
+        # The step's events wait in memory (and go out to the coordinator) while the calls it
+        # started get under way; its bundle holds them meanwhile.
+        with self.outbox.hold(store=False):
             self._execute_each(rec, commands, iter(events))
         if rec.finished and events:
-            # Its last events are in the outbox now: the bundle need not carry them any more
-            # (a restarted agent would only send them again). Off the notice path: it is over.
+            # Its last events go into the outbox now, and then the bundle need not carry them
+            # any more (a restarted agent would only send them again), unless the disk refused
+            # them. Off the notice path.
+            self.outbox.store_held()
             self._save(rec)
+        elif events and self._store_events is None:
+            self._store_events = asyncio.get_running_loop().call_later(
+                STORE_EVENTS_AFTER_S, self._store_held
+            )
+
+    def _store_held(self) -> None:
+        self._store_events = None
+        self.outbox.store_held()
 
     def _execute_each(
         self, rec: r.Reclamation, commands: list[r.Command], events: Iterator[OutgoingEvent]
@@ -555,6 +576,9 @@ class DrainRunner:
         for ahead in self._listed_ahead.values():
             ahead.cancel()
         await self._tasks.close()
+        if self._store_events is not None:
+            self._store_events.cancel()
+            self._store_held()
 
     # --- adapters, reporting back as events --------------------------------------------------
 
@@ -568,6 +592,7 @@ class DrainRunner:
                 timeout=answer_by - self.clock(),
                 terminate_at=rec.terminate_at,
                 grace_deadline=rec.grace_deadline,
+                quiet=True,
             )
         except TaintError as e:
             self.feed(rec.reclaim_id, r.TaintUnanswered(self.clock(), str(e)))

@@ -1,4 +1,6 @@
-"""The durable outbox: every event the agent makes is written here first, then sent.
+"""The durable outbox: every event the agent makes is written here, and sent from here.
+(A drain step's events may go out a moment before they are written: the step's bundle holds
+them until then, see DrainRunner._apply.)
 
 SQLite in the state dir. An event leaves the outbox only when the coordinator acknowledges its
 uid, so events made while the coordinator is away arrive when it is back; the coordinator stores
@@ -199,18 +201,32 @@ class Outbox:
         return event
 
     @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
+    def hold(self, store: bool = True) -> Iterator[None]:
         """Events put inside go to SQLite together when it ends: one transaction (one fsync)
-        for the events of one drain step instead of one each, on the notice path. The caller
-        makes no await inside, so nothing acts on them before they are stored."""
+        for the events of one drain step instead of one each. `store=False` leaves them in
+        the memory queue (sent all the same) until `store_held()`: for a caller whose events
+        are durable elsewhere already (a drain step's, in its bundle), so the fsync can wait
+        until the calls the step started are under way."""
         self._held += 1
         try:
             yield
         finally:
             self._held -= 1
-            if not self._held:
+            if not self._held and store:
                 self._flush()
                 self._bound()
+
+    def store_held(self) -> None:
+        """Store what waits in memory: left there by hold(store=False), or refused by the disk."""
+        if self._memory and not self._held:
+            self._flush()
+            self._bound()
+
+    def unstored(self, reclaim_id: str) -> list[OutgoingEvent]:
+        """The events of one reclamation that are in memory only, oldest first."""
+        if not reclaim_id:
+            return []
+        return [e for e in self._memory.values() if e.reclaim_id == reclaim_id]
 
     def _flush(self) -> bool:
         """Move the memory queue into SQLite, in order, one transaction a pass. True when the

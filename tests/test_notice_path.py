@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sqlite3
 import time
 from collections.abc import AsyncIterator
@@ -21,7 +22,8 @@ from spotdrain.agent.docker_engine import ContainerInfo
 from spotdrain.agent.drain_runner import DrainRunner
 from spotdrain.agent.notice import Notice
 from spotdrain.agent.outbox import Outbox
-from spotdrain.agent.reclamation import Margins
+from spotdrain.agent.reclamation import Margins, reclaim_id_for
+from spotdrain.agent.state import STEP_EVENTS, BundleStore
 
 
 class HeldLink(Link):
@@ -148,7 +150,8 @@ async def test_a_cancel_before_the_answer_signals_nothing(tmp_path: Path) -> Non
 
 async def test_one_step_puts_its_events_in_one_transaction(tmp_path: Path) -> None:
     """The taint's answer makes several events (tainted, deadline_file_written): they are
-    stored together, one commit (one fsync), before anything the step started can act."""
+    stored together, one commit (one fsync), once the calls the step started are under way
+    (its bundle holds them meanwhile)."""
     cfg = config(tmp_path)
     outbox = Outbox(cfg.state_dir / "outbox.sqlite")
     commits: list[str] = []
@@ -161,9 +164,11 @@ async def test_one_step_puts_its_events_in_one_transaction(tmp_path: Path) -> No
         drains.notice(Notice(key="n-3", notice_id="n-3", action="terminate",
                              terminate_at=time.time() + 20, source="file"))  # fmt: skip
         await asyncio.wait_for(link.asked.wait(), 5)
+        await until(lambda: not outbox.held_in_memory, "the notice's own events stored")
         before = len(commits)
         link.answer.set()
         await until(lambda: engine.signals, "the SIGTERM")
+        await until(lambda: not outbox.held_in_memory, "the step's events stored")
         step = commits[before:]
         tainted = next(i for i, sql in enumerate(step) if '"kind": "tainted"' in sql)
         written = next(i for i, sql in enumerate(step) if '"kind": "deadline_file_written"' in sql)
@@ -174,6 +179,56 @@ async def test_one_step_puts_its_events_in_one_transaction(tmp_path: Path) -> No
             "SELECT body FROM outbox ORDER BY seq")]  # fmt: skip
         assert any('"kind": "tainted"' in b for b in stored)
         assert any('"kind": "deadline_file_written"' in b for b in stored)
+
+
+class SlowOutbox(Outbox):
+    """A disk that has not yet taken a drain step's events when the agent dies: they stay in
+    memory (sent all the same) until the test lets them through."""
+
+    stores = False
+
+    def store_held(self) -> None:
+        if self.stores:
+            super().store_held()
+
+
+async def test_every_event_the_outbox_has_not_stored_rides_in_the_bundle(tmp_path: Path) -> None:
+    """The outbox stores a step's events a moment after the step's calls have started. Until
+    it has, the bundle carries them, each later step's bundle too: the agent killed after its
+    drain, with none of the notice's, the taint's, the signal's or the outcome's events in
+    SQLite, loses none, and the restarted agent stores each once and sends no second SIGTERM."""
+    cfg = config(tmp_path)
+    outbox = SlowOutbox(cfg.state_dir / "outbox.sqlite")
+    engine, link = CountingEngine(), Link()
+    bundles = BundleStore(cfg.state_dir)
+    engine.running_now = [engine.job]
+    drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers(),
+                         bundles=bundles)  # type: ignore[arg-type]  # fmt: skip
+    loop = asyncio.create_task(drains.run())
+    try:
+        drains.notice(Notice(key="n-5", notice_id="n-5", action="terminate",
+                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        await asyncio.wait_for(drains.settled("n-5"), 5)
+    finally:
+        loop.cancel()  # killed: no close(), nothing more reaches the disk
+        await asyncio.gather(loop, return_exceptions=True)
+    rid = reclaim_id_for(NODE, "n-5")
+    carried = [e["kind"] for e in json.loads(bundles.path(rid).read_text())[STEP_EVENTS]]
+    assert carried[0] == "notice_received"
+    assert {"tainted", "sigterm_sent", "drained"} <= set(carried)
+    stored = sqlite3.connect(cfg.state_dir / "outbox.sqlite").execute(
+        "SELECT count(*) FROM outbox").fetchone()[0]  # fmt: skip
+    assert stored == 0
+    outbox.close()
+
+    again = Outbox(cfg.state_dir / "outbox.sqlite")
+    drains = DrainRunner(cfg, again, Link(), engine, Gpus(), Workers())  # type: ignore[arg-type]
+    async with running(drains, again):
+        assert await asyncio.wait_for(drains.settled("n-5"), 5) == "drained"
+        kinds = [e.kind for e in again.pending()]
+        for kind in carried:
+            assert kinds.count(kind) == carried.count(kind), kind
+        assert [s for s in engine.signals if s[1] == "SIGTERM"] == [(engine.job.id, "SIGTERM")]
 
 
 async def test_the_drain_loop_stops_when_cancelled_between_two_wakeups(tmp_path: Path) -> None:
@@ -201,3 +256,4 @@ async def test_the_drain_loop_stops_when_cancelled_between_two_wakeups(tmp_path:
         loop.cancel()
         await drains.close()
         outbox.close()
+

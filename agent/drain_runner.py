@@ -8,7 +8,10 @@ One timer: the loop sleeps until the earliest `next_wakeup()` of all live reclam
 
 A signal round lists its targets, hands them to the machine (RoundListed) and waits for its
 answer (DeliverSignals), which comes after the bundle holding the announcement is saved: a
-restarted agent then knows which containers may have had their SIGTERM (at most once).
+restarted agent then knows which containers may have had their SIGTERM (at most once). The
+first SIGTERM round skips that exchange when the listing made while the Taint call was in
+flight is back by the answer: the answer's own step announces it (one save, not two, between
+the taint and the SIGTERMs).
 
 A disk that refuses a write (the bundle, the local taint, the deadline file, the outbox) stops
 nothing: the machine's state is in memory, the notice is answered on time, the failure is one
@@ -19,6 +22,7 @@ the writes again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -247,7 +251,7 @@ class DrainRunner:
             elif key == "listed":
                 self._on_listed(*item)
             elif key in self.live:
-                self._step(self.live[key], item)
+                self._step(self.live[key], self._with_listing(key, item))
             elif key in self.recent and isinstance(item, r.ContainerExited):
                 # Verified empty (and finished) before the engine's wait came back: the exit
                 # still belongs in the timeline.
@@ -402,6 +406,20 @@ class DrainRunner:
         self.live[rec.reclaim_id] = rec
         self._apply(rec, commands)  # the bundle is on disk before anything is done
 
+    def _with_listing(self, rid: str, event: r.Event) -> r.Event:
+        """The taint's answer (or its failure) with the listing made while the call was in
+        flight, when it is back: the machine announces the first SIGTERM round in the same
+        step, and the round sends at once. Otherwise the round lists and announces itself."""
+        if not isinstance(event, r.TaintAnswered | r.TaintUnanswered) or event.listed is not None:
+            return event
+        ahead = self._listed_ahead.get(rid)
+        if ahead is None or not ahead.done() or ahead.cancelled() or ahead.exception():
+            return event
+        already = self._sigtermed_elsewhere(rid)
+        listed = tuple(r.RoundTarget(t.id, t.name, t.kind, t.image)
+                       for t in ahead.result() if t.id not in already)  # fmt: skip
+        return dataclasses.replace(event, listed=listed)
+
     def _on_listed(
         self, rid: str, event: r.RoundListed, answer: asyncio.Future[tuple[str, ...]]
     ) -> None:
@@ -496,8 +514,8 @@ class DrainRunner:
                     ):
                         self._next_write_retry = self.clock() + RETRY_WRITES_S
                     self._spawn(self._lift_remote_taint(rec))
-                case r.SignalContainers(signal, skip):
-                    self._spawn(self._signal_round(rid, signal, skip, cmd.skip_kinds))
+                case r.SignalContainers(signal, skip, announced):
+                    self._spawn(self._signal_round(rid, signal, skip, cmd.skip_kinds, announced))
                 case r.DeliverSignals(_, containers):
                     # After the save above: the announcement is on disk before any signal.
                     if self._round_answer is not None and not self._round_answer.done():
@@ -630,10 +648,22 @@ class DrainRunner:
         self.feed(rec.reclaim_id, r.TaintAnswered(self.clock()))
 
     async def _signal_round(
-        self, rid: str, signal: str, skip: frozenset[str], skip_kinds: frozenset[str]
+        self,
+        rid: str,
+        signal: str,
+        skip: frozenset[str],
+        skip_kinds: frozenset[str],
+        announced: tuple[str, ...] | None = None,
     ) -> None:
         async with self._signal_lock:
             ahead = self._listed_ahead.pop(rid, None)
+            if announced is not None:
+                # Listed ahead and announced in the step that asked for the round (saved). No
+                # listing left: the lift that dropped it also ended the round.
+                chosen = set(announced)
+                found = await ahead if ahead is not None else []
+                await self._send(rid, signal, [t for t in found if t.id in chosen])
+                return
             if ahead is not None and signal != r.SIGTERM:
                 ahead.cancel()  # no SIGTERM round came first (a notice past G): list afresh
                 ahead = None
@@ -652,10 +682,12 @@ class DrainRunner:
             answer: asyncio.Future[tuple[str, ...]] = asyncio.get_running_loop().create_future()
             self._queue.put_nowait(("listed", (rid, listed, answer)))
             approved = set(await answer)  # announced, and the bundle saved
-            targets = [t for t in found if t.id in approved]
-            async for result in self.docker.signal_each(targets, signal):
-                self.feed(rid, result)
-            self.feed(rid, r.SignalRoundDone(self.clock(), signal))
+            await self._send(rid, signal, [t for t in found if t.id in approved])
+
+    async def _send(self, rid: str, signal: str, targets: list[ContainerInfo]) -> None:
+        async for result in self.docker.signal_each(targets, signal):
+            self.feed(rid, result)
+        self.feed(rid, r.SignalRoundDone(self.clock(), signal))
 
     def _others(self, rid: str) -> list[r.Reclamation]:
         return [o for o in (*self.live.values(), *self.recent.values()) if o.reclaim_id != rid]

@@ -8,7 +8,9 @@ Order is fixed (invariant 1): no signal command is returned before a taint is in
 
 SIGTERM at most once, across restarts too: a round first lists its targets (RoundListed), the
 machine records them as announced and only then answers DeliverSignals, which the shell carries
-out after saving the bundle. A restarted agent finds the announced containers in the bundle and
+out after saving the bundle (the first SIGTERM round, when the shell listed the node while the
+Taint call was in flight, is announced in the taint's own step instead: TaintAnswered.listed).
+A restarted agent finds the announced containers in the bundle and
 counts them as signalled by the previous run: no second SIGTERM, ever (many runtimes take one as
 "exit now, skip the cleanup"); SIGKILL at G still comes. Each container's place in this signal
 ledger moves only along LEDGER_TRANSITIONS.
@@ -95,18 +97,34 @@ class Margins:
 
 
 @dataclass(frozen=True)
+class RoundTarget:
+    """A container a signal round found running, as the engine listed it."""
+
+    container: str
+    name: str
+    kind: str = ""
+    image: str = ""
+
+
+@dataclass(frozen=True)
 class TaintAnswered:
-    """The coordinator stored the taint (the 800 ms call, or a later background retry)."""
+    """The coordinator stored the taint (the 800 ms call, or a later background retry).
+
+    `listed`: the node's containers as the shell listed them while the call was in flight
+    (None: that listing is not back yet). The first SIGTERM round then announces them in this
+    same step, one bundle save, instead of listing again and saving once more."""
 
     now: float
+    listed: tuple[RoundTarget, ...] | None = None
 
 
 @dataclass(frozen=True)
 class TaintUnanswered:
-    """The Taint call did not answer by its deadline, or failed."""
+    """The Taint call did not answer by its deadline, or failed (`listed` as TaintAnswered's)."""
 
     now: float
     error: str
+    listed: tuple[RoundTarget, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -120,16 +138,6 @@ class ContainerSignalled:
     # What the coordinator tracks the workload's contract by (coordinator/contracts.py).
     image: str = ""
     kind: str = ""
-
-
-@dataclass(frozen=True)
-class RoundTarget:
-    """A container a signal round found running, as the engine listed it."""
-
-    container: str
-    name: str
-    kind: str = ""
-    image: str = ""
 
 
 @dataclass(frozen=True)
@@ -279,6 +287,9 @@ class SignalContainers:
 
     signal: str
     skip: frozenset[str] = frozenset()
+    # Announced already, in the step that asked for the round (a listing made ahead): send
+    # exactly these, once the bundle is saved, without listing or announcing again.
+    announced: tuple[str, ...] | None = None
 
     @property
     def skip_kinds(self) -> frozenset[str]:
@@ -609,10 +620,10 @@ class Reclamation:
 
     def _dispatch(self, event: Event) -> list[Command]:
         match event:
-            case TaintAnswered(now):
-                return self._taint_answered(now)
-            case TaintUnanswered(now, error):
-                return self._taint_unanswered(now, error)
+            case TaintAnswered(now, listed):
+                return self._taint_answered(now, listed)
+            case TaintUnanswered(now, error, listed):
+                return self._taint_unanswered(now, error, listed)
             case ContainerSignalled():
                 return self._signalled(event)
             case RoundListed():
@@ -670,17 +681,21 @@ class Reclamation:
 
     # --- transitions -----------------------------------------------------------------------
 
-    def _taint_answered(self, now: float) -> list[Command]:
+    def _taint_answered(
+        self, now: float, listed: tuple[RoundTarget, ...] | None = None
+    ) -> list[Command]:
         if self.remote_taint or self.lifted:
             return []
         self.remote_taint = True
         if self.phase == "tainting":
             self.taint_mode = "remote"
-            return [Emit("tainted", {"mode": "remote"})] + self._evict(now)
+            return [Emit("tainted", {"mode": "remote"})] + self._evict(now, listed)
         # A background retry landed after the local fallback: the coordinator knows now.
         return [Emit("tainted", {"mode": "remote", "after_local": True})]
 
-    def _taint_unanswered(self, now: float, error: str) -> list[Command]:
+    def _taint_unanswered(
+        self, now: float, error: str, listed: tuple[RoundTarget, ...] | None = None
+    ) -> list[Command]:
         if self.phase != "tainting" or self.lifted:
             return []
         self.taint_mode = "local"
@@ -688,9 +703,9 @@ class Reclamation:
             ApplyLocalTaint(self.reclaim_id),
             Emit("tainted", {"mode": "local", "remote_error": error}),
             RetryRemoteTaint(self.reclaim_id),
-        ] + self._evict(now)
+        ] + self._evict(now, listed)
 
-    def _evict(self, now: float) -> list[Command]:
+    def _evict(self, now: float, listed: tuple[RoundTarget, ...] | None = None) -> list[Command]:
         # Invariant 1: only reached once a taint (remote or local) is in force.
         self.phase = "draining"
         self.sigterm_round = True
@@ -702,7 +717,7 @@ class Reclamation:
             ),
             # Unrouted, then signalled (docs/design.md "Hard notice timeline", step 4).
             DrainWorkers(self.reclaim_id, self.grace_deadline),
-            self._signal(SIGTERM),
+            self._signal(SIGTERM, listed=listed, now=now),
         ] + self._tick(now)
 
     def _deadline_file(self) -> WriteDeadlineFile:
@@ -711,11 +726,14 @@ class Reclamation:
         )
 
     def _listed(self, ev: RoundListed) -> list[Command]:
+        if self.lifted:
+            return [DeliverSignals(ev.signal, ())]  # cancelled or resumed: nothing more to send
+        return [DeliverSignals(ev.signal, self._announce(ev))]
+
+    def _announce(self, ev: RoundListed) -> tuple[str, ...]:
         """A round's targets: announce those it may signal, and only those. A SIGTERM goes to a
         container at most once, whoever sent it (this process or the one before it)."""
         approved: list[str] = []
-        if self.lifted:
-            return [DeliverSignals(ev.signal, ())]  # cancelled or resumed: nothing more to send
         for target in ev.targets:
             c = target.container
             if c in self.exited or c in approved:
@@ -731,7 +749,7 @@ class Reclamation:
                 self._move(c, KILL_ANNOUNCED, target, ev.now)
             self.names[c] = target.name
             approved.append(c)
-        return [DeliverSignals(ev.signal, tuple(approved))]
+        return tuple(approved)
 
     def _signalled(self, ev: ContainerSignalled) -> list[Command]:
         kind = "sigterm_sent" if ev.signal == SIGTERM else "sigkill_sent"
@@ -791,9 +809,21 @@ class Reclamation:
         self.phase = "done"
         return [Emit("pause_resumed", {"during_drain": True}), LiftTaints(self.reclaim_id)]
 
-    def _signal(self, signal: str, skip: frozenset[str] = frozenset()) -> SignalContainers:
+    def _signal(
+        self,
+        signal: str,
+        skip: frozenset[str] = frozenset(),
+        listed: tuple[RoundTarget, ...] | None = None,
+        now: float = 0.0,
+    ) -> SignalContainers:
         self.rounds_in_flight += 1
-        return SignalContainers(signal, skip)
+        if listed is None:
+            return SignalContainers(signal, skip)
+        # Announced here: in the bundle this step saves, before the round sends anything.
+        skip_kinds = SignalContainers(signal).skip_kinds
+        wanted = tuple(t for t in listed if t.container not in skip and t.kind not in skip_kinds)
+        announced = self._announce(RoundListed(now, signal, wanted))
+        return SignalContainers(signal, skip, announced)
 
     def _round_done(self, now: float, signal: str) -> list[Command]:
         self.rounds_in_flight = max(0, self.rounds_in_flight - 1)

@@ -257,3 +257,37 @@ async def test_the_drain_loop_stops_when_cancelled_between_two_wakeups(tmp_path:
         await drains.close()
         outbox.close()
 
+
+
+async def test_the_first_sigterm_round_is_announced_in_the_answers_own_save(
+    tmp_path: Path,
+) -> None:
+    """The listing made while the Taint was in flight is back before the answer: the answer's
+    step announces the round, so exactly one bundle save lies between the answer and the
+    SIGTERM, and that save already names the container as announced (write before act)."""
+
+    class CountingBundles(BundleStore):
+        saves: list[tuple[int, tuple[str, ...]]] = []
+
+        def save(self, rec, events=()):  # noqa: ANN001, ANN201
+            self.saves.append((len(engine.signals), tuple(rec.announced)))
+            return super().save(rec, events)
+
+    cfg = config(tmp_path)
+    outbox = Outbox(cfg.state_dir / "outbox.sqlite")
+    engine, link = CountingEngine(), HeldLink()
+    bundles = CountingBundles(cfg.state_dir)
+    drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers(),
+                         bundles=bundles)  # type: ignore[arg-type]  # fmt: skip
+    async with running(drains, outbox):
+        drains.notice(Notice(key="n-8", notice_id="n-8", action="terminate",
+                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        await asyncio.wait_for(link.asked.wait(), 5)
+        await until(lambda: engine.listings, "the listing made ahead")
+        before = len(bundles.saves)
+        link.answer.set()
+        await until(lambda: engine.signals, "the SIGTERM")
+        between = [s for s in bundles.saves[before:] if s[0] == 0]  # saved before any signal
+        assert between == [(0, (engine.job.id,))]
+        assert engine.signals == [(engine.job.id, "SIGTERM")]
+        assert engine.listings == [(engine.job.id,)]  # listed once, ahead

@@ -1243,6 +1243,51 @@ def test_a_round_announces_its_targets_in_the_bundle_before_anything_is_sent() -
     story.check()
 
 
+def test_a_listing_made_during_the_taint_is_announced_in_the_taints_own_step() -> None:
+    """The shell listed the node while the Taint call was in flight and hands that listing in
+    with the answer: the first SIGTERM round is announced in the answer's step (the bundle it
+    saves holds the announcement before anything is sent) and names exactly what it may
+    signal. Inference workers (they drain at their gates) and rentals (kept until G) are
+    listed but never announced for SIGTERM."""
+    story = Story(strict=True)
+    story.begin()
+    answer = TaintAnswered(T0 + 0.05, listed=(job("c1"), job("w1", "inference"),
+                                              job("r1", "rental"), job("c2")))  # fmt: skip
+    commands = story(answer)
+    assert commands[-1] == SignalContainers(SIGTERM, announced=("c1", "c2"))
+    bundle = json.loads(json.dumps(story.rec.to_json()))
+    assert sorted(bundle["announced"]) == ["c1", "c2"]
+    assert story.rec.ledger("w1") is None and story.rec.ledger("r1") is None
+    assert story(signalled("c1", T0 + 0.06))[0] == emit("sigterm_sent", container="c1")
+    # Killed now: the restarted agent counts c2 as signalled by the previous run, once.
+    assert story.restart(T0 + 1)[0] == emit("sigterm_sent", container="c2", by=BY_PREVIOUS_RUN)
+    story.check()
+
+
+def test_a_local_taint_announces_the_listing_made_ahead_too() -> None:
+    """The coordinator never answered: the local fallback's step announces the listing the
+    shell made meanwhile, like an answer's would."""
+    story = Story(strict=True)
+    story.begin()
+    commands = story(TaintUnanswered(T0 + 0.8, "deadline", listed=(job("c1"),)))
+    assert commands[-1] == SignalContainers(SIGTERM, announced=("c1",))
+    assert story.kinds.index("ApplyLocalTaint") < story.kinds.index("SignalContainers(SIGTERM)")
+    assert story.rec.ledger("c1") == TERM_ANNOUNCED
+    story.check()
+
+
+def test_a_listing_handed_in_with_a_late_answer_announces_nothing() -> None:
+    """The background retry's answer lands after the local fallback drained the node: the
+    round is long done, and a listing handed in with it announces nothing."""
+    story = Story(strict=True)
+    story.begin()
+    story(TaintUnanswered(T0 + 0.8, "deadline"))
+    assert story(TaintAnswered(T0 + 3, listed=(job("c9"),))) == [
+        emit("tainted", mode="remote", after_local=True)]  # fmt: skip
+    assert story.rec.ledger("c9") is None
+    story.check()
+
+
 def test_an_agent_killed_right_after_its_first_sigterms_never_sends_a_second() -> None:
     """The agent sends SIGTERM to two jobs and is SIGKILLed before the engine's answers come
     back: the bundle says only that both were announced. The restarted agent counts both as

@@ -437,6 +437,8 @@ class DrainRunner:
 
     def _step(self, rec: r.Reclamation, event: r.Event) -> None:
         self._apply(rec, rec.handle(event))
+        if rec.lifted or rec.phase == "done":
+            self.link.release_events(rec.reclaim_id)  # no SIGTERM round to wait for
         if rec.outcome:
             for waiter in self._settling.get(rec.reclaim_id, ()):
                 if not waiter.done():
@@ -491,6 +493,7 @@ class DrainRunner:
                 case r.Emit():
                     self._put(next(events))
                 case r.RequestTaint(_, answer_by):
+                    self.link.hold_events(rid)  # until the SIGTERM round: see _send
                     self._taint_calls[rid] = self._spawn(self._request_taint(rec, answer_by))
                     if rid not in self._listed_ahead:
                         self._listed_ahead[rid] = asyncio.ensure_future(
@@ -610,7 +613,6 @@ class DrainRunner:
                 timeout=answer_by - self.clock(),
                 terminate_at=rec.terminate_at,
                 grace_deadline=rec.grace_deadline,
-                quiet=True,
             )
         except TaintError as e:
             self.feed(rec.reclaim_id, r.TaintUnanswered(self.clock(), str(e)))
@@ -687,6 +689,7 @@ class DrainRunner:
     async def _send(self, rid: str, signal: str, targets: list[ContainerInfo]) -> None:
         async for result in self.docker.signal_each(targets, signal):
             self.feed(rid, result)
+        self.link.release_events(rid)  # the notice path is done: its events may go
         self.feed(rid, r.SignalRoundDone(self.clock(), signal))
 
     def _others(self, rid: str) -> list[r.Reclamation]:

@@ -37,6 +37,10 @@ from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 log = logging.getLogger("spotdrain.agent.link")
 
 HEARTBEAT_S = 5.0
+# The longest a drain may hold the stream's events back (hold_events): its Taint call is
+# answered or given up within 800 ms and its SIGTERM round follows; a hold never released (a
+# round wedged on a hung engine) still ends here.
+HOLD_EVENTS_MAX_S = 2.0
 REFUSED_RETRY_S = 30.0
 BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 CHANNEL_OPTIONS = [
@@ -141,13 +145,32 @@ class CoordinatorLink:
         self.heartbeat_slots: Callable[[], list[tuple[str, int, int, str]]] = list
         self.connected = asyncio.Event()
         self.remote_taints: list[pb.Taint] = []
-        # Notice-path Taint calls in flight: the stream sends no events meanwhile, so the
-        # coordinator stores the taint first instead of the batch of events the notice made.
-        self._quiet_for = 0
+        # Drains whose notice path is under way (hold_events), each with when its hold ends.
+        self._holds: dict[str, float] = {}
 
     def wake(self) -> None:
         """New events are in the outbox."""
         self._outbox_changed.set()
+
+    def hold_events(self, key: str) -> None:
+        """The notice path of drain `key` is under way (its Taint call, its SIGTERM round):
+        events stay in the outbox until release_events(key), at most HOLD_EVENTS_MAX_S. The
+        coordinator then stores the taint without a batch of events ahead of it, and the
+        engine's kills share the cores with no event batch being stored. Everything else on
+        the stream (heartbeats, worker and slot reports) goes on."""
+        self._holds.setdefault(key, time.monotonic() + HOLD_EVENTS_MAX_S)
+
+    def release_events(self, key: str) -> None:
+        if self._holds.pop(key, None) is not None:
+            self._outbox_changed.set()
+
+    def _held_for(self) -> float | None:
+        """Seconds until the last hold ends (None: no hold); expired holds are dropped."""
+        now = time.monotonic()
+        for key, until in list(self._holds.items()):
+            if until <= now:
+                del self._holds[key]
+        return max(self._holds.values()) - now if self._holds else None
 
     async def close(self) -> None:
         await self.replicas.close()
@@ -172,11 +195,7 @@ class CoordinatorLink:
         remove: bool = False,
         terminate_at: float = 0.0,
         grace_deadline: float = 0.0,
-        quiet: bool = False,
     ) -> pb.TaintReply:
-        """`quiet`: the notice's own call (answered within 800 ms or given up): events wait for
-        its answer. Never for a background retry, which may go on for as long as the
-        coordinator is away."""
         request = pb.TaintRequest(
             node_id=self.cfg.node_id,
             reclaim_id=reclaim_id,
@@ -185,17 +204,12 @@ class CoordinatorLink:
             terminate_at=terminate_at,
             grace_deadline=grace_deadline,
         )
-        self._quiet_for += quiet
         try:
             return await self.on_leader("Taint", request, max(timeout, 0.001))
         except grpc.aio.AioRpcError as e:
             raise TaintError(
                 f"taint {self.cfg.node_id}: coordinator gave {e.code().name}: {e.details()}"
             ) from e
-        finally:
-            if quiet:
-                self._quiet_for -= 1
-                self._outbox_changed.set()
 
     async def taint_until_answered(
         self,
@@ -334,8 +348,9 @@ class CoordinatorLink:
                 if self._slots:
                     slots, self._slots = list(self._slots.values()), {}
                     await call.write(pb.AgentMessage(slots=pb.SlotReport(workers=slots)))
+                held = self._held_for()
                 unsent = []
-                if not self._quiet_for:
+                if held is None:
                     unsent = [to_pb(e) for e in self.outbox.pending() if e.uid not in in_flight]
                 if unsent:
                     for batch in batches(unsent):
@@ -343,11 +358,14 @@ class CoordinatorLink:
                         await call.write(pb.AgentMessage(events=pb.EventBatch(events=batch)))
                     continue
                 waiter = asyncio.create_task(self._outbox_changed.wait())
+                due = max(HEARTBEAT_S - (time.monotonic() - last_heartbeat), 0.0)
                 done, _ = await asyncio.wait(
-                    {waiter, acks}, timeout=HEARTBEAT_S, return_when=asyncio.FIRST_COMPLETED
+                    {waiter, acks},
+                    timeout=due if held is None else min(due, held),
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
                 waiter.cancel()
-                if not done or time.monotonic() - last_heartbeat >= HEARTBEAT_S:
+                if time.monotonic() - last_heartbeat >= HEARTBEAT_S:
                     last_heartbeat = time.monotonic()
                     slots = [
                         pb.WorkerSlots(

@@ -270,6 +270,12 @@ class Link:
     def wake(self) -> None:
         pass
 
+    def hold_events(self, key: str) -> None:
+        pass
+
+    def release_events(self, key: str) -> None:
+        pass
+
 
 class Engine:
     """One batch job that exits 0 on SIGTERM."""

@@ -291,3 +291,52 @@ async def test_the_first_sigterm_round_is_announced_in_the_answers_own_save(
         assert between == [(0, (engine.job.id,))]
         assert engine.signals == [(engine.job.id, "SIGTERM")]
         assert engine.listings == [(engine.job.id,)]  # listed once, ahead
+
+
+class HoldRecordingLink(HeldLink):
+    """HeldLink that writes down when the drain holds and releases the stream's events."""
+
+    def __init__(self, engine: CountingEngine) -> None:
+        super().__init__()
+        self.engine = engine
+        self.holds: list[tuple[str, str, int]] = []  # (what, key, SIGTERMs sent so far)
+
+    def hold_events(self, key: str) -> None:
+        self.holds.append(("hold", key, len(self.engine.signals)))
+
+    def release_events(self, key: str) -> None:
+        self.holds.append(("release", key, len(self.engine.signals)))
+
+
+async def test_the_notice_path_holds_the_events_from_its_taint_to_its_sigterms(
+    tmp_path: Path,
+) -> None:
+    """The drain holds the stream's events back from the moment its Taint call starts until
+    its SIGTERM round has sent: the coordinator and the engine do the notice path's work
+    first. A cancel during the Taint releases them too (no round will come)."""
+    cfg = config(tmp_path)
+    outbox = Outbox(cfg.state_dir / "outbox.sqlite")
+    engine = CountingEngine()
+    link = HoldRecordingLink(engine)
+    drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers())  # type: ignore[arg-type]
+    async with running(drains, outbox):
+        drains.notice(Notice(key="n-9", notice_id="n-9", action="terminate",
+                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        await asyncio.wait_for(link.asked.wait(), 5)
+        rid = reclaim_id_for(NODE, "n-9")
+        assert link.holds == [("hold", rid, 0)]
+        link.answer.set()
+        await until(lambda: ("release", rid, 1) in link.holds, "the release after the SIGTERM")
+        assert link.holds[:2] == [("hold", rid, 0), ("release", rid, 1)]
+
+        link.answer.clear()
+        link.asked.clear()
+        drains.notice(Notice(key="n-10", notice_id="n-10", action="terminate",
+                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        await asyncio.wait_for(link.asked.wait(), 5)
+        drains.notice(Notice(key="n-10", notice_id="n-10", action="cancel", terminate_at=None,
+                             source="file"))  # fmt: skip
+        other = reclaim_id_for(NODE, "n-10")
+        await until(lambda: any(h[:2] == ("release", other) for h in link.holds),
+                    "the release on the cancel")  # fmt: skip
+        link.answer.set()

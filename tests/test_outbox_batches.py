@@ -5,6 +5,7 @@ refused, forever. Nothing accepted into the outbox is ever lost on the way."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -16,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from spotdrain.agent import link as link_module
 from spotdrain.agent.config import AgentConfig
 from spotdrain.agent.link import CoordinatorLink, batches, to_pb
 from spotdrain.agent.outbox import Outbox, OutgoingEvent
@@ -306,7 +308,8 @@ def test_a_long_free_text_report_is_shortened_not_refused():
     assert report["state"] == "stopped" and report["exit_code"] == 137
 
 
-class TaintFirstLink(RecordingLink):
+
+class HoldingLink(RecordingLink):
     """RecordingLink with a Taint that waits for the test's word, and the order in which the
     coordinator saw things: the Taint, each worker report, each event batch."""
 
@@ -331,14 +334,11 @@ class TaintFirstLink(RecordingLink):
         return pb.TaintReply()
 
 
-async def test_the_notices_events_wait_on_the_stream_until_its_taint_is_answered(tmp_path):
-    """While the notice's own Taint call is in flight the stream sends no events, so the
-    coordinator stores the taint without a batch of events ahead of it; the stream still
-    carries everything else, and the events follow the answer. Shown by order: two worker
-    reports sent one after the other while the Taint waits both reach the coordinator with
-    no batch between or before them, though the events were in the outbox first."""
+@contextlib.asynccontextmanager
+async def linked(tmp_path: Path) -> AsyncIterator[tuple[CoordinatorLink, HoldingLink, Outbox]]:
+    """An agent's link, registered with a HoldingLink on a real gRPC server."""
     outbox = Outbox(tmp_path / "outbox.db")
-    servicer = TaintFirstLink()
+    servicer = HoldingLink()
     server = grpc.aio.server()
     pb_grpc.add_AgentLinkServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -352,10 +352,27 @@ async def test_the_notices_events_wait_on_the_stream_until_its_taint_is_answered
 
     link = CoordinatorLink(cfg, outbox, registration)
     running = asyncio.create_task(link.run())
-    taint = None
     try:
         await asyncio.wait_for(link.connected.wait(), 10)
-        taint = asyncio.create_task(link.taint("r-1", "notice", timeout=30, quiet=True))
+        yield link, servicer, outbox
+    finally:
+        servicer.answer.set()
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await link.close()
+        await server.stop(grace=None)
+        outbox.close()
+
+
+async def test_a_drain_holding_the_events_lets_its_taint_and_reports_through(tmp_path):
+    """While a drain's notice path holds the stream's events (its Taint call, its SIGTERM
+    round), the Taint and everything else on the stream still go, and the events follow the
+    release. Shown by order: two worker reports sent one after the other during the hold both
+    reach the coordinator with no batch before them, though the event was in the outbox
+    first."""
+    async with linked(tmp_path) as (link, servicer, outbox):
+        link.hold_events("r-1")
+        taint = asyncio.create_task(link.taint("r-1", "notice", timeout=30))
         await eventually(lambda: "taint" in servicer.seen, "the Taint at the coordinator")
         uid = outbox.put("notice_received", NODE, "r-1", time.time(), 0.0, {}).uid
         link.wake()
@@ -363,17 +380,26 @@ async def test_the_notices_events_wait_on_the_stream_until_its_taint_is_answered
         await eventually(lambda: "report w-1" in servicer.seen, "the first report")
         link.report_worker("w-2", {"state": "started"})
         await eventually(lambda: "report w-2" in servicer.seen, "the second report")
-        assert servicer.seen == ["taint", "report w-1", "report w-2"]
-
         servicer.answer.set()
         await asyncio.wait_for(taint, 10)
-        await eventually(lambda: servicer.batches, "the events after the answer")
-        assert servicer.seen[-1] == "events"
+        link.report_worker("w-3", {"state": "started"})
+        await eventually(lambda: "report w-3" in servicer.seen, "a report after the answer")
+        assert servicer.seen == ["taint", "report w-1", "report w-2", "report w-3"]
+
+        link.release_events("r-1")
+        await eventually(lambda: servicer.batches, "the events after the release")
         assert [e.uid for e in servicer.batches[0]] == [uid]
-    finally:
-        servicer.answer.set()
-        running.cancel()
-        await asyncio.gather(*(t for t in (running, taint) if t), return_exceptions=True)
-        await link.close()
-        await server.stop(grace=None)
-        outbox.close()
+
+
+async def test_a_hold_never_released_ends_by_itself(tmp_path, monkeypatch):
+    """A drain that never releases its hold (a round wedged on a hung engine) holds the
+    events back for HOLD_EVENTS_MAX_S at most: they reach the coordinator without a release."""
+    monkeypatch.setattr(link_module, "HOLD_EVENTS_MAX_S", 0.3)
+    async with linked(tmp_path) as (link, servicer, outbox):
+        link.hold_events("r-2")
+        held_at = time.monotonic()
+        uid = outbox.put("notice_received", NODE, "r-2", time.time(), 0.0, {}).uid
+        link.wake()
+        await eventually(lambda: servicer.batches, "the events once the hold ran out")
+        assert time.monotonic() - held_at >= 0.3
+        assert [e.uid for e in servicer.batches[0]] == [uid]

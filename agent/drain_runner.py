@@ -227,7 +227,7 @@ class DrainRunner:
                 # Deadlines first, even while reports keep arriving (SIGKILL at G, O).
                 now = self.clock()
                 for rec in list(self.live.values()):
-                    self._step(rec, r.Tick(now))
+                    self._step(rec, self._with_listing(rec.reclaim_id, r.Tick(now)))
                 timeout = self._until_next_deadline()
             try:
                 key, item = self._queue.get_nowait()
@@ -407,10 +407,14 @@ class DrainRunner:
         self._apply(rec, commands)  # the bundle is on disk before anything is done
 
     def _with_listing(self, rid: str, event: r.Event) -> r.Event:
-        """The taint's answer (or its failure) with the listing made while the call was in
-        flight, when it is back: the machine announces the first SIGTERM round in the same
-        step, and the round sends at once. Otherwise the round lists and announces itself."""
-        if not isinstance(event, r.TaintAnswered | r.TaintUnanswered) or event.listed is not None:
+        """The taint's answer (or its failure, or the tick past its deadline) with the listing
+        made while the call was in flight, when it is back: the machine announces the first
+        SIGTERM round in the same step, and the round sends at once. Otherwise the round lists
+        and announces itself."""
+        if not isinstance(event, r.TaintAnswered | r.TaintUnanswered | r.Tick):
+            return event
+        rec = self.live.get(rid)
+        if event.listed is not None or rec is None or rec.phase != "tainting":
             return event
         ahead = self._listed_ahead.get(rid)
         if ahead is None or not ahead.done() or ahead.cancelled() or ahead.exception():

@@ -206,6 +206,9 @@ class TaintsLifted:
 @dataclass(frozen=True)
 class Tick:
     now: float
+    # The listing made during the Taint call, for a tick that may pass its deadline (the local
+    # fallback then announces it, as TaintUnanswered.listed).
+    listed: tuple[RoundTarget, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -641,8 +644,8 @@ class Reclamation:
             case TaintsLifted():
                 self.lift_acknowledged = True
                 return []
-            case Tick(now):
-                return self._tick(now)
+            case Tick(now, listed):
+                return self._tick(now, listed)
             case Cancelled(now):
                 return self._cancelled(now)
             case WorkloadReported():
@@ -956,15 +959,17 @@ class Reclamation:
             return []
         return [self._signal(signal, skip=done)]
 
-    def _tick(self, now: float) -> list[Command]:
-        commands = self._deadlines(now)
+    def _tick(self, now: float, listed: tuple[RoundTarget, ...] | None = None) -> list[Command]:
+        commands = self._deadlines(now, listed)
         if self.next_observe_at is not None and now >= self.next_observe_at:
             commands += self._observe(now)
         return commands
 
-    def _deadlines(self, now: float) -> list[Command]:
+    def _deadlines(
+        self, now: float, listed: tuple[RoundTarget, ...] | None = None
+    ) -> list[Command]:
         if self.phase == "tainting" and now >= self.taint_answer_by:
-            return self._taint_unanswered(now, "no answer within the taint deadline")
+            return self._taint_unanswered(now, "no answer within the taint deadline", listed)
         commands: list[Command] = []
         if self.phase == "draining" and not self.sigkill_round and now >= self.grace_deadline:
             self.sigkill_round = True

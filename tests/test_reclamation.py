@@ -1276,6 +1276,17 @@ def test_a_local_taint_announces_the_listing_made_ahead_too() -> None:
     story.check()
 
 
+def test_the_tick_past_the_taint_deadline_announces_the_listing_made_ahead() -> None:
+    """The coordinator is frozen: the tick at the 800 ms deadline falls back to the local
+    taint and announces the listing the shell made meanwhile, in that same step."""
+    story = Story(strict=True)
+    story.begin()
+    commands = story(Tick(T0 + 0.8, listed=(job("c1"), job("w1", "inference"))))
+    assert commands[-1] == SignalContainers(SIGTERM, announced=("c1",))
+    assert story.rec.taint_mode == "local" and story.rec.ledger("c1") == TERM_ANNOUNCED
+    story.check()
+
+
 def test_a_listing_handed_in_with_a_late_answer_announces_nothing() -> None:
     """The background retry's answer lands after the local fallback drained the node: the
     round is long done, and a listing handed in with it announces nothing."""

@@ -201,3 +201,42 @@ async def test_a_failing_reaction_still_acknowledges_the_stored_batch(store, clo
     assert await log.accept(batch) == ["u-0", "u-1"]
     assert seen == ["u-0"]
     assert [e.uid for e in await store.events_after(0)] == ["u-0", "u-1"]
+
+
+async def test_a_node_reconnecting_unchanged_costs_one_blind_write(store, clock):
+    """A node that registers again with the claims its row already holds (every node after a
+    coordinator restart) gets its last_seen moved by a blind write that commits with the
+    others, not a read-modify-write transaction of its own; a node whose claims changed still
+    takes the full registration, and what it claims is stored."""
+    import asyncio
+
+    from spotdrain.coordinator import messages as msg
+
+    fleet = Coordinator(store, insecure=True, clock=clock).fleet
+    gpus = ({"index": 0, "uuid": "GPU-1", "name": "H200", "memory_mib": 143771},)
+    reg = msg.Registration("node-a", True, "group-a", "aws", gpus)
+    await fleet.reports.register(reg, asyncio.Queue())
+    first = await store.node("node-a")
+    assert first is not None and first.node_group == "group-a"
+
+    upserts = []
+    full = store.upsert_node
+
+    async def counted(*args, **kwargs):
+        upserts.append(args)
+        return await full(*args, **kwargs)
+
+    store.upsert_node = counted  # type: ignore[method-assign]
+    clock.now += 30
+    await fleet.reports.register(reg, asyncio.Queue())
+    assert upserts == []
+    again = await store.node("node-a")
+    assert again is not None and again.last_seen == clock.now
+    assert fleet.nodes.rows["node-a"].last_seen == clock.now
+
+    moved = msg.Registration("node-a", True, "group-b", "aws", gpus)
+    await fleet.reports.register(moved, asyncio.Queue())
+    assert len(upserts) == 1
+    stored = await store.node("node-a")
+    assert stored is not None and stored.node_group == "group-b"
+    assert fleet.nodes.rows["node-a"].node_group == "group-b"

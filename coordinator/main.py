@@ -281,13 +281,14 @@ async def _serve(args, host, port, creds, store, acquirers, avoid_s, contracts, 
                 **tasks,
                 "recovery": recovery(),
                 "gc-freeze": pauses.keep_frozen(),
+                "gc-young": pauses.keep_young_small(),
                 "loop-lag": pauses.probe_loop(),
                 "systemd-status": systemd.keep_status(describe, last=said),
                 # Pinged only while the recovery loop runs.
                 "watchdog": systemd.keep_watchdog(lambda: not recovery_done.is_set()),
                 "stop": stop.wait(),
             },
-            essential=("recovery", "gc-freeze", "loop-lag", "lease"),
+            essential=("recovery", "gc-freeze", "gc-young", "loop-lag", "lease"),
         )
     finally:
         systemd.stopping()

@@ -53,3 +53,26 @@ def test_a_long_pause_is_logged_with_the_collectors_share(
     assert registry.get_sample_value("spotdrain_gc_pause_max_seconds") == pytest.approx(0.12)
     count = registry.get_sample_value("spotdrain_gc_pause_seconds_count", {"generation": "0"})
     assert count == 1
+
+
+async def test_the_young_generation_is_collected_every_tick_and_only_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between freezes a young collection comes every YOUNG_EVERY_S whatever the allocation
+    count says, and it is always generation 0: never one that walks the old heap."""
+    import asyncio
+
+    collects: list[tuple] = []
+    monkeypatch.setattr(gc, "collect", lambda *a, **k: collects.append(a) or 0)
+    monkeypatch.setattr(pauses_module, "YOUNG_EVERY_S", 0.001)
+    task = asyncio.create_task(Pauses(CollectorRegistry()).keep_young_small())
+    try:
+        for _ in range(2000):
+            if len(collects) >= 3:
+                break
+            await asyncio.sleep(0.001)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert len(collects) >= 3
+    assert set(collects) == {(0,)}

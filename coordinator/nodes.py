@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -156,6 +157,10 @@ class NodeIndex:
         now = self.clock()
         return any(until > now for until in risks.values())
 
+    def risky(self) -> list[str]:
+        """The nodes with an advisory in force (at_risk), from the few that ever reported one."""
+        return [node_id for node_id in self.risks if self.at_risk(node_id)]
+
     def pick(self, request: PlacementRequest, prefer: str = "") -> tuple[str | None, dict]:
         """The node a placement goes to: `prefer` if the gate admits it, else the least loaded
         connected node the gate admits (ties by id); and why the nodes looked at refused."""
@@ -202,7 +207,10 @@ class NodeIndex:
 
     def _refuse_group(self, group: str, refused: dict[str, str]) -> None:
         """An avoided group's nodes, named when they are few (the event stays bounded)."""
-        members = [n for _, n in self._heaps.get(group, ())][: REFUSED_EXAMPLES + 1]
+        # The first few of its heap only: a group is a thousand nodes, and an avoided one is
+        # passed over at every placement.
+        heap = self._heaps.get(group, ())
+        members = [n for _, n in itertools.islice(heap, REFUSED_EXAMPLES + 1)]
         for node_id in members[:REFUSED_EXAMPLES]:
             if node_id in self.streams:
                 refused[node_id] = "group_avoided"

@@ -78,6 +78,12 @@ class WorkerRegistry:
     def serving(self, model: str) -> list[wm.Worker]:
         return list(self._serving.get(model, {}).values())
 
+    def serving_count(self, model: str) -> int:
+        return len(self._serving.get(model, ()))
+
+    def is_serving(self, worker: wm.Worker) -> bool:
+        return worker.worker_id in self._serving.get(worker.model, {})
+
     def free_port(self, node_id: str) -> int:
         """A worker port free on the node. Ports unused anywhere in the fleet come first, so
         several agents sharing one host (a lab, the demo) never collide while the range lasts;

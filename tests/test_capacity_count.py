@@ -1,0 +1,50 @@
+"""The capacity keeper counts a model's serving workers without walking them (a pass runs after
+every notice, and a thousand notices in a second must not each scan 10,000 workers): the count
+is the registry's, less the model's workers on nodes at risk, and it always equals what the
+scan would find."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from spotdrain.coordinator import workers as wm
+from spotdrain.coordinator.capacity_keeper import CapacityKeeper
+from spotdrain.coordinator.nodes import NodeIndex
+from spotdrain.coordinator.registry import WorkerRegistry
+
+NOW = 1_000.0
+
+
+def worker(i: int, node: str, model: str = "llama", state: str = wm.READY,
+           kind: str = "inference") -> wm.Worker:  # fmt: skip
+    return wm.Worker(f"w-{i}", node, model, "img:1", 20000 + i, 4, NOW, state=state, kind=kind)
+
+
+def test_the_serving_count_is_the_scan_without_the_scan() -> None:
+    """Six nodes, workers of two models in every state; one node has an advisory in force and
+    another had one that expired. The count matches the scan for each model, before and after
+    workers change state, and a model no worker serves counts zero."""
+    registry = WorkerRegistry()
+    nodes = NodeIndex(lambda: NOW, registry.count)
+    keeper = CapacityKeeper(SimpleNamespace(registry=registry, nodes=nodes))  # type: ignore[arg-type]
+    states = [wm.STARTING, wm.READY, wm.DRAINING, wm.READY]
+    for i in range(24):
+        registry.add(worker(i, f"n{i % 6}", "llama" if i % 3 else "mistral", states[i % 4]))
+    registry.add(worker(99, "n1", kind="batch"))
+    nodes.risks["n1"] = {"rebalance": NOW + 60}  # in force
+    nodes.risks["n2"] = {"rebalance": NOW - 1}  # expired
+
+    def agree() -> None:
+        for model in ("llama", "mistral", "none"):
+            assert keeper.serving_count(model) == len(keeper.serving(model)), model
+
+    agree()
+    assert keeper.serving_count("none") == 0
+    on_risky = [w for w in registry.live("n1") if registry.is_serving(w)]
+    assert on_risky and all(w not in keeper.serving(w.model) for w in on_risky)
+    for w in registry.live("n3"):
+        w.state = wm.DRAINING
+        registry.changed(w)
+    agree()
+    del nodes.risks["n1"]
+    agree()

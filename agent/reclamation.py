@@ -47,7 +47,8 @@ KILL_SENT = "SIGKILL"
 LEDGER_TRANSITIONS: dict[tuple[str | None, str | None], str] = {
     (None, TERM_ANNOUNCED): "a SIGTERM round is about to signal it",
     (TERM_ANNOUNCED, TERM_SENT): "delivered",
-    (TERM_ANNOUNCED, None): "neither route delivered it: it may be signalled again as a stray",
+    (TERM_ANNOUNCED, None): "neither route delivered it, or its round ended without sending "
+    "it (a cancel between the announcing step and the round): it may be signalled again",
     (TERM_ANNOUNCED, TERM_BY_PREVIOUS_RUN): "the agent restarted before the result came back",
     (None, KILL_ANNOUNCED): "the SIGKILL round (or a later stray) is about to kill it",
     (TERM_SENT, KILL_ANNOUNCED): "the SIGKILL round is about to kill it",
@@ -830,6 +831,12 @@ class Reclamation:
 
     def _round_done(self, now: float, signal: str) -> list[Command]:
         self.rounds_in_flight = max(0, self.rounds_in_flight - 1)
+        # The round's results all came before this: what it announced and never sent (a cancel
+        # or resume reached the shell between the announcing step and the round) was not
+        # signalled, and a later notice for the same machine may signal it.
+        pending = TERM_ANNOUNCED if signal == SIGTERM else KILL_ANNOUNCED
+        for container in [c for c in self.announced if self.ledger(c) == pending]:
+            self._move(container, self.announced[container]["before"])
         first = signal == SIGTERM and not self.sigterm_round_done
         if signal == SIGTERM:
             self.sigterm_round_done = True

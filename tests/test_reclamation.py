@@ -1287,6 +1287,22 @@ def test_the_tick_past_the_taint_deadline_announces_the_listing_made_ahead() -> 
     story.check()
 
 
+def test_a_round_that_ends_without_sending_withdraws_its_announcement() -> None:
+    """A cancel reaches the shell between the step that announced the first SIGTERM round and
+    the round itself, which then sends nothing: its end withdraws the announcement, so the
+    ledger does not claim a SIGTERM that never left (a later notice for the same machine may
+    send it)."""
+    story = Story(strict=True)
+    story.begin()
+    story(TaintAnswered(T0 + 0.05, listed=(job("c1"), job("c2"))))
+    assert story.rec.ledger("c1") == TERM_ANNOUNCED
+    story(Cancelled(T0 + 0.06))
+    story(SignalRoundDone(T0 + 0.07, SIGTERM))
+    assert story.rec.ledger("c1") is None and story.rec.ledger("c2") is None
+    assert story.rec.announced == {}
+    story.check()
+
+
 def test_a_listing_handed_in_with_a_late_answer_announces_nothing() -> None:
     """The background retry's answer lands after the local fallback drained the node: the
     round is long done, and a listing handed in with it announces nothing."""

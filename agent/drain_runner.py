@@ -497,7 +497,6 @@ class DrainRunner:
                 case r.Emit():
                     self._put(next(events))
                 case r.RequestTaint(_, answer_by):
-                    self.link.hold_events(rid)  # until the SIGTERM round: see _send
                     self._taint_calls[rid] = self._spawn(self._request_taint(rec, answer_by))
                     if rid not in self._listed_ahead:
                         self._listed_ahead[rid] = asyncio.ensure_future(
@@ -522,6 +521,13 @@ class DrainRunner:
                         self._next_write_retry = self.clock() + RETRY_WRITES_S
                     self._spawn(self._lift_remote_taint(rec))
                 case r.SignalContainers(signal, skip, announced):
+                    if signal == r.SIGTERM:
+                        # This step's events (tainted, ...) and later ones wait on the stream
+                        # until the round has sent (see _send): stored by the coordinator
+                        # meanwhile, they would share the cores with the engine's kills. The
+                        # notice's own events went before the Taint call, so the coordinator
+                        # stores the notice before its reactions to the taint.
+                        self.link.hold_events(rid)
                     self._spawn(self._signal_round(rid, signal, skip, cmd.skip_kinds, announced))
                 case r.DeliverSignals(_, containers):
                     # After the save above: the announcement is on disk before any signal.

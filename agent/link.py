@@ -37,9 +37,9 @@ from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 log = logging.getLogger("spotdrain.agent.link")
 
 HEARTBEAT_S = 5.0
-# The longest a drain may hold the stream's events back (hold_events): its Taint call is
-# answered or given up within 800 ms and its SIGTERM round follows; a hold never released (a
-# round wedged on a hung engine) still ends here.
+# The longest a drain may hold the stream's events back (hold_events): its SIGTERM round's
+# kills each have their own timeout; a hold never released (a round wedged on a hung engine)
+# still ends here.
 HOLD_EVENTS_MAX_S = 2.0
 REFUSED_RETRY_S = 30.0
 BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
@@ -153,11 +153,10 @@ class CoordinatorLink:
         self._outbox_changed.set()
 
     def hold_events(self, key: str) -> None:
-        """The notice path of drain `key` is under way (its Taint call, its SIGTERM round):
-        events stay in the outbox until release_events(key), at most HOLD_EVENTS_MAX_S. The
-        coordinator then stores the taint without a batch of events ahead of it, and the
-        engine's kills share the cores with no event batch being stored. Everything else on
-        the stream (heartbeats, worker and slot reports) goes on."""
+        """Drain `key` is sending its SIGTERM round: events stay in the outbox until
+        release_events(key), at most HOLD_EVENTS_MAX_S, so the engine's kills share the cores
+        with no event batch being stored by the coordinator. Everything else on the stream
+        (heartbeats, worker and slot reports, Taint calls) goes on."""
         self._holds.setdefault(key, time.monotonic() + HOLD_EVENTS_MAX_S)
 
     def release_events(self, key: str) -> None:

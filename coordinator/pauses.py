@@ -6,12 +6,14 @@ million objects. A full (generation 2) collection walks all of them and frees no
 with the loop stopped, every few seconds. So, as Instagram does for its web servers, what
 survives start-up and each later period is moved out of the collector's view (`gc.freeze()`):
 full collections then walk only what was allocated since. Automatic full collections are turned
-off; young collections (cheap, they walk only what is new) run as usual. The freeze itself
-makes no collection: at 10,000 nodes an explicit `gc.collect(0)` or `(1)` before it took 70 to
-230 ms of CPU every time, while the automatic young collections between freezes stayed short
-(why the explicit ones cost so much more is not understood yet). The cost: a reference cycle
-that becomes garbage only after it reached the old generation, or that is still young when a
-freeze comes, is never freed. The coordinator makes few such cycles (records are dataclasses
+off; young collections (cheap, they walk only what is new) run as usual, and one more every
+YOUNG_EVERY_S: the automatic ones are triggered by an allocation count that every freed object
+lowers, old ones included, so with each stream's read objects replaced at every message the
+young generation grew for seconds between them, and the collection that came (the freeze's own
+young collection above all) walked all of it: 70 to 230 ms at 10,000 nodes. The freeze
+collects the young generations first, so young garbage (a rejected request's traceback) is
+freed, never frozen. The cost: a reference cycle that becomes garbage only after it reached the
+old generation is never freed. The coordinator makes few such cycles (records are dataclasses
 and dicts freed by reference count); the fleet benchmark reports RSS, so a leak would show.
 """
 
@@ -28,12 +30,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 log = logging.getLogger("spotdrain.coordinator.gc")
 
 FREEZE_EVERY_S = 5.0
-# A young collection this often, besides the automatic ones: the allocation count that triggers
-# those is also lowered by every old object freed, and with each stream's read objects replaced
-# at every message it can stay under the threshold while the young generation grows for
-# seconds; the collection that finally comes then walks all of it (50 to 90 ms seen at 10,000
-# nodes). One every 100 ms walks 100 ms of allocations instead.
+# A young collection this often, besides the automatic ones (see above): it walks 100 ms of
+# allocations, where one that waited for the count walked seconds of them (50 to 230 ms seen
+# at 10,000 nodes).
 YOUNG_EVERY_S = 0.1
+# ... and every this many of them, of the middle generation too: what survived the young ones
+# waits there, and a freeze's collection of seconds of it took 110 to 150 ms.
+MIDDLE_EVERY = 5
 # Automatic full collections off (a generation-2 threshold never reached): what reaches the
 # old generation is frozen within FREEZE_EVERY_S instead of walked again and again.
 GC_THRESHOLDS = (700, 10, 1_000_000)
@@ -105,6 +108,7 @@ class Pauses:
 
     def freeze(self) -> None:
         """What is alive now is long-lived: out of the collector's view."""
+        gc.collect(1)  # young garbage first: what is frozen is never collected
         gc.freeze()
         self.freezes.inc()
         # (Not gc.get_freeze_count(): it walks every frozen object, a pause of its own.)
@@ -115,9 +119,11 @@ class Pauses:
             self.freeze()
 
     async def keep_young_small(self) -> None:
+        tick = 0
         while True:
             await asyncio.sleep(YOUNG_EVERY_S)
-            gc.collect(0)
+            tick += 1
+            gc.collect(1 if tick % MIDDLE_EVERY == 0 else 0)
 
     async def probe_loop(self) -> None:
         loop = asyncio.get_running_loop()

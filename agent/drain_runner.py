@@ -521,8 +521,10 @@ class DrainRunner:
                         self._next_write_retry = self.clock() + RETRY_WRITES_S
                     self._spawn(self._lift_remote_taint(rec))
                 case r.SignalContainers(signal, skip, announced):
-                    if signal == r.SIGTERM:
-                        # This step's events (tainted, ...) and later ones wait on the stream
+                    if signal == r.SIGTERM and not rec.sigterm_round_done:
+                        # The first round only (a stray one may be asked at every look while a
+                        # rental runs on: holding for each would starve the stream). This
+                        # step's events (tainted, ...) and later ones wait on the stream
                         # until the round has sent (see _send): stored by the coordinator
                         # meanwhile, they would share the cores with the engine's kills. The
                         # notice's own events went before the Taint call, so the coordinator

@@ -253,9 +253,14 @@ def test_events_made_while_the_coordinator_is_down_arrive_once_it_is_back(
         agent.write_notice({"id": "away-1", "action": "terminate",
                             "terminate_at": time.time() + 20})
         wait_until(lambda: "drained" in agent.proc.log(), 15, "the drain under the local taint")
-        pending = sqlite3.connect(agent.state_dir / "outbox.sqlite").execute(
-            "SELECT count(*) FROM outbox").fetchone()[0]
-        assert pending >= 6  # notice, tainted, deadline file, sigterm, exit, verified, drained
+
+        def stored() -> int:
+            return sqlite3.connect(agent.state_dir / "outbox.sqlite").execute(
+                "SELECT count(*) FROM outbox").fetchone()[0]
+
+        # A step's events reach SQLite a moment after the step (its bundle holds them until
+        # then): notice, tainted, deadline file, sigterm, exit, verified, drained.
+        wait_until(lambda: stored() >= 6, 10, "the drain's events in the outbox on disk")
         coord = start_coordinator(tmp_path / "coordinator", tls=pki, db=coord.db, port=port)
         admin = coord.admin()
         admin.wait_for("tainted", node="node-a", mode="remote", timeout=20)

@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from test_full_disk import NODE, Engine, Gpus, Link, Workers
 
@@ -34,16 +35,25 @@ class StubbornEngine(Engine):
                                      kind=t.kind)  # fmt: skip
 
 
-async def test_one_machine_two_notices_one_sigterm_and_the_earlier_g(tmp_path: Path) -> None:
+def one_machine(
+    tmp_path: Path, **settings: Any
+) -> tuple[AgentConfig, Outbox, StubbornEngine, DrainRunner]:
+    """One node's drain runner over in-memory adapters, its job ignoring SIGTERM."""
     cfg = AgentConfig(coordinator="127.0.0.1:1", node_id=NODE, notice_file=tmp_path / "n.json",
                       state_dir=tmp_path / "state", insecure=True,
                       deadline_file=tmp_path / "workload" / "deadline.json",
                       status_dir=tmp_path / "status", socket=tmp_path / "agent.sock",
-                      margins=Margins(grace_s=2, overrun_s=1, observe_every_s=0.05))  # fmt: skip
+                      margins=Margins(grace_s=2, overrun_s=1, observe_every_s=0.05),
+                      **settings)  # fmt: skip
     cfg.state_dir.mkdir()
     outbox = Outbox(cfg.state_dir / "outbox.sqlite")
     engine = StubbornEngine()
     drains = DrainRunner(cfg, outbox, Link(), engine, Gpus(), Workers())  # type: ignore[arg-type]
+    return cfg, outbox, engine, drains
+
+
+async def test_one_machine_two_notices_one_sigterm_and_the_earlier_g(tmp_path: Path) -> None:
+    cfg, outbox, engine, drains = one_machine(tmp_path)
     loop = asyncio.create_task(drains.run())
     try:
         t0 = time.time()
@@ -76,16 +86,7 @@ async def test_a_lift_leaves_the_deadline_file_to_the_drain_still_in_force(tmp_p
     """An owner's pause and a provider's notice at once; the owner resumes while the notice's
     drain goes on. The workloads' deadline file is not removed with the pause: it names the
     notice's deadlines from then on."""
-    cfg = AgentConfig(coordinator="127.0.0.1:1", node_id=NODE, notice_file=tmp_path / "n.json",
-                      state_dir=tmp_path / "state", insecure=True,
-                      deadline_file=tmp_path / "workload" / "deadline.json",
-                      status_dir=tmp_path / "status", socket=tmp_path / "agent.sock",
-                      pause_notice_s=4.0,
-                      margins=Margins(grace_s=2, overrun_s=1, observe_every_s=0.05))  # fmt: skip
-    cfg.state_dir.mkdir()
-    outbox = Outbox(cfg.state_dir / "outbox.sqlite")
-    engine = StubbornEngine()
-    drains = DrainRunner(cfg, outbox, Link(), engine, Gpus(), Workers())  # type: ignore[arg-type]
+    cfg, outbox, engine, drains = one_machine(tmp_path, pause_notice_s=4.0)
     loop = asyncio.create_task(drains.run())
     try:
         pause = drains.pause()

@@ -366,9 +366,9 @@ async def linked(tmp_path: Path) -> AsyncIterator[tuple[CoordinatorLink, Holding
 
 async def test_a_drain_holding_the_events_lets_its_taint_and_reports_through(tmp_path):
     """While a drain holds the stream's events (its SIGTERM round), a Taint call and
-    everything else on the stream still go, and the events follow the release. Shown by order: two worker reports sent one after the other during the hold both
-    reach the coordinator with no batch before them, though the event was in the outbox
-    first."""
+    everything else on the stream still go, and the events follow the release. Shown by
+    order: two worker reports sent one after the other during the hold both reach the
+    coordinator with no batch before them, though the event was in the outbox first."""
     async with linked(tmp_path) as (link, servicer, outbox):
         link.hold_events("r-1")
         taint = asyncio.create_task(link.taint("r-1", "notice", timeout=30))

@@ -83,28 +83,56 @@ async def test_a_deposed_leaders_every_write_is_refused_by_its_term(two_stores):
 
 async def test_a_takeover_waits_for_the_write_in_flight(two_stores):
     """A's transaction has passed the fence when its lease runs out: B's takeover waits for it
-    to commit, so B's rebuild then reads the write A was told succeeded (and nothing of A's
-    lands after B has read the store)."""
+    to commit (B's lease session is seen waiting on the lease row's lock), so B's rebuild then
+    reads the write A was told succeeded (and nothing of A's lands after B has read the
+    store). Ordered by events and the database's own view, never by sleeps."""
     a, b = two_stores
-    ttl = 1.5
-    await take(a, "a:1 x", ttl)
-    taken_at = time.monotonic()
-    committed = asyncio.Event()
+    ttl = 1.0
+    term = await take(a, "a:1 x", ttl)
+    # PostgreSQL's idle limit (the lease's TTL, for a stopped leader) out of this scenario.
+    a.backend.fence_to(term, "a:1 x", 60.0)
+    inside, commit = asyncio.Event(), asyncio.Event()
+    order: list[str] = []
 
-    async def slow_write() -> None:
-        await asyncio.sleep(ttl - 0.3)
+    async def write_in_flight() -> None:
         async with a.transaction():
             await a.set_workload("node-a", False)  # the fence and this, one trip
-            await asyncio.sleep(0.8)  # the lease runs out meanwhile
-        committed.set()
+            inside.set()
+            await commit.wait()
+        order.append("committed")
 
-    writer = asyncio.create_task(slow_write())
-    await asyncio.sleep(ttl + 0.1 - (time.monotonic() - taken_at))
-    taken, term, _, _ = await b.backend.acquire_lease("b:1 y", ttl, 5.0)
-    assert taken and term == 2
-    assert committed.is_set()  # the takeover came after the commit, not before
+    async def take_over() -> tuple:
+        answer = await b.backend.acquire_lease("b:1 y", ttl, 5.0)
+        order.append("taken")
+        return answer
+
+    writer = asyncio.create_task(write_in_flight())
+    await asyncio.wait_for(inside.wait(), 10)
+    deadline = time.monotonic() + 10
+    while (await a.backend.lease_holder(2.0))[2] > 0:  # A's lease runs out, by the database
+        assert time.monotonic() < deadline, "A's lease never ran out"
+        await asyncio.sleep(0.05)
+    takeover = asyncio.create_task(take_over())
+    while not await lock_waiters(a, b.backend.session_name):
+        assert time.monotonic() < deadline, "B's takeover never waited for A's transaction"
+        assert not takeover.done(), f"B took over with A's write in flight: {takeover.result()}"
+        await asyncio.sleep(0.02)
+    assert order == []
+    commit.set()
+    taken, term_b, _, _ = await takeover
     await writer
+    assert order == ["committed", "taken"]
+    assert taken and term_b == term + 1
     assert not (await b.node("node-a")).workload_enabled
+
+
+async def lock_waiters(store, name: str) -> int:
+    """How many database sessions named `name` are waiting for a lock."""
+    [(n,)] = (await store.backend.read(
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = ? "
+        "AND wait_event_type = 'Lock'", (name,)
+    )).rows  # fmt: skip
+    return n
 
 
 async def sessions(store, name: str) -> list[tuple[int, str]]:

@@ -1,12 +1,13 @@
 """The coordinator's garbage-collector pauses (coordinator/pauses.py): young collections come
-every tick whatever the allocation count says, the periodic freeze frees young garbage before
-it moves the live heap out of the collector's view, and a long pause is logged with how much
-of it was the collector's own work."""
+every tick whatever the allocation count says, the periodic freeze frees garbage before it
+moves the live heap out of the collector's view, the frozen heap is collected once memory has
+grown, and a long pause is logged with how much of it was the collector's own work."""
 
 from __future__ import annotations
 
 import gc
 import logging
+import weakref
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -14,22 +15,86 @@ from prometheus_client import CollectorRegistry
 from spotdrain.coordinator import pauses as pauses_module
 from spotdrain.coordinator.pauses import Pauses
 
+GIB = 2**30
 
-def test_a_freeze_collects_the_young_generations_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Young garbage (a rejected request's traceback, a cycle) is freed before the freeze:
-    what is frozen is never collected again, so a freeze without it leaked (the fuzz test's
-    memory bound caught it). Only the young generations: never a walk of the old heap."""
-    collects: list[tuple] = []
-    real = gc.collect
-    monkeypatch.setattr(gc, "collect", lambda *a, **k: collects.append(a) or real(*a, **k))
-    frozen_before = gc.get_freeze_count()
-    pauses = Pauses(CollectorRegistry())
+
+class Cycle:
+    """Garbage only the collector frees: it refers to itself."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+@pytest.fixture
+def collector_by_hand():
+    """Only the test's own collections run, and nothing it froze stays frozen."""
+    gc.disable()
     try:
-        pauses.freeze()
-        assert collects == [(1,)]
-        assert gc.get_freeze_count() > frozen_before
+        yield
     finally:
         gc.unfreeze()
+        gc.enable()
+
+
+def test_a_freeze_frees_what_died_in_the_old_generation_first(collector_by_hand) -> None:
+    """A cycle that survived two collections (in the old generation now) and then died is
+    freed by the freeze, not frozen: what is frozen is never collected again, and a freeze that
+    collected only the young generations leaked it (the fuzz test's memory bound caught
+    +110 MiB). Cycles still alive are frozen."""
+    dead, alive = Cycle(), Cycle()
+    dead_ref, alive_ref = weakref.ref(dead), weakref.ref(alive)
+    gc.collect(1)
+    gc.collect(1)  # both survive into the old generation
+    del dead
+    frozen_before = gc.get_freeze_count()
+    Pauses(CollectorRegistry(), rss=lambda: GIB).freeze()
+    assert dead_ref() is None
+    assert alive_ref() is alive
+    assert gc.get_freeze_count() > frozen_before
+
+
+def test_frozen_garbage_is_freed_once_memory_has_grown_by_half(collector_by_hand) -> None:
+    """A cycle frozen alive that then dies (a stream that ended) is beyond a freeze's reach.
+    The frozen heap is thawed and collected once memory has grown by half since the last full
+    look: not at +40%, at +50%; the next full look is half above the memory after it."""
+    rss = [GIB]
+    registry = CollectorRegistry()
+    pauses = Pauses(registry, rss=lambda: rss[0])
+    ended = Cycle()
+    ended_ref = weakref.ref(ended)
+    pauses.freeze()  # start-up: the cycle is alive, frozen; memory 1 GiB
+    del ended
+
+    rss[0] = int(1.4 * GIB)
+    pauses.tick()
+    assert ended_ref() is not None  # frozen: a freeze cannot free it
+    assert registry.get_sample_value("spotdrain_gc_reclaims_total") == 0
+
+    rss[0] = int(1.5 * GIB)
+    pauses.tick()
+    assert ended_ref() is None
+    assert registry.get_sample_value("spotdrain_gc_reclaims_total") == 1
+
+    rss[0] = int(2.2 * GIB)
+    pauses.tick()  # under 1.5 x 1.5 GiB: a freeze
+    assert registry.get_sample_value("spotdrain_gc_reclaims_total") == 1
+    rss[0] = int(2.25 * GIB)
+    pauses.tick()
+    assert registry.get_sample_value("spotdrain_gc_reclaims_total") == 2
+
+
+def test_a_small_coordinator_waits_for_the_floor_not_half(collector_by_hand) -> None:
+    """At 100 MiB, half would be a full look every 50 MiB: the floor, 256 MiB, comes first."""
+    rss = [100 * 2**20]
+    registry = CollectorRegistry()
+    pauses = Pauses(registry, rss=lambda: rss[0])
+    pauses.freeze()
+    rss[0] = 100 * 2**20 + pauses_module.RECLAIM_GROWTH_MIN_BYTES - 1
+    pauses.tick()
+    assert registry.get_sample_value("spotdrain_gc_reclaims_total") == 0
+    rss[0] += 1
+    pauses.tick()
+    assert registry.get_sample_value("spotdrain_gc_reclaims_total") == 1
 
 
 def test_a_long_pause_is_logged_with_the_collectors_share(

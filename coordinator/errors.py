@@ -1,9 +1,15 @@
 """Domain errors, and the one place they become gRPC status codes.
 
-Every servicer method is wrapped by `grpc_errors`: a domain error aborts the call with its code
+Every servicer method is wrapped by `grpc_errors`: a domain error ends the call with its code
 and its message; anything unexpected is logged in one line (its traceback at DEBUG) and
 answered INTERNAL. A servicer never raises into gRPC, and never says "unreachable";
 rejections.py counts what was refused as malformed and logs it, rate-limited.
+
+A refusal sets the call's status and returns; it never goes through `context.abort`. The
+abort's exception is kept on the call's state while its traceback holds the handler frames,
+and so the request: a reference cycle that only a full collection frees. The coordinator keeps
+full collections rare (pauses.py), and the fuzz test saw +100 MiB of refused requests kept
+alive that way.
 """
 
 from __future__ import annotations
@@ -76,11 +82,12 @@ def one_line(text: str) -> str:
     return text if len(text) <= MAX_LINE_CHARS else text[:MAX_LINE_CHARS] + "..."
 
 
-async def abort_for(
+def end_with(
     context: grpc.aio.ServicerContext, error: BaseException, call: str, refusals: bool = True
 ) -> None:
-    """The error as its status code. `refusals=False`: a caller that counts and logs refusals
-    itself (the rejection interceptor) gets only the INTERNAL line from here."""
+    """The error as the call's status code; the caller returns right after (see above).
+    `refusals=False`: a caller that counts and logs refusals itself (the rejection
+    interceptor) gets only the INTERNAL line from here."""
     code, message = status_for(error)
     if code == grpc.StatusCode.INTERNAL:
         # Ours, not the caller's: one line naming the exception; its traceback at DEBUG only.
@@ -91,7 +98,13 @@ async def abort_for(
         log.debug("%s failed", call, exc_info=error)
     elif refusals and code not in MALFORMED:
         log.info("%s: %s: %s", call, code.name, one_line(message))
-    await context.abort(code, bounded(message))
+    end_call(context, code, message)
+
+
+def end_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """The call's status, sent when its handler returns (no message follows)."""
+    context.set_code(code)
+    context.set_details(bounded(message))
 
 
 def bounded(message: str) -> str:
@@ -110,7 +123,8 @@ def grpc_errors(method: F) -> F:
         except grpc.aio.AbortError:
             raise
         except Exception as e:  # noqa: BLE001 (mapped, never raised into gRPC)
-            await abort_for(context, e, method.__name__)
+            end_with(context, e, method.__name__)
+            return None
 
     return unary  # type: ignore[return-value]
 
@@ -126,6 +140,6 @@ def grpc_stream_errors(method: F) -> F:
         except grpc.aio.AbortError:
             raise
         except Exception as e:  # noqa: BLE001
-            await abort_for(context, e, method.__name__)
+            end_with(context, e, method.__name__)
 
     return stream  # type: ignore[return-value]

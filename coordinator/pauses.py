@@ -12,12 +12,15 @@ lowers, old ones included, so with each stream's read objects replaced at every 
 young generation grew for seconds between them, and the collection that came walked all of
 it: 70 to 230 ms at 10,000 nodes.
 
-Each freeze first collects everything not yet frozen (a full collection walks only that: what
-survived since the last freeze), so garbage is freed, never frozen: a freeze of young garbage
-leaked +240 MiB in the fuzz test, and one that collected only the young generations leaked
-what died after reaching the old one (+110 MiB). What is left: a reference cycle that becomes
-garbage after it was frozen (a stream that ends, its call's objects) is not freed by a freeze.
-So memory decides, as Go's collector does: once the process has grown by half (at least
+Each freeze first collects the young generations, so young garbage is freed, never frozen (a
+freeze without it leaked +240 MiB in the fuzz test). A collection of everything not yet frozen
+would also free what died in the old generation, but it walks the survivors of the whole period
+(every stream's last message, kept until the next): 200 to 500 ms at 10,000 nodes, every freeze.
+So garbage that reaches the old generation, a reference cycle that dies after two collections or
+after it was frozen (a stream that ends, its call's objects), is not freed by a freeze. The
+coordinator makes few such cycles (records are dataclasses and dicts freed by reference count,
+and a refused call never goes through `context.abort`: errors.py). For what is left, memory
+decides, as Go's collector does: once the process has grown by half (at least
 RECLAIM_GROWTH_MIN_BYTES) since the last full look, the frozen heap is thawed and collected
 once: one long pause (0.7 s at 10,000 nodes), paid only when memory grew, and rarer as the
 coordinator grows. What stays frozen garbage is bounded by that growth.
@@ -133,9 +136,7 @@ class Pauses:
 
     def freeze(self) -> None:
         """What is alive now is long-lived: out of the collector's view."""
-        # Garbage first, what is frozen is never collected: a full collection walks only what
-        # is not frozen yet, the survivors of the last FREEZE_EVERY_S.
-        gc.collect(2)
+        gc.collect(1)  # young garbage first: what is frozen is never collected
         gc.freeze()
         self.freezes.inc()
         if self._reclaim_above is None:

@@ -29,7 +29,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from spotdrain.coordinator import convert
-from spotdrain.coordinator.errors import BadRequest, abort_for, one_line
+from spotdrain.coordinator.errors import BadRequest, end_with, one_line
 
 log = logging.getLogger("spotdrain.coordinator.rejections")
 
@@ -183,12 +183,13 @@ class RejectionGuard(grpc.aio.ServerInterceptor):
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: ANN401
             try:
-                request = await self._usable(request, context, streamed_requests)
+                request = self._usable(request, streamed_requests)
                 return await method(request, context)
             except grpc.aio.AbortError:
                 raise
             except Exception as e:  # noqa: BLE001 (mapped, never raised into gRPC)
-                await self._abort(context, e, path)
+                self._end(context, e, path)
+                return None
             finally:
                 self.account(context, path)
 
@@ -200,31 +201,31 @@ class RejectionGuard(grpc.aio.ServerInterceptor):
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: ANN401
             try:
-                request = await self._usable(request, context, streamed_requests)
+                request = self._usable(request, streamed_requests)
                 async with contextlib.aclosing(method(request, context)) as responses:
                     async for response in responses:
                         yield response
             except grpc.aio.AbortError:
                 raise
             except Exception as e:  # noqa: BLE001
-                await self._abort(context, e, path)
+                self._end(context, e, path)
             finally:
                 self.account(context, path)
 
         return stream
 
     @staticmethod
-    async def _usable(request: Any, context: grpc.aio.ServicerContext, streamed: bool) -> Any:  # noqa: ANN401
+    def _usable(request: Any, streamed: bool) -> Any:  # noqa: ANN401
         if streamed:
             return _checked(request)
         if isinstance(request, Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            raise MalformedRequest(request.reason)
         convert.check_request(request)  # out of bounds: BadRequest or TooLarge, mapped below
         return request
 
     @staticmethod
-    async def _abort(context: grpc.aio.ServicerContext, error: Exception, path: str) -> None:
-        await abort_for(context, error, path, refusals=False)  # refusals: account() below
+    def _end(context: grpc.aio.ServicerContext, error: Exception, path: str) -> None:
+        end_with(context, error, path, refusals=False)  # refusals: account() below
 
     def account(self, context: grpc.aio.ServicerContext, path: str) -> None:
         """Count the call if it was rejected; its line if the peer's budget allows."""

@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2
 
 from spotdrain.cli import ArgumentParser, UsageError, host_port, seconds
 from spotdrain.coordinator import lease as lm
+from spotdrain.coordinator.errors import end_call
 from spotdrain.coordinator.store import Store, StoreError
 from spotdrain.leader import LEADER_KEY  # trailing metadata: the leader's --advertise address
 from spotdrain.v1 import spotdrain_pb2 as pb
@@ -311,18 +312,20 @@ class _Guarded:
             setattr(self, method.name, handler)
 
 
-async def _send_away(replica: Replica, context: grpc.aio.ServicerContext) -> None:
+def _send_away(replica: Replica, context: grpc.aio.ServicerContext) -> None:
+    """The call refused UNAVAILABLE, naming the leader; the caller returns right after."""
     # The key even when no leader is known (empty): clients see a replica refused, so one
     # will lead, and wait for it (spotdrain.leader) rather than giving up as on a dead host.
     elsewhere = replica.leader_address if replica.lease.state != lm.LEADER else ""
     context.set_trailing_metadata(((LEADER_KEY, elsewhere),))
-    await context.abort(grpc.StatusCode.UNAVAILABLE, replica.refusal())
+    end_call(context, grpc.StatusCode.UNAVAILABLE, replica.refusal())
 
 
 def _unary(replica: Replica, target: Callable, follower_serves: bool) -> Callable:
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: ANN401
         if not (follower_serves or replica.serving()):
-            await _send_away(replica, context)
+            _send_away(replica, context)
+            return None
         return await target(request, context)
 
     return call
@@ -331,7 +334,8 @@ def _unary(replica: Replica, target: Callable, follower_serves: bool) -> Callabl
 def _streaming(replica: Replica, target: Callable, follower_serves: bool) -> Callable:
     async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: ANN401
         if not (follower_serves or replica.serving()):
-            await _send_away(replica, context)
+            _send_away(replica, context)
+            return
         async for reply in target(request, context):
             yield reply
 

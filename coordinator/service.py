@@ -23,7 +23,7 @@ from spotdrain.coordinator import messages as msg
 from spotdrain.coordinator import workers as wm
 from spotdrain.coordinator.acquirer import DEFAULT_AVOID_S, Acquirer
 from spotdrain.coordinator.contracts import ContractPolicy
-from spotdrain.coordinator.errors import BadRequest, Refused, abort_for, grpc_errors
+from spotdrain.coordinator.errors import BadRequest, Refused, end_with, grpc_errors
 from spotdrain.coordinator.eventlog import EventLog
 from spotdrain.coordinator.fleet import Fleet
 from spotdrain.coordinator.store import NewEvent, Store, StoreError
@@ -252,7 +252,7 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
                     yield convert.command_pb(out.get_nowait())
                 error = reader.exception()
                 if error is not None:
-                    await abort_for(context, error, f"Connect({session['node_id']})")
+                    end_with(context, error, f"Connect({session['node_id']})")
                 return
         finally:
             # Both tasks end with the stream, whichever way it ends (the agent gone, the call

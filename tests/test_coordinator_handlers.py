@@ -80,11 +80,13 @@ def test_fold_ignores_non_numeric_deadlines():
 
 
 class FakeContext:
-    """Enough of grpc.aio.ServicerContext for the handlers: a peer and an abort that raises."""
+    """Enough of grpc.aio.ServicerContext for the handlers: a peer and the status they set
+    (`ended`: the code and message a refusal set; never an abort's exception)."""
 
     def __init__(self, common_name: str | None) -> None:
         self.common_name = common_name
-        self.aborted: tuple[grpc.StatusCode, str] | None = None
+        self.ended: tuple[grpc.StatusCode, str] | None = None
+        self._code: grpc.StatusCode | None = None
 
     def auth_context(self) -> dict:
         return {"x509_common_name": [self.common_name.encode()]} if self.common_name else {}
@@ -92,9 +94,15 @@ class FakeContext:
     def peer(self) -> str:
         return "ipv4:127.0.0.1:1"
 
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def set_details(self, details: str) -> None:
+        assert self._code is not None, "the code comes first"
+        self.ended = (self._code, details)
+
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self.aborted = (code, details)
-        raise grpc.aio.AbortError(details)
+        raise AssertionError(f"aborted ({code}: {details}): a refusal sets the status instead")
 
 
 async def test_taint_handler_checks_the_certificate(store, clock):
@@ -106,9 +114,9 @@ async def test_taint_handler_checks_the_certificate(store, clock):
                      ("operator:alice", grpc.StatusCode.PERMISSION_DENIED),
                      ("gibberish", grpc.StatusCode.UNAUTHENTICATED)]:
         ctx = FakeContext(cn)
-        with pytest.raises(grpc.aio.AbortError):
-            await servicer.Taint(pb.TaintRequest(node_id="node-a", reclaim_id="rcl-8"), ctx)
-        assert ctx.aborted[0] == code, cn
+        assert await servicer.Taint(
+            pb.TaintRequest(node_id="node-a", reclaim_id="rcl-8"), ctx) is None  # fmt: skip
+        assert ctx.ended[0] == code, cn
     assert [t.reclaim_id for t in await store.taints("node-a")] == ["rcl-9"]
     refused = [e for e in await store.events_after(0) if e.kind == "identity_refused"]
     assert len(refused) == 2  # gibberish has no identity to record
@@ -117,9 +125,8 @@ async def test_taint_handler_checks_the_certificate(store, clock):
 async def test_taint_without_reclaim_id_is_invalid(store, clock):
     servicer = AgentLinkServicer(Coordinator(store, insecure=False, clock=clock))
     ctx = FakeContext("node:node-a")
-    with pytest.raises(grpc.aio.AbortError):
-        await servicer.Taint(pb.TaintRequest(node_id="node-a"), ctx)
-    assert ctx.aborted[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert await servicer.Taint(pb.TaintRequest(node_id="node-a"), ctx) is None
+    assert ctx.ended[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert await store.taints("node-a") == []
 
 
@@ -128,10 +135,9 @@ async def test_a_taint_with_deadlines_that_are_not_numbers_changes_nothing(store
     servicer = AgentLinkServicer(Coordinator(store, insecure=False, clock=clock))
     for bad in (float("nan"), float("inf")):
         ctx = FakeContext("node:node-a")
-        with pytest.raises(grpc.aio.AbortError):
-            await servicer.Taint(pb.TaintRequest(
-                node_id="node-a", reclaim_id="rcl-1", terminate_at=bad), ctx)
-        assert ctx.aborted[0] == grpc.StatusCode.INVALID_ARGUMENT
+        assert await servicer.Taint(pb.TaintRequest(
+            node_id="node-a", reclaim_id="rcl-1", terminate_at=bad), ctx) is None
+        assert ctx.ended[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert await store.taints("node-a") == [] and await store.active_drains() == []
 
 

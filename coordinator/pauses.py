@@ -20,7 +20,7 @@ So garbage that reaches the old generation, a reference cycle that dies after tw
 after it was frozen (a stream that ends, its call's objects), is not freed by a freeze. The
 coordinator makes few such cycles (records are dataclasses and dicts freed by reference count,
 and a refused call never goes through `context.abort`: errors.py). For what is left, memory
-decides, as Go's collector does: once the process has grown by half (at least
+decides, as Go's collector does: once the process has doubled (grown by at least
 RECLAIM_GROWTH_MIN_BYTES) since the last full look, the frozen heap is thawed and collected
 once: one long pause (0.7 s at 10,000 nodes), paid only when memory grew, and rarer as the
 coordinator grows. What stays frozen garbage is bounded by that growth.
@@ -52,8 +52,8 @@ MIDDLE_EVERY = 5
 # old generation is frozen within FREEZE_EVERY_S instead of walked again and again.
 GC_THRESHOLDS = (700, 10, 1_000_000)
 # The frozen heap is thawed and collected once the process has grown by this share of its size
-# at the last full look, and at least this much (see above).
-RECLAIM_GROWTH_SHARE = 0.5
+# at the last full look, and at least this much (see above): doubling, as Go's GOGC=100.
+RECLAIM_GROWTH_SHARE = 1.0
 RECLAIM_GROWTH_MIN_BYTES = 256 * 2**20
 LAG_PROBE_S = 0.1
 # A collection this long is logged, with how much of it was the collector's own CPU (the rest:

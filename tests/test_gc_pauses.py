@@ -57,10 +57,10 @@ def test_a_freeze_frees_young_garbage_and_never_walks_the_old_heap(
     assert gc.get_freeze_count() > frozen_before
 
 
-def test_frozen_garbage_is_freed_once_memory_has_grown_by_half(collector_by_hand) -> None:
+def test_frozen_garbage_is_freed_once_memory_has_doubled(collector_by_hand) -> None:
     """A cycle frozen alive that then dies (a stream that ended) is beyond a freeze's reach.
-    The frozen heap is thawed and collected once memory has grown by half since the last full
-    look: not at +40%, at +50%; the next full look is half above the memory after it."""
+    The frozen heap is thawed and collected once memory has doubled since the last full look:
+    not at +90%, at +100%; the next full look is at twice the memory after it."""
     rss = [GIB]
     registry = CollectorRegistry()
     pauses = Pauses(registry, rss=lambda: rss[0])
@@ -69,26 +69,26 @@ def test_frozen_garbage_is_freed_once_memory_has_grown_by_half(collector_by_hand
     pauses.freeze()  # start-up: the cycle is alive, frozen; memory 1 GiB
     del ended
 
-    rss[0] = int(1.4 * GIB)
+    rss[0] = int(1.9 * GIB)
     pauses.tick()
     assert ended_ref() is not None  # frozen: a freeze cannot free it
     assert registry.get_sample_value("spotdrain_gc_reclaims_total") == 0
 
-    rss[0] = int(1.5 * GIB)
+    rss[0] = 2 * GIB
     pauses.tick()
     assert ended_ref() is None
     assert registry.get_sample_value("spotdrain_gc_reclaims_total") == 1
 
-    rss[0] = int(2.2 * GIB)
-    pauses.tick()  # under 1.5 x 1.5 GiB: a freeze
+    rss[0] = int(3.9 * GIB)
+    pauses.tick()  # under twice 2 GiB: a freeze
     assert registry.get_sample_value("spotdrain_gc_reclaims_total") == 1
-    rss[0] = int(2.25 * GIB)
+    rss[0] = 4 * GIB
     pauses.tick()
     assert registry.get_sample_value("spotdrain_gc_reclaims_total") == 2
 
 
-def test_a_small_coordinator_waits_for_the_floor_not_half(collector_by_hand) -> None:
-    """At 100 MiB, half would be a full look every 50 MiB: the floor, 256 MiB, comes first."""
+def test_a_small_coordinator_waits_for_the_floor_not_double(collector_by_hand) -> None:
+    """At 100 MiB, doubling would be a full look every 100 MiB: the floor, 256 MiB, first."""
     rss = [100 * 2**20]
     registry = CollectorRegistry()
     pauses = Pauses(registry, rss=lambda: rss[0])

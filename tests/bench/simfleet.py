@@ -376,7 +376,10 @@ async def _serve(conn: Connection) -> None:
             result: Any = ("ok", await getattr(shard, f"cmd_{cmd}")(**kwargs))
         except Exception as e:  # the orchestrator reports it and stops the run
             result = ("error", f"{type(e).__name__}: {e}")
-        conn.send((req_id, *result))
+        try:
+            conn.send((req_id, *result))
+        except OSError:  # the orchestrator stopped first (its run is over): nobody to tell
+            pass
 
     def readable() -> None:
         try:

@@ -10,6 +10,7 @@ pause and a resume call what AgentLink.Taint and SetWorkload call (Drains.taint,
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -46,11 +47,14 @@ HTTP_STATUS = {
 
 
 class OperatorContext:
-    """What a servicer asks of its gRPC context: who calls (the dashboard's operator, whose
-    token the dashboard checked), and abort, which becomes ApiRefused."""
+    """What a servicer asks of its gRPC context, one per call: who calls (the dashboard's
+    operator, whose token the dashboard checked), and the status a refusal sets, which
+    `raise_refusal` turns into ApiRefused."""
 
     def __init__(self, name: str = "dashboard") -> None:
         self._common_name = f"operator:{name}".encode()
+        self._code = grpc.StatusCode.OK
+        self._details = ""
 
     def auth_context(self) -> dict[str, list[bytes]]:
         return {"x509_common_name": [self._common_name]}
@@ -58,36 +62,59 @@ class OperatorContext:
     def peer(self) -> str:
         return "dashboard"
 
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise ApiRefused(code, details)
+
+    def raise_refusal(self) -> None:
+        if self._code != grpc.StatusCode.OK:
+            raise ApiRefused(self._code, self._details)
 
 
 class Api:
     def __init__(self, coord: Coordinator) -> None:
         self.coord = coord
         self.admin = AdminServicer(coord)
-        self.context: Any = OperatorContext()
+
+    @staticmethod
+    async def _call(method: Callable[[Any, Any], Awaitable[Any]], request: Any) -> Any:  # noqa: ANN401
+        """A servicer method as the dashboard's operator: its answer, or its refusal raised."""
+        context = OperatorContext()
+        answer = await method(request, context)
+        context.raise_refusal()
+        return answer
 
     # --- reads ------------------------------------------------------------------------------
 
     async def timeline(self, reclaim_id: str) -> pb.Timeline:
         request = pb.GetTimelineRequest(reclaim_id=convert.check_id(reclaim_id, "reclaim_id"))
-        return await self.admin.GetTimeline(request, self.context)
+        return await self._call(self.admin.GetTimeline, request)
 
     async def models(self) -> list[pb.Model]:
-        return list((await self.admin.ListModels(pb.ListModelsRequest(), self.context)).models)
+        return list((await self._call(self.admin.ListModels, pb.ListModelsRequest())).models)
 
     # --- actions ----------------------------------------------------------------------------
 
     async def set_spot(self, node_id: str, spot: bool) -> pb.Node:
         request = pb.SetNodeSpotRequest(node_id=node_id, spot=spot)
-        return await self.admin.SetNodeSpot(request, self.context)
+        return await self._call(self.admin.SetNodeSpot, request)
 
     async def set_replicas(self, model: str, replicas: int, image: str, slots: int) -> pb.Model:
         request = pb.SetModelReplicasRequest(
             model=model, replicas=replicas, image=image, slots=slots
         )
-        return await self.admin.SetModelReplicas(request, self.context)
+        return await self._call(self.admin.SetModelReplicas, request)
 
     async def pause(self, node_id: str) -> str:
         """The operator's pause: the node's workload flag off and its workers drained, as a

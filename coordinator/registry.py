@@ -78,6 +78,14 @@ class WorkerRegistry:
     def serving(self, model: str) -> list[wm.Worker]:
         return list(self._serving.get(model, {}).values())
 
+    def slots_in_use_by_model(self) -> dict[str, int]:
+        """Slots in use over each model's ready workers (the gates' counts): a walk of the
+        serving workers only, with one total per model out."""
+        return {
+            model: sum(w.slots_in_use for w in workers.values() if w.state == wm.READY)
+            for model, workers in list(self._serving.items())
+        }
+
     def serving_count(self, model: str) -> int:
         return len(self._serving.get(model, ()))
 

@@ -48,3 +48,17 @@ def test_the_serving_count_is_the_scan_without_the_scan() -> None:
     agree()
     del nodes.risks["n1"]
     agree()
+
+
+def test_slots_in_use_are_one_total_per_model() -> None:
+    """The coordinator's slots gauge: per model over its ready workers (a starting or draining
+    worker's gate is not counted), never a series per worker."""
+    registry = WorkerRegistry()
+    for i, (model, state, used) in enumerate([
+        ("llama", wm.READY, 3), ("llama", wm.READY, 1), ("llama", wm.STARTING, 2),
+        ("mistral", wm.READY, 4), ("mistral", wm.DRAINING, 2),
+    ]):  # fmt: skip
+        w = worker(i, f"n{i}", model, state)
+        w.slots_in_use = used
+        registry.add(w)
+    assert registry.slots_in_use_by_model() == {"llama": 4, "mistral": 4}

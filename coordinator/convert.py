@@ -144,16 +144,26 @@ def _details(ev: pb.Event) -> dict[str, Any]:
 
 def event_batch(node_id: str, batch: pb.EventBatch) -> list[NewEvent]:
     """An agent's batch, checked whole before anything of it is stored."""
+    check_batch(batch)
+    return batch_events(node_id, batch.events)
+
+
+def check_batch(batch: pb.EventBatch) -> int:
+    """The batch's bounds (count and bytes); its size in bytes."""
     if len(batch.events) > limits.MAX_BATCH_EVENTS:
         raise TooLarge(
             f"batch of {len(batch.events)} events, at most {limits.MAX_BATCH_EVENTS}: split it"
         )
-    if batch.ByteSize() > limits.MAX_BATCH_BYTES:
-        raise TooLarge(
-            f"batch of {batch.ByteSize()} bytes, at most {limits.MAX_BATCH_BYTES}: split it"
-        )
+    size = batch.ByteSize()
+    if size > limits.MAX_BATCH_BYTES:
+        raise TooLarge(f"batch of {size} bytes, at most {limits.MAX_BATCH_BYTES}: split it")
+    return size
+
+
+def batch_events(node_id: str, batch: Sequence[pb.Event]) -> list[NewEvent]:
+    """Events of a batch (or a slice of one) as the store takes them, each checked."""
     events = []
-    for ev in batch.events:
+    for ev in batch:
         if not ev.uid or not ev.kind:
             raise BadRequest(f"event {ev.uid!r} is incomplete")
         check_id(ev.uid, "event uid")

@@ -26,6 +26,7 @@ from spotdrain.coordinator.contracts import ContractPolicy
 from spotdrain.coordinator.errors import BadRequest, Refused, end_with, grpc_errors
 from spotdrain.coordinator.eventlog import EventLog
 from spotdrain.coordinator.fleet import Fleet
+from spotdrain.coordinator.intake import Intake, batch_cost
 from spotdrain.coordinator.store import NewEvent, Store, StoreError
 from spotdrain.coordinator.store.backend import Fenced
 from spotdrain.metrics import CollectorRegistry, GaugeCollector, Histogram, ReclamationMetrics
@@ -33,6 +34,8 @@ from spotdrain.security import NODE, OPERATOR, ROUTER, Identity, parse_common_na
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
+# Events of a batch converted between two turns of the loop (a few ms of work at most).
+CONVERT_SLICE = 50
 # Taint answers, 1 ms to 2 s: the 800 ms local fallback and the 200 ms mass target in between.
 TAINT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8, 2.0)
 log = logging.getLogger("spotdrain.coordinator")
@@ -295,6 +298,7 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
         session: dict[str, str],
     ) -> None:
         fleet, coord = self.coord.fleet, self.coord
+        intake = Intake()  # this stream's share of the loop for its event batches
         async for message in request_iterator:
             which = message.WhichOneof("body")
             node_id = session["node_id"]
@@ -318,9 +322,30 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
             elif which == "rental":
                 await fleet.rentals.report(node_id, convert.rental_report(message.rental))
             elif which == "events":
-                for ev in message.events.events:
-                    if ev.node_id != node_id:
-                        await coord.node_only(context, ev.node_id, "Event")
-                events = convert.event_batch(node_id, message.events)
+                events = await self._take_in(node_id, message.events, context, intake)
                 uids = await coord.events.accept(events)
                 out.put_nowait(msg.EventAck(tuple(uids)))
+
+    async def _take_in(
+        self,
+        node_id: str,
+        batch: pb.EventBatch,
+        context: grpc.aio.ServicerContext,
+        intake: Intake,
+    ) -> list[NewEvent]:
+        """A batch checked and converted, within the stream's budget (intake.py), a slice at
+        a time: a Taint waiting for the loop goes in between two slices, not after the batch."""
+        size = convert.check_batch(batch)
+        loop = asyncio.get_running_loop()
+        wait = intake.take(batch_cost(size, len(batch.events)), loop.time())
+        if wait > 0:
+            await asyncio.sleep(wait)  # not read meanwhile: the agent's sends wait in HTTP/2
+        events: list[NewEvent] = []
+        for start in range(0, len(batch.events), CONVERT_SLICE):
+            part = batch.events[start : start + CONVERT_SLICE]
+            for ev in part:
+                if ev.node_id != node_id:
+                    await self.coord.node_only(context, ev.node_id, "Event")
+            events += convert.batch_events(node_id, part)
+            await asyncio.sleep(0)
+        return events

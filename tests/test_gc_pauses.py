@@ -57,16 +57,47 @@ def test_a_freeze_frees_young_garbage_and_never_walks_the_old_heap(
     assert gc.get_freeze_count() > frozen_before
 
 
+def settled(registry: CollectorRegistry, rss: list[int]) -> Pauses:
+    """Pauses past the start-up grace, with the first measure of memory taken at rss[0]."""
+    now = [0.0]
+    pauses = Pauses(registry, rss=lambda: rss[0], clock=lambda: now[0])
+    now[0] = pauses_module.RECLAIM_AFTER_START_S
+    pauses.tick()
+    return pauses
+
+
+def test_no_full_look_while_the_fleet_connects(collector_by_hand) -> None:
+    """For RECLAIM_AFTER_START_S after the start memory grows with live state (10,000 nodes
+    connecting): no full look however much it grows, only freezes. The first measure is taken
+    then, and doubling is counted from it."""
+    rss, now = [100 * 2**20], [0.0]
+    registry = CollectorRegistry()
+    pauses = Pauses(registry, rss=lambda: rss[0], clock=lambda: now[0])
+    for step in range(10):
+        now[0], rss[0] = step * 60.0, (step + 1) * GIB
+        pauses.tick()
+    assert registry.get_sample_value("spotdrain_gc_reclaims_total") == 0
+    assert registry.get_sample_value("spotdrain_gc_freezes_total") == 10
+    now[0] = pauses_module.RECLAIM_AFTER_START_S
+    pauses.tick()  # the first measure: 10 GiB
+    rss[0] = 19 * GIB
+    pauses.tick()
+    assert registry.get_sample_value("spotdrain_gc_reclaims_total") == 0
+    rss[0] = 20 * GIB
+    pauses.tick()
+    assert registry.get_sample_value("spotdrain_gc_reclaims_total") == 1
+
+
 def test_frozen_garbage_is_freed_once_memory_has_doubled(collector_by_hand) -> None:
     """A cycle frozen alive that then dies (a stream that ended) is beyond a freeze's reach.
     The frozen heap is thawed and collected once memory has doubled since the last full look:
     not at +90%, at +100%; the next full look is at twice the memory after it."""
     rss = [GIB]
     registry = CollectorRegistry()
-    pauses = Pauses(registry, rss=lambda: rss[0])
+    pauses = settled(registry, rss)
     ended = Cycle()
     ended_ref = weakref.ref(ended)
-    pauses.freeze()  # start-up: the cycle is alive, frozen; memory 1 GiB
+    pauses.freeze()  # the cycle is alive, frozen; memory 1 GiB at the first measure
     del ended
 
     rss[0] = int(1.9 * GIB)
@@ -91,8 +122,7 @@ def test_a_small_coordinator_waits_for_the_floor_not_double(collector_by_hand) -
     """At 100 MiB, doubling would be a full look every 100 MiB: the floor, 256 MiB, first."""
     rss = [100 * 2**20]
     registry = CollectorRegistry()
-    pauses = Pauses(registry, rss=lambda: rss[0])
-    pauses.freeze()
+    pauses = settled(registry, rss)
     rss[0] = 100 * 2**20 + pauses_module.RECLAIM_GROWTH_MIN_BYTES - 1
     pauses.tick()
     assert registry.get_sample_value("spotdrain_gc_reclaims_total") == 0

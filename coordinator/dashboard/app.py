@@ -35,6 +35,8 @@ NODES_PER_PAGE = 100
 RECLAMATIONS_PER_PAGE = 50
 MAX_REQUEST_BYTES = 64 * 1024
 KEEPALIVE_S = 15.0
+# After the outcome, a live page's stream stays open until this long passes without a step.
+LATE_STEPS_S = 10.0
 HEADERS = {
     "Content-Security-Policy": (
         "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
@@ -206,11 +208,14 @@ class Dashboard:
             "svg": timeline_svg.render(tl),
             "outcome": timeline_svg.outcome_text(tl.reclamation),
             "steps": len(tl.events),
-            "done": bool(tl.reclamation.outcome),
+            "outcome_known": bool(tl.reclamation.outcome),
         })  # fmt: skip
 
     async def reclamation_live(self, request: web.Request) -> web.StreamResponse:
-        """Server-sent events: the whole drawing now, then again each time it gains a step."""
+        """Server-sent events: the whole drawing now, then again each time it gains a step.
+        Steps still come after the outcome (a rental's container exiting, its end): the stream
+        follows until LATE_STEPS_S pass without one, then says `done`. It closed at the
+        outcome before, and a page missed what came a few milliseconds after it."""
         tl = await self._timeline(request)
         reclaim_id = tl.reclamation.reclaim_id
         try:
@@ -222,15 +227,19 @@ class Dashboard:
         try:
             await response.prepare(request)
             message = await self._live_message(reclaim_id)
+            outcome_known = False
             while True:
                 if message is not None:
                     await response.write(f"event: timeline\ndata: {message}\n\n".encode())
-                    if json.loads(message)["done"]:
-                        return response
+                    outcome_known = outcome_known or json.loads(message)["outcome_known"]
                 try:
-                    async with asyncio.timeout(KEEPALIVE_S):  # (wait_for can swallow a cancel)
+                    # (asyncio.timeout: wait_for can swallow a cancel)
+                    async with asyncio.timeout(LATE_STEPS_S if outcome_known else KEEPALIVE_S):
                         message = await queue.get()
                 except TimeoutError:
+                    if outcome_known:
+                        await response.write(b"event: done\ndata: {}\n\n")
+                        return response
                     message = None
                     await response.write(b": keepalive\n\n")
         except (ConnectionResetError, asyncio.CancelledError):

@@ -50,8 +50,9 @@ SCRIPT = r"""
       const doc = JSON.parse(ev.data);
       diagram.innerHTML = doc.svg;  // the renderer's own output, escaped there
       document.getElementById("outcome").textContent = doc.outcome;
-      if (doc.done) { source.close(); }
     });
+    // The server's word that no more steps are coming (it follows a while after the outcome).
+    source.addEventListener("done", function () { source.close(); });
   }
 })();
 """

@@ -142,14 +142,9 @@ def _details(ev: pb.Event) -> dict[str, Any]:
     return details
 
 
-def event_batch(node_id: str, batch: pb.EventBatch) -> list[NewEvent]:
-    """An agent's batch, checked whole before anything of it is stored."""
-    check_batch(batch)
-    return batch_events(node_id, batch.events)
-
-
 def check_batch(batch: pb.EventBatch) -> int:
-    """The batch's bounds (count and bytes); its size in bytes."""
+    """An agent's batch's bounds (count and bytes), checked whole before any of it is taken
+    in (its events then go through batch_events, a slice at a time); its size in bytes."""
     if len(batch.events) > limits.MAX_BATCH_EVENTS:
         raise TooLarge(
             f"batch of {len(batch.events)} events, at most {limits.MAX_BATCH_EVENTS}: split it"

@@ -236,7 +236,7 @@ def test_a_string_too_long_anywhere_in_a_request_is_named():
         check_request(pb.Timeline(reclamation=pb.Reclamation(steps={long: 1.0})))
     with pytest.raises(TooLarge, match=f"at most {limits.MAX_REPEATED}"):
         check_request(pb.EventAck(uids=[""] * (limits.MAX_REPEATED + 1)))
-    # An event's details have their own bounds (size, depth, numbers: convert.event_batch).
+    # An event's details have their own bounds (size, depth, numbers: convert.batch_events).
     check_request(pb.EventBatch(events=[pb.Event(details_json=long)]))
 
 

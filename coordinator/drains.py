@@ -10,9 +10,10 @@ in the background (docs/design.md "Hard notice timeline", steps 3 to 6).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import heapq
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from spotdrain.coordinator import workers as wm
@@ -27,6 +28,16 @@ log = logging.getLogger("spotdrain.coordinator.drains")
 PAUSE_TAINT_KEY = "spotdrain.io/paused"
 DEFAULT_NOTICE_S = 120.0
 GRACE_MARGIN_S = 10.0
+# A lifted drain (a resumed pause, a cancelled notice) is remembered until this long after its
+# deadline D (or its lift, if later). A Taint for a reclamation the coordinator has neither in
+# progress nor remembered, whose D is later than this long ago, is then new without asking the
+# store: had it been lifted, it would still be remembered. Only a retry older than that (or one
+# with no deadlines) reads the store, as every first Taint did before; a thousand of those
+# reads in a mass reclamation queued on the store's threads ahead of the answers.
+LIFTED_KEEP_S = 600.0
+# ... at most this many per node (a node lifting reclamations in a loop): past it, that node's
+# Taints read the store again instead of growing the memory.
+LIFTED_PER_NODE = 64
 
 
 class SpotChangeRefused(Exception):
@@ -47,7 +58,7 @@ class UnknownNode(KeyError):
     pass
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class TaintAnswer:
     taints: list[TaintRow]
     late: bool = False  # a retry of a reclamation already lifted: nothing was done
@@ -62,6 +73,11 @@ class Drains:
         # Each node's drains in progress, as stored (rebuild reads them back): the critical
         # path reads them here, not from the store.
         self.active: dict[str, dict[str, DrainRow]] = {}
+        # Drains lifted lately, by node (see LIFTED_KEEP_S); rebuild reads them back too. The
+        # heap holds when each may be forgotten; nodes past LIFTED_PER_NODE read the store.
+        self.lifted: dict[str, dict[str, DrainRow]] = {}
+        self._forget_at: list[tuple[float, str, str]] = []
+        self._lifted_overflow: set[str] = set()
         # One switch at a time per node: what a Taint read is still true when it writes.
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -71,16 +87,59 @@ class Drains:
             lock = self._locks[node_id] = asyncio.Lock()
         return lock
 
-    def load(self, drains: list[DrainRow]) -> None:
+    def load(self, drains: list[DrainRow], lifted: list[DrainRow] = ()) -> None:
+        """The drains in progress and those lifted lately (`store.lifted_drains`), as stored."""
         self.active = {}
         for d in drains:
             self.active.setdefault(d.node_id, {})[d.reclaim_id] = d
+        self.lifted, self._forget_at, self._lifted_overflow = {}, [], set()
+        for d in lifted:
+            self._remember_lifted(d)
 
-    def _ended(self, node_id: str, reclaim_id: str) -> None:
+    def _ended(self, node_id: str, reclaim_id: str, lifted: DrainRow) -> None:
         drains = self.active.get(node_id, {})
         drains.pop(reclaim_id, None)
         if not drains:
             self.active.pop(node_id, None)
+        self._remember_lifted(lifted)
+
+    def _remember_lifted(self, drain: DrainRow) -> None:
+        node = self.lifted.setdefault(drain.node_id, {})
+        if drain.reclaim_id not in node and len(node) >= LIFTED_PER_NODE:
+            self._lifted_overflow.add(drain.node_id)
+            return
+        node[drain.reclaim_id] = drain
+        until = max(drain.terminate_at, drain.ended_at or 0.0) + LIFTED_KEEP_S
+        heapq.heappush(self._forget_at, (until, drain.node_id, drain.reclaim_id))
+
+    def _forget_lifted(self, now: float) -> None:
+        while self._forget_at and self._forget_at[0][0] < now:
+            _, node_id, reclaim_id = heapq.heappop(self._forget_at)
+            node = self.lifted.get(node_id, {})
+            drain = node.get(reclaim_id)
+            if drain is None:
+                continue
+            if max(drain.terminate_at, drain.ended_at or 0.0) + LIFTED_KEEP_S >= now:
+                continue  # remembered again since, with a later time
+            del node[reclaim_id]
+            if not node:
+                del self.lifted[node_id]
+
+    async def known_drain(
+        self, node_id: str, reclaim_id: str, terminate_at: float
+    ) -> DrainRow | None:
+        """The node's drain for `reclaim_id` (in progress or lifted), or None when there is
+        none; from memory unless the Taint's own deadline D is too old for memory to be sure."""
+        now = self.fleet.clock()
+        self._forget_lifted(now)
+        drain = self.active.get(node_id, {}).get(reclaim_id)
+        if drain is None:
+            drain = self.lifted.get(node_id, {}).get(reclaim_id)
+        if drain is not None:
+            return drain
+        if terminate_at > now - LIFTED_KEEP_S and node_id not in self._lifted_overflow:
+            return None
+        return await self.fleet.store.drain(node_id, reclaim_id)
 
     def current(self, node_id: str) -> DrainRow | None:
         """The node's drain with the earliest grace deadline (its reclamation's timeline gets
@@ -100,8 +159,7 @@ class Drains:
         self, node_id: str, reclaim_id: str, reason: str, terminate_at: float, grace: float
     ) -> TaintAnswer:
         store, nodes = self.fleet.store, self.fleet.nodes
-        known = self.active.get(node_id, {}).get(reclaim_id)
-        ended = known or await store.drain(node_id, reclaim_id)
+        ended = await self.known_drain(node_id, reclaim_id, terminate_at)
         if ended is not None and ended.ended_at is not None:
             # A late retry of a reclamation already lifted (a resumed pause, a cancelled
             # notice): taking it again would pause the node behind its owner's back.
@@ -132,9 +190,9 @@ class Drains:
             await store.remove_taint(node_id, reclaim_id)
             # Remember the lift even for a reclamation never tainted here, so a Taint call
             # still in flight that lands after it is recognised as late.
-            await store.start_drain(node_id, reclaim_id, reason, terminate_at, grace)
+            drain = await store.start_drain(node_id, reclaim_id, reason, terminate_at, grace)
             await store.end_drain(node_id, reclaim_id)
-        self._ended(node_id, reclaim_id)
+        self._ended(node_id, reclaim_id, dataclasses.replace(drain, ended_at=self.fleet.clock()))
         self.fleet.nodes.taint_removed(node_id, reclaim_id)
         await self.fleet.rentals.lift_reclaim(node_id, reclaim_id)
         return TaintAnswer(self.fleet.nodes.node_taints(node_id))
@@ -208,7 +266,8 @@ class Drains:
             for drain in await store.active_drains(node_id):
                 if drain.reason == "pause" and (not reclaim_id or drain.reclaim_id == reclaim_id):
                     await store.end_drain(node_id, drain.reclaim_id)
-                    self._ended(node_id, drain.reclaim_id)
+                    lifted = dataclasses.replace(drain, ended_at=fleet.clock())
+                    self._ended(node_id, drain.reclaim_id, lifted)
                     ended.append(drain)
             # The pause's taints go, including one whose drain ended before (a repeated resume).
             for taint in await store.taints(node_id):

@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from spotdrain.coordinator import workers as wm
+from spotdrain.coordinator.drains import LIFTED_KEEP_S
 from spotdrain.coordinator.nodes import REFUSED_EXAMPLES, summarize_refusals
 
 if TYPE_CHECKING:
@@ -54,7 +55,9 @@ class Recovery:
             fleet.registry.add(worker)
             if worker.state == wm.READY:
                 fleet.publish(worker)
-        fleet.drains.load(await store.active_drains())
+        fleet.drains.load(
+            await store.active_drains(), await store.lifted_drains(now - LIFTED_KEEP_S)
+        )
         fleet.drains.replace_on_stop = set(await store.replace_on_stop())
         fleet.capacity.backoff = await store.start_backoffs()
         fleet.risks.load(await store.node_risks(now))

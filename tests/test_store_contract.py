@@ -550,6 +550,39 @@ async def test_a_node_cannot_change_another_nodes_reclamation(store):
     assert await store.reclamation("rcl-9") == folded("rcl-9", "node-a", same_batch[0])
 
 
+async def test_events_of_many_reclamations_read_their_records_in_one_trip(store):
+    """A mass reclamation's coordinator events (a replacement request for each of a thousand
+    notices) fold into a hundred records a transaction: each record is read once, all in one
+    statement, not one trip each while the transaction holds the writer ahead of the Taints.
+    The records come out as if folded one by one, the fresh and the agent's path alike."""
+    ids = [f"rcl-{i:03d}" for i in range(60)]
+    await store.add_events([notice(f"n-{r}", 100.0, reclaim_id=r) for r in ids[:30]])
+    selects: list[str] = []
+    real = store._read
+
+    async def counted(sql, args=()):
+        if "FROM reclamations" in sql:
+            selects.append(sql)
+        return await real(sql, args)
+
+    store._read = counted
+    fresh = [ev(f"f-{r}", "replacement_requested", reclaim_id=r, wall_time=101.0) for r in ids]
+    await store.add_events(fresh, fresh=True)
+    assert len(selects) == 1
+    selects.clear()
+    agent = [ev(f"a-{r}", "tainted", reclaim_id=r, wall_time=100.5, mode="remote") for r in ids]
+    await store.add_events(agent)
+    assert len(selects) == 1
+    store._read = real
+    for i, r in enumerate(ids):
+        first = [notice(f"n-{r}", 100.0, reclaim_id=r)] if i < 30 else []
+        stored = [*first, *(e for e in (*fresh, *agent) if e.reclaim_id == r)]
+        assert await store.reclamation(r) == folded(r, "node-a", *stored)
+    found = await store.reclamations([*ids[28:32], "rcl-none"])
+    assert sorted(found) == ids[28:32]
+    assert found[ids[28]] == await store.reclamation(ids[28])
+
+
 async def test_the_empty_reclaim_id_means_the_latest_reclamation(store):
     """`spotctl reclamation` without an id shows the reclamation that started last, whatever
     order the events arrived in."""

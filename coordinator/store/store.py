@@ -44,6 +44,7 @@ _DRAIN_COLUMNS = "node_id, reclaim_id, reason, terminate_at, grace_deadline, sta
 _TAINT_COLUMNS = "node_id, reclaim_id, key, effect, reason, since"
 _CONTRACT_COLUMNS = "image, kind, exited, killed, overrun, flagged_at"
 EVENTS_PER_TRANSACTION = 100
+RECORDS_PER_READ = 500  # reclamation records read in one statement (bound on its parameters)
 _INSERT_EVENT = (
     "INSERT INTO events (uid, kind, node_id, reclaim_id, wall_time, t_offset_s, details_json, "
     "received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(uid) DO NOTHING"
@@ -269,6 +270,15 @@ class Store:
             "AND ended_at IS NULL",
             (self.clock(), node_id, reclaim_id),
         )
+
+    async def lifted_drains(self, since: float) -> list[DrainRow]:
+        """Drains that ended (were lifted) whose deadline D or end is later than `since`."""
+        rows = await self._read(
+            f"SELECT {_DRAIN_COLUMNS} FROM node_drains WHERE ended_at IS NOT NULL "
+            "AND (terminate_at > ? OR ended_at > ?)",
+            (since, since),
+        )
+        return [DrainRow(*r) for r in rows]
 
     async def active_drains(self, node_id: str | None = None) -> list[DrainRow]:
         sql = f"SELECT {_DRAIN_COLUMNS} FROM node_drains WHERE ended_at IS NULL"
@@ -553,11 +563,11 @@ class Store:
     async def _add_fresh(self, events: Sequence[NewEvent]) -> list[int | None]:
         """Events whose uids were never used (the coordinator's own): inserted with the next
         trip, without waiting for their ids."""
-        records: dict[str, dict[str, Any] | None] = {}
         async with self.transaction():
             tx = self._tx()
             assert tx is not None
             tx.conn.serialize_events()
+            records = await self._records_of(events)
             for ev in events:
                 tx.conn.defer(_INSERT_EVENT, self._event_args(ev, self.clock()))
                 if ev.reclaim_id:
@@ -584,12 +594,12 @@ class Store:
 
     async def _add_events(self, events: Sequence[NewEvent]) -> list[int | None]:
         ids: list[int | None] = []
-        records: dict[str, dict[str, Any] | None] = {}
         received = self.clock()
         async with self.transaction():
             tx = self._tx()
             assert tx is not None
             tx.conn.serialize_events()
+            records = await self._records_of(events)
             returned = await tx.conn.execute_each(
                 _INSERT_EVENT + " RETURNING id",
                 [self._event_args(ev, received) for ev in events],
@@ -600,6 +610,17 @@ class Store:
                     await self._fold(records, ev)
             await self._save_records(records)
         return ids
+
+    async def _records_of(self, events: Sequence[NewEvent]) -> dict[str, dict[str, Any] | None]:
+        """The reclamation records these events fold into, in one read (None: none yet). One
+        trip per transaction, not one per reclamation: inside a transaction every read holds
+        the writer, and a hundred of them in a row (a mass reclamation's replacement events)
+        kept the Taints' commits waiting."""
+        found: dict[str, dict[str, Any] | None] = dict.fromkeys(
+            ev.reclaim_id for ev in events if ev.reclaim_id
+        )
+        found.update(await self._reclamations(list(found)))
+        return found
 
     async def _fold(self, records: dict[str, dict[str, Any] | None], ev: NewEvent) -> None:
         if ev.reclaim_id not in records:
@@ -669,6 +690,28 @@ class Store:
         if record is not None:
             del record["_started"]
         return record
+
+    async def reclamations(self, reclaim_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The records of these reclamations that exist, by id, in one read."""
+        found = await self._reclamations(reclaim_ids)
+        for record in found.values():
+            del record["_started"]
+        return found
+
+    async def _reclamations(self, reclaim_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        found: dict[str, dict[str, Any]] = {}
+        ids = list(dict.fromkeys(reclaim_ids))
+        for start in range(0, len(ids), RECORDS_PER_READ):
+            part = ids[start : start + RECORDS_PER_READ]
+            rows = await self._read(
+                "SELECT reclaim_id, record_json, started_at FROM reclamations "
+                f"WHERE reclaim_id IN ({', '.join('?' * len(part))})",
+                part,
+            )
+            for reclaim_id, record_json, started_at in rows:
+                record = found[reclaim_id] = json.loads(record_json)
+                record["_started"] = started_at
+        return found
 
     async def _reclamation(self, reclaim_id: str) -> dict[str, Any] | None:
         # With `_started`, the sort key kept beside the record, for the fold to write back.

@@ -8,7 +8,6 @@ groups), never a scan of the store.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -70,7 +69,7 @@ class Replacement:
             reason="notice",
             deadline=terminate_at,
         )
-        details = {**json.loads(request.to_json()), "avoided_until": until}
+        details = {**request.to_dict(), "avoided_until": until}
         if target is None:
             details["detail"] = "no other node group has an acquirer that is not avoided"
             fleet.events.record_soon("replacement_unavailable", node_id, details, reclaim_id)

@@ -15,6 +15,7 @@ from spotdrain.coordinator.errors import (
     grpc_stream_errors,
 )
 from spotdrain.coordinator.rentals import END_CALLERS, Rental
+from spotdrain.coordinator.routes import merged
 from spotdrain.coordinator.service import Coordinator
 from spotdrain.security import OPERATOR, PROVIDER, RENTER, Identity
 from spotdrain.v1 import spotdrain_pb2 as pb
@@ -44,9 +45,13 @@ class RoutesServicer(pb_grpc.RoutesServicer):
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
                         "this watch fell too far behind; watch again",
                     )
-                change = await queue.get()
-                if change.version <= version:
+                changes = [await queue.get()]
+                while not queue.empty():
+                    changes.append(queue.get_nowait())
+                change = merged([c for c in changes if c.version > version])
+                if change is None:
                     continue
+                version = change.version
                 yield pb.RouteUpdate(
                     version=change.version,
                     upsert=[convert.route_pb(e) for e in change.upsert],

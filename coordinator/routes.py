@@ -99,3 +99,26 @@ class RouteTable:
                 # router re-snapshots (memory stays bounded whatever a router does).
                 self._watchers[model].discard(queue)
                 self._overflowed.add(queue)
+
+
+def merged(changes: list[RouteChange]) -> RouteChange | None:
+    """Changes a watcher has waiting, as one: each worker's last word, at the last version. A
+    thousand workers draining at once (a mass reclamation) are then a few messages to each
+    router, not a thousand, and none is held back: only what already waits is merged."""
+    if not changes:
+        return None
+    if len(changes) == 1:
+        return changes[0]
+    last: dict[str, RouteEntry | None] = {}
+    for change in changes:
+        for entry in change.upsert:
+            last.pop(entry.worker_id, None)  # keeps the order of the latest word
+            last[entry.worker_id] = entry
+        for worker_id in change.removed:
+            last.pop(worker_id, None)
+            last[worker_id] = None
+    return RouteChange(
+        changes[-1].version,
+        upsert=tuple(e for e in last.values() if e is not None),
+        removed=tuple(w for w, e in last.items() if e is None),
+    )

@@ -209,6 +209,9 @@ class Coordinator:
         return identity
 
 
+_READER_ENDED = object()  # on a stream's command queue: the agent's side of it has ended
+
+
 class AgentLinkServicer(pb_grpc.AgentLinkServicer):
     def __init__(self, coord: Coordinator) -> None:
         self.coord = coord
@@ -253,32 +256,28 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
     ) -> AsyncIterator[pb.CoordinatorMessage]:
         """Replies (registration, acks) and commands (start, drain) share one outgoing queue;
         a reader task handles what the agent sends."""
-        out: asyncio.Queue[msg.Command] = asyncio.Queue()
+        out: asyncio.Queue[Any] = asyncio.Queue()
         session: dict[str, str] = {"node_id": ""}
         reader = asyncio.create_task(self._read(request_iterator, context, out, session))
-        getter: asyncio.Task[msg.Command] | None = None
+        # The reader's end is one more item on the queue, after what it queued before it: one
+        # wait per command sent, not a task and a wait set each (a mass reclamation sends a
+        # thousand drains in a second).
+        reader.add_done_callback(lambda _: out.put_nowait(_READER_ENDED))
         try:
-            while True:
-                getter = asyncio.create_task(out.get())
-                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if getter in done:
-                    yield convert.command_pb(getter.result())
-                    continue
-                getter.cancel()
-                while not out.empty():
-                    yield convert.command_pb(out.get_nowait())
-                error = reader.exception()
-                if error is not None:
-                    end_with(context, error, f"Connect({session['node_id']})")
-                return
+            while (command := await out.get()) is not _READER_ENDED:
+                yield convert.command_pb(command)
+            while not out.empty():  # queued for the node after the reader ended
+                command = out.get_nowait()
+                if command is not _READER_ENDED:
+                    yield convert.command_pb(command)
+            error = reader.exception()
+            if error is not None:
+                end_with(context, error, f"Connect({session['node_id']})")
         finally:
-            # Both tasks end with the stream, whichever way it ends (the agent gone, the call
-            # cancelled): a getter left pending on a dropped queue is garbage-collected as
-            # "Task was destroyed but it is pending", and a reader's error is retrieved here.
-            spawned = [t for t in (reader, getter) if t is not None]
-            for task in spawned:
-                task.cancel()
-            await asyncio.gather(*spawned, return_exceptions=True)
+            # The reader ends with the stream, whichever way it ends (the agent gone, the call
+            # cancelled), and its error is retrieved here.
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
             if session["node_id"]:
                 try:
                     await self.coord.fleet.reports.disconnected(session["node_id"], out)

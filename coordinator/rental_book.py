@@ -136,6 +136,11 @@ class RentalBook:
         self, node_id: str, running: Sequence[msg.RentalReport], complete: bool
     ) -> None:
         """A node (re)registered with the rentals it runs."""
+        if not running and not self.fleet.nodes.rental_gpus.get(node_id):
+            # Nothing booked on it and nothing running: no read at every node's registration
+            # (a coordinator restart's reconnect storm is 10,000 of them). Every rental holds
+            # at least one GPU while it is not over.
+            return
         seen = {r.rental_id for r in running}
         for rental in await self.list(node_id, active_only=True):
             if rental.rental_id in seen:

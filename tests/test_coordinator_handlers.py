@@ -246,3 +246,39 @@ async def test_a_node_reconnecting_unchanged_costs_one_blind_write(store, clock)
     stored = await store.node("node-a")
     assert stored is not None and stored.node_group == "group-b"
     assert fleet.nodes.rows["node-a"].node_group == "group-b"
+
+
+async def test_a_node_reconnecting_with_no_rental_reads_no_rentals(store, clock):
+    """After a coordinator restart every node registers again at once: one with no rental
+    booked and none running costs no read of the rentals table (10,000 of those queued on the
+    store's threads in the reconnect storm); a node holding a rental is still reconciled."""
+    import asyncio
+
+    from spotdrain.coordinator import messages as msg
+
+    fleet = Coordinator(store, insecure=True, clock=clock).fleet
+    gpus = ({"index": 0, "uuid": "GPU-1", "name": "H200", "memory_mib": 143771},)
+    def reg(node: str) -> msg.Registration:
+        return msg.Registration(node, False, "g", "aws", gpus)
+
+    for node in ("node-a", "node-b"):
+        await fleet.reports.register(reg(node), asyncio.Queue())
+    rental = await fleet.rentals.create("node-b", "alice", "img", 1)
+
+    reads = []
+    real = store.rental_docs
+
+    async def counted(node_id=None, holding_only=False):
+        reads.append(node_id)
+        return await real(node_id, holding_only)
+
+    store.rental_docs = counted  # type: ignore[method-assign]
+    clock.now += 30
+    await fleet.reports.register(reg("node-a"), asyncio.Queue())
+    assert reads == []
+    queue: asyncio.Queue = asyncio.Queue()
+    await fleet.reports.register(reg("node-b"), queue)
+    assert reads == ["node-b"]
+    sent = [queue.get_nowait() for _ in range(queue.qsize())]
+    # Still starting and not running there: its start is sent again.
+    assert [c.rental_id for c in sent if isinstance(c, msg.StartRental)] == [rental.rental_id]

@@ -369,6 +369,11 @@ class CpuSampler:
         }
 
 
+def process_cpu_s(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
 def scrape(url: str) -> str:
     if not url:
         return ""
@@ -747,7 +752,7 @@ class Run:
             await router.close()
         self.routers = []
         port = int(self.coord.address.rsplit(":", 1)[1])
-        killed = time.monotonic()
+        sim0, killed = self._sim_cpu(), time.monotonic()
         self.coord.kill()
         self.coord.start(port=port)
         spawned, listening = self.coord.spawned_at, self.coord.listening_at
@@ -765,7 +770,12 @@ class Run:
             for code, k in s["failed_since"].items():
                 codes[code] = codes.get(code, 0) + k
         last = max(s["last_registered"] for s in stats)
+        wall = time.monotonic() - killed
         return {
+            # The restarted coordinator's CPU since its start, and the simulator's, per second
+            # of the storm: which of them the two cores were busy with.
+            "cpu_avg": process_cpu_s(self.coord.pid) / wall,
+            "sim_cpu_avg": (self._sim_cpu() - sim0) / wall,
             "all_registered": ok,
             "registered": sum(s["registered_since"] for s in stats),
             "restart_to_all_s": last - spawned if ok else None,
@@ -802,10 +812,16 @@ class Run:
                  f"mass reclamation, {k} Taints within 1 s")  # fmt: skip
         nodes = self.pick_nodes(k)
         m0 = await asyncio.to_thread(scrape, self.coord.metrics_url)
-        t0 = time.monotonic()
+        cpu0, sim0, t0 = process_cpu_s(self.coord.pid), self._sim_cpu(), time.monotonic()
         results = await self.taints(nodes, t0 + 0.5, 1.0)
+        # Who had the two cores while the Taints were answered: the coordinator, or the
+        # simulator standing in for the 10,000 hosts (its own cores, in a real fleet).
+        wall = time.monotonic() - t0
+        cpu1, sim1 = process_cpu_s(self.coord.pid), self._sim_cpu()
         m1 = await asyncio.to_thread(scrape, self.coord.metrics_url)
         out: dict[str, Any] = {"taint": taint_summary(results), "settled_s": settled_s}
+        out["cpu_avg"] = (cpu1 - cpu0) / wall
+        out["sim_cpu_avg"] = (sim1 - sim0) / wall
         # The coordinator's own share (handler start to answer): the rest of each round trip
         # is gRPC's queue before the handler, the network and the simulator.
         handled = buckets(m0, TAINT_ANSWER), buckets(m1, TAINT_ANSWER)
@@ -944,6 +960,8 @@ ROWS = [
     ("storm: coordinator start (s)", "storm.coordinator_start_s", None, 1, 2, ""),
     ("storm: ended before Registered", "storm.ended_before_registered", None, 1, 0, "0"),
     ("storm: attempts with no connection", "storm.no_connection", None, 1, 0, ""),
+    ("storm: coordinator CPU (cores)", "storm.cpu_avg", None, 1, 2, ""),
+    ("storm: simulator CPU (cores)", "storm.sim_cpu_avg", None, 1, 2, ""),
     ("mass: after the storm, settled (s)", "mass.settled_s", None, 1, 0, ""),
     ("mass: Taints (n)", "mass.taint.n", None, 1, 0, ""),
     ("mass: Taint p99 (ms)", "mass.taint.p99_ms", None, 1, 1, "<= 200"),
@@ -951,6 +969,8 @@ ROWS = [
     ("mass: in the coordinator p50 (ms)", "mass.handled_p50_ms", None, 1, 1, ""),
     ("mass: in the coordinator p99 (ms)", "mass.handled_p99_ms", None, 1, 1, ""),
     ("mass: > 800 ms / DEADLINE", "mass.taint.over_800ms", None, 1, 0, "0"),
+    ("mass: coordinator CPU (cores)", "mass.cpu_avg", None, 1, 2, ""),
+    ("mass: simulator CPU (cores)", "mass.sim_cpu_avg", None, 1, 2, ""),
     ("mass: replacements placed", "mass.replacements.placed", None, 1, 0, "= Taints"),
 ]
 

@@ -87,7 +87,7 @@ class Drains:
             lock = self._locks[node_id] = asyncio.Lock()
         return lock
 
-    def load(self, drains: list[DrainRow], lifted: list[DrainRow] = ()) -> None:
+    def load(self, drains: Sequence[DrainRow], lifted: Sequence[DrainRow] = ()) -> None:
         """The drains in progress and those lifted lately (`store.lifted_drains`), as stored."""
         self.active = {}
         for d in drains:

@@ -994,6 +994,62 @@ async def test_postgres_unreachable_fails_open_in_bounded_time(clock):
     assert "127.0.0.1" in message and "s3cret" not in message
 
 
+async def test_postgres_critical_path_fails_fast_until_its_own_pool_is_back(postgres, clock):
+    """The primary died (Patroni is promoting the standby). Every call found no database, so
+    each waits only DOWN_WAIT_S for a connection. Then the bulk pool reconnects first (an
+    agent's outbox flushes): a Taint must still fail fast, not wait the critical pool's whole
+    connect timeout past the agent's 800 ms, until a call on the critical pool gets through."""
+    from psycopg_pool import PoolTimeout
+
+    from spotdrain.coordinator.store.postgres import DOWN_WAIT_S
+
+    name = f"down_{uuid.uuid4().hex[:8]}"
+    store = await open_store(postgres.create_database(name), clock)
+    backend = store.backend
+    assert isinstance(backend, PostgresBackend)
+    waits: list[tuple[str, float | None]] = []
+    pools = {backend._bulk: "bulk", backend._critical: "critical"}
+    real = {pool: pool.connection for pool in pools}
+    gone = set(pools)
+
+    def watched(pool):
+        def connection(timeout=None):
+            waits.append((pools[pool], timeout))
+            if pool in gone:
+                raise PoolTimeout("no database")
+            return real[pool](timeout)
+
+        return connection
+
+    try:
+        for pool in pools:
+            pool.connection = watched(pool)
+        with pytest.raises(StoreError):
+            await store.add_taint("node-a", "rcl-1", "notice")  # the critical path
+        with pytest.raises(StoreError):
+            await store.nodes()
+        gone.discard(backend._bulk)  # the bulk pool is back first
+        assert await store.nodes() == []
+        waits.clear()
+        with pytest.raises(StoreError):
+            async with store.transaction(priority=True):
+                await store.add_taint("node-a", "rcl-1", "notice")
+        assert waits == [("critical", DOWN_WAIT_S)]
+        gone.clear()  # and now the critical pool too
+        async with store.transaction(priority=True):
+            await store.add_taint("node-a", "rcl-1", "notice")
+        waits.clear()
+        async with store.transaction(priority=True):
+            await store.add_taint("node-a", "rcl-2", "notice")
+        assert waits == [("critical", None)]  # back to the pool's own timeout
+        assert [t.reclaim_id for t in await store.taints("node-a")] == ["rcl-1", "rcl-2"]
+    finally:
+        for pool, connection in real.items():
+            pool.connection = connection
+        await store.close()
+        postgres.drop_database(name)
+
+
 @pytest.fixture
 def en_us_database(postgres) -> Iterator[str]:
     """A database as a fleet's cluster usually has it: a natural-language collation (en-US),

@@ -227,16 +227,23 @@ class PostgresBackend(Backend):
         self._fenced_off = ""  # a follower's reason: every write refused, no trip
         self.on_fenced: Callable[[str], None] = lambda why: None
         self._lease_conn: psycopg.AsyncConnection | None = None
-        self._down = False  # the last call found no database to talk to
+        # The pools whose last call found no database to talk to. A failure marks both (the
+        # database is gone); only a call that got through clears its own pool: the bulk pool
+        # back first (an agent's outbox) must not leave a Taint waiting the critical pool's
+        # full connect timeout, past its own 800 ms, while that pool still reconnects.
+        self._down: set[AsyncConnectionPool] = set()
 
-    def _wait_s(self) -> float | None:
+    def _wait_s(self, pool: AsyncConnectionPool) -> float | None:
         """How long a call waits for a pool connection (None: the pool's CONNECT_TIMEOUT_S)."""
-        return DOWN_WAIT_S if self._down else None
+        return DOWN_WAIT_S if pool in self._down else None
+
+    def _mark_down(self) -> None:
+        self._down = {self._bulk, self._critical}
 
     def _failure(self, e: Exception) -> StoreError:
         error = _failed(self.where, e)
         if isinstance(error, StoreUnavailable):
-            self._down = True
+            self._mark_down()
         return error
 
     # --- the leader lease and the fence ------------------------------------------------------
@@ -367,17 +374,17 @@ class PostgresBackend(Backend):
         fence = self._fence
         pool = self._critical if priority else self._bulk
         try:
-            async with pool.connection(self._wait_s()) as conn, conn.transaction():
+            async with pool.connection(self._wait_s(pool)) as conn, conn.transaction():
                 pg = _PgConn(conn, self.where)
                 if fence is not None:
                     pg.defer(FENCE, fence)  # goes out with the first statement, same trip
                 yield pg
                 await pg.flush()
-            self._down = False
+            self._down.discard(pool)
         except (psycopg.Error, PoolTimeout) as e:
             raise self._failure(e) from e
         except StoreUnavailable:  # a statement's own (_PgConn)
-            self._down = True
+            self._mark_down()
             raise
         except Fenced as e:
             self._refused(e)
@@ -388,7 +395,7 @@ class PostgresBackend(Backend):
         fence = self._fence
         pool = self._critical if priority else self._bulk
         try:
-            async with pool.connection(self._wait_s()) as conn:
+            async with pool.connection(self._wait_s(pool)) as conn:
                 if fence is None:  # autocommit: one statement, one round trip
                     result = await _PgConn(conn, self.where).execute(sql, args)
                 else:
@@ -398,7 +405,7 @@ class PostgresBackend(Backend):
                         cur = await conn.execute(_params(sql), tuple(args))
                     rows = await cur.fetchall() if cur.description else []
                     result = Result(rows, cur.rowcount)
-            self._down = False
+            self._down.discard(pool)
             return result
         except (psycopg.Error, PoolTimeout) as e:
             error = self._failure(e)
@@ -406,7 +413,7 @@ class PostgresBackend(Backend):
                 self._refused(error)
             raise error from e
         except StoreUnavailable:
-            self._down = True
+            self._mark_down()
             raise
         except Fenced as e:
             self._refused(e)
@@ -414,14 +421,14 @@ class PostgresBackend(Backend):
 
     async def read(self, sql: str, args: Sequence[Any] = ()) -> Result:
         try:
-            async with self._bulk.connection(self._wait_s()) as conn:
+            async with self._bulk.connection(self._wait_s(self._bulk)) as conn:
                 result = await _PgConn(conn, self.where).execute(sql, args)
-            self._down = False
+            self._down.discard(self._bulk)
             return result
         except PoolTimeout as e:
             raise self._failure(e) from e
         except StoreUnavailable:
-            self._down = True
+            self._mark_down()
             raise
 
     async def close(self) -> None:

@@ -40,6 +40,11 @@ LIFTED_KEEP_S = 600.0
 LIFTED_PER_NODE = 64
 
 
+def _forget_at(lifted: DrainRow) -> float:
+    """When a lifted drain may be forgotten (LIFTED_KEEP_S after its D or its lift)."""
+    return max(lifted.terminate_at, lifted.ended_at or 0.0) + LIFTED_KEEP_S
+
+
 class SpotChangeRefused(Exception):
     def __init__(self, node_id: str, rentals: Sequence[str], render: Sequence[str] = ()) -> None:
         held = []
@@ -109,8 +114,7 @@ class Drains:
             self._lifted_overflow.add(drain.node_id)
             return
         node[drain.reclaim_id] = drain
-        until = max(drain.terminate_at, drain.ended_at or 0.0) + LIFTED_KEEP_S
-        heapq.heappush(self._forget_at, (until, drain.node_id, drain.reclaim_id))
+        heapq.heappush(self._forget_at, (_forget_at(drain), drain.node_id, drain.reclaim_id))
 
     def _forget_lifted(self, now: float) -> None:
         while self._forget_at and self._forget_at[0][0] < now:
@@ -119,7 +123,7 @@ class Drains:
             drain = node.get(reclaim_id)
             if drain is None:
                 continue
-            if max(drain.terminate_at, drain.ended_at or 0.0) + LIFTED_KEEP_S >= now:
+            if _forget_at(drain) >= now:
                 continue  # remembered again since, with a later time
             del node[reclaim_id]
             if not node:

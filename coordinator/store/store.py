@@ -623,9 +623,7 @@ class Store:
         return found
 
     async def _fold(self, records: dict[str, dict[str, Any] | None], ev: NewEvent) -> None:
-        if ev.reclaim_id not in records:
-            records[ev.reclaim_id] = await self._reclamation(ev.reclaim_id)
-        record = records[ev.reclaim_id]
+        record = records[ev.reclaim_id]  # read beforehand, all at once (_records_of)
         if record is None:
             record = records[ev.reclaim_id] = timeline.new_record(ev.reclaim_id, ev.node_id)
         if record["node_id"] != ev.node_id:
@@ -716,15 +714,11 @@ class Store:
     async def _reclamation(self, reclaim_id: str) -> dict[str, Any] | None:
         # With `_started`, the sort key kept beside the record, for the fold to write back.
         if reclaim_id:
-            row = await self._one(
-                "SELECT record_json, started_at FROM reclamations WHERE reclaim_id=?",
-                (reclaim_id,),
-            )
-        else:
-            row = await self._one(
-                "SELECT record_json, started_at FROM reclamations "
-                f"ORDER BY started_at DESC, reclaim_id{self._c} DESC LIMIT 1"
-            )
+            return (await self._reclamations([reclaim_id])).get(reclaim_id)
+        row = await self._one(
+            "SELECT record_json, started_at FROM reclamations "
+            f"ORDER BY started_at DESC, reclaim_id{self._c} DESC LIMIT 1"
+        )
         if row is None:
             return None
         record = json.loads(row[0])

@@ -20,7 +20,7 @@ from test_replicas import (  # noqa: F401 (fixtures)
 
 from fakenode import FakeNode
 from harness import wait_until
-from spotdrain.coordinator.store.postgres import EVENTS_LOCK
+from spotdrain.coordinator.store.pg_conn import EVENTS_LOCK
 
 # The leader's event batch waits for the events lock the test holds: its transaction has passed
 # the fence (the share lock on the lease row) and is mid-flight.

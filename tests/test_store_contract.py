@@ -732,6 +732,65 @@ async def test_a_taint_overtakes_queued_event_batches(store):
     assert [t.reclaim_id for t in await store.taints("node-a")] == ["rcl-1"]
 
 
+def group_trips(store: Store) -> int:
+    """Commits made for blind transactions (the backend's own counter, not a public API)."""
+    groups = store.backend._groups
+    return sum(g.trips for g in (groups.values() if isinstance(groups, dict) else [groups]))
+
+
+async def test_blind_transactions_commit_together_and_a_refused_one_alone(store):
+    """Thirty handlers that only write (a Taint's kind of transaction) end at the same moment,
+    one of them with a statement the database refuses: that one alone is told and leaves
+    nothing, the others are all stored, in fewer commits than transactions."""
+
+    async def handler(n: int) -> None:
+        async with store.transaction(priority=n % 2 == 0):
+            await store.add_taint(f"node-{n:02d}", f"rcl-{n}", "notice")
+            if n == 17:
+                store._tx().conn.defer("INSERT INTO meta VALUES ('schema_version', 'x')")
+
+    trips = group_trips(store)
+    results = await asyncio.gather(*(handler(n) for n in range(30)), return_exceptions=True)
+    assert [n for n, r in enumerate(results) if r is not None] == [17]
+    assert isinstance(results[17], StoreError)
+    assert sorted(await store.all_taints()) == [f"node-{n:02d}" for n in range(30) if n != 17]
+    assert await schema_version(store) == str(SCHEMA_VERSION)
+    assert group_trips(store) - trips < 30
+
+
+async def test_the_coordinators_own_events_committed_together_keep_their_order(store):
+    """The coordinator's own events (no id awaited: committed in groups) and agents' batches
+    (ids returned) stored at once: every id is unique and a consumer that resumes after the
+    last id it saw misses none."""
+    seen: list[int] = []
+    cursor = asyncio.Lock()
+
+    async def consume() -> None:
+        async with cursor:
+            after = seen[-1] if seen else 0
+            while rows := await store.events_after(after):
+                seen.extend(r.id for r in rows)
+                after = rows[-1].id
+
+    async def own(n: int) -> None:
+        for i in range(5):
+            await store.add_events([ev(f"own-{n}-{i}", "worker_ready", reclaim_id="")], fresh=True)
+            await consume()
+
+    async def agent(n: int) -> None:
+        for i in range(5):
+            await store.add_events([ev(f"agent-{n}-{i}", "sigterm_sent", reclaim_id=f"r{n}")])
+            await consume()
+
+    await asyncio.gather(*(own(n) for n in range(10)), *(agent(n) for n in range(10)))
+    await consume()
+    assert len(seen) == len(set(seen)) == 100
+    assert seen == sorted(seen)
+    stored = {e.uid for e in await store.events_after(0, limit=1000)}
+    assert stored == {f"{who}-{n}-{i}" for who in ("own", "agent") for n in range(10)
+                      for i in range(5)}  # fmt: skip
+
+
 # --- PriorityLock itself --------------------------------------------------------------------
 
 

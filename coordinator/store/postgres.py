@@ -41,12 +41,22 @@ from spotdrain.coordinator.store.backend import (
     StoreUnavailable,
     schema_version,
 )
+from spotdrain.coordinator.store.groups import GroupCommit, Write
+from spotdrain.coordinator.store.pg_conn import (
+    FENCE_TAG,
+    LOCK_EVENTS,
+    PgConn,
+    commit_trip,
+    failed,
+    params,
+    trip,
+)
 from spotdrain.coordinator.store.sqlite import check_version
 
 log = logging.getLogger("spotdrain.coordinator.store")
 
-# Any fixed number: the key of the transaction-scoped advisory locks below.
-EVENTS_LOCK = 0x5D01
+# Any fixed number: the key of the migration's transaction-scoped advisory lock (the events
+# lock, EVENTS_LOCK, is pg_conn's).
 MIGRATION_LOCK = 0x5D02
 CONNECT_TIMEOUT_S = 5.0
 # While the database answers nothing (no primary: mid-failover), a call waits this long for a
@@ -64,7 +74,6 @@ DOWN_WAIT_S = 0.2
 # socket lives: the takeover ends that leader's sessions (END_EXPIRED). The idle limit set here
 # is only a second net: PostgreSQL arms it after a plain statement, not after a pipeline (the
 # fence's own trip always is one), so a transaction stopped right after such a trip sits on.
-FENCE_TAG = "spotdrain-fence"
 FENCE = (
     "SELECT set_config('idle_in_transaction_session_timeout', ?, true), "
     "COALESCE((SELECT '1' FROM leader_lease WHERE id = 1 AND term = ? AND holder = ? "
@@ -114,88 +123,12 @@ END_EXPIRED = (
 )
 
 
-def _params(sql: str) -> str:
-    # The queries are written with SQLite's `?`; psycopg wants `%s` (no query holds a `%`).
-    return sql.replace("?", "%s")
-
-
 def redact(url: str) -> str:
     return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", re.sub(r"password=\S+", "password=***", url))
 
 
-def _failed(where: str, e: Exception) -> StoreError:
-    if isinstance(e, psycopg.errors.InvalidTextRepresentation) and FENCE_TAG in str(e):
-        why = str(e).split(FENCE_TAG, 1)[1].strip(': "')
-        return Fenced(f"database {where}: {why}")
-    if isinstance(e, psycopg.OperationalError | PoolTimeout):
-        return StoreUnavailable(f"database {where}: {e}")
-    return StoreError(f"database {where}: {e}")
-
-
 class _RowLocked(StoreError):
     """A lease statement waited its lock_timeout for the lease row (held by a transaction)."""
-
-
-class _PgConn(Conn):
-    def __init__(self, conn: psycopg.AsyncConnection, where: str) -> None:
-        self.conn = conn
-        self.where = where
-        self.pending: list[tuple[str, tuple[Any, ...]]] = []
-
-    def defer(self, sql: str, args: Sequence[Any] = ()) -> None:
-        self.pending.append((_params(sql), tuple(args)))
-
-    async def flush(self) -> None:
-        """Queued writes in one pipeline: sent together, answered together."""
-        if not self.pending:
-            return
-        pending, self.pending = self.pending, []
-        try:
-            async with self.conn.pipeline():
-                for sql, args in pending:
-                    await self.conn.execute(sql, args)
-        except psycopg.Error as e:
-            raise _failed(self.where, e) from e
-
-    async def execute(self, sql: str, args: Sequence[Any] = ()) -> Result:
-        # What was queued goes in the same pipeline trip as this statement (the fence too).
-        pending, self.pending = self.pending, []
-        try:
-            if pending:
-                async with self.conn.pipeline():
-                    for queued, queued_args in pending:
-                        await self.conn.execute(queued, queued_args)
-                    cur = await self.conn.execute(_params(sql), tuple(args))
-            else:
-                cur = await self.conn.execute(_params(sql), tuple(args))
-            rows = await cur.fetchall() if cur.description else []
-            return Result(rows, cur.rowcount)
-        except psycopg.Error as e:
-            raise _failed(self.where, e) from e
-
-    async def execute_each(
-        self, sql: str, rows: Sequence[Sequence[Any]]
-    ) -> list[tuple[Any, ...] | None]:
-        out: list[tuple[Any, ...] | None] = []
-        if not rows:
-            return out
-        await self.flush()
-        try:
-            async with self.conn.cursor() as cur:
-                # Pipelined: every statement goes out before the first answer is read.
-                await cur.executemany(_params(sql), [tuple(r) for r in rows], returning=True)
-                while True:
-                    out.append(await cur.fetchone())
-                    if not cur.nextset():
-                        break
-        except psycopg.Error as e:
-            raise _failed(self.where, e) from e
-        return out
-
-    def serialize_events(self) -> None:
-        # Held to the commit: transactions that insert events commit one after the other, in
-        # the order they took their ids.
-        self.defer("SELECT pg_advisory_xact_lock(?)", (EVENTS_LOCK,))
 
 
 class PostgresBackend(Backend):
@@ -232,6 +165,12 @@ class PostgresBackend(Backend):
         # back first (an agent's outbox) must not leave a Taint waiting the critical pool's
         # full connect timeout, past its own 800 ms, while that pool still reconnects.
         self._down: set[AsyncConnectionPool] = set()
+        # Transactions of blind writes waiting to commit together, per pool (so a Taint's
+        # never waits behind bulk ones): by priority.
+        self._groups = {
+            False: GroupCommit(lambda groups, _: self._commit_groups(self._bulk, groups)),
+            True: GroupCommit(lambda groups, _: self._commit_groups(self._critical, groups)),
+        }
 
     def _wait_s(self, pool: AsyncConnectionPool) -> float | None:
         """How long a call waits for a pool connection (None: the pool's CONNECT_TIMEOUT_S)."""
@@ -241,7 +180,7 @@ class PostgresBackend(Backend):
         self._down = {self._bulk, self._critical}
 
     def _failure(self, e: Exception) -> StoreError:
-        error = _failed(self.where, e)
+        error = failed(self.where, e)
         if isinstance(error, StoreUnavailable):
             self._mark_down()
         return error
@@ -287,7 +226,7 @@ class PostgresBackend(Backend):
                         application_name=self.session_name,
                         options=f"-c statement_timeout={ms} -c lock_timeout={lock_ms}",
                     )  # fmt: skip
-                cur = await self._lease_conn.execute(_params(sql), tuple(args))
+                cur = await self._lease_conn.execute(params(sql), tuple(args))
                 return await cur.fetchall()
         except psycopg.errors.LockNotAvailable as e:  # the statement failed, the connection not
             raise _RowLocked(f"database {self.where}: lease: the row stayed locked ({e})") from e
@@ -295,7 +234,7 @@ class PostgresBackend(Backend):
             await self._drop_lease_conn()
             if isinstance(e, TimeoutError):
                 raise StoreUnavailable(f"database {self.where}: lease: no answer in time") from e
-            raise _failed(self.where, e) from e
+            raise failed(self.where, e) from e
 
     async def _drop_lease_conn(self) -> None:
         conn, self._lease_conn = self._lease_conn, None
@@ -369,44 +308,11 @@ class PostgresBackend(Backend):
                     await conn.execute(sql)
 
     @asynccontextmanager
-    async def transaction(self, priority: bool = False) -> AsyncIterator[Conn]:
-        self._check_fence()
-        fence = self._fence
-        pool = self._critical if priority else self._bulk
+    async def _calling(self) -> AsyncIterator[None]:
+        """A call's failures as StoreErrors: the database gone marks the pools down, a fence
+        failure makes this process refuse every write from then on."""
         try:
-            async with pool.connection(self._wait_s(pool)) as conn, conn.transaction():
-                pg = _PgConn(conn, self.where)
-                if fence is not None:
-                    pg.defer(FENCE, fence)  # goes out with the first statement, same trip
-                yield pg
-                await pg.flush()
-            self._down.discard(pool)
-        except (psycopg.Error, PoolTimeout) as e:
-            raise self._failure(e) from e
-        except StoreUnavailable:  # a statement's own (_PgConn)
-            self._mark_down()
-            raise
-        except Fenced as e:
-            self._refused(e)
-            raise
-
-    async def write(self, sql: str, args: Sequence[Any] = (), priority: bool = False) -> Result:
-        self._check_fence()
-        fence = self._fence
-        pool = self._critical if priority else self._bulk
-        try:
-            async with pool.connection(self._wait_s(pool)) as conn:
-                if fence is None:  # autocommit: one statement, one round trip
-                    result = await _PgConn(conn, self.where).execute(sql, args)
-                else:
-                    # Fenced: BEGIN, the fence, the statement and COMMIT, still one trip.
-                    async with conn.pipeline(), conn.transaction():
-                        await conn.execute(_params(FENCE), fence)
-                        cur = await conn.execute(_params(sql), tuple(args))
-                    rows = await cur.fetchall() if cur.description else []
-                    result = Result(rows, cur.rowcount)
-            self._down.discard(pool)
-            return result
+            yield
         except (psycopg.Error, PoolTimeout) as e:
             error = self._failure(e)
             if isinstance(error, Fenced):
@@ -419,19 +325,97 @@ class PostgresBackend(Backend):
             self._refused(e)
             raise
 
-    async def read(self, sql: str, args: Sequence[Any] = ()) -> Result:
+    def _head(self) -> list[Write]:
+        # The fence goes out first in every write transaction, in the same trip as its first
+        # statement.
+        return [] if self._fence is None else [(params(FENCE), self._fence)]
+
+    @asynccontextmanager
+    async def transaction(self, priority: bool = False) -> AsyncIterator[Conn]:
+        self._check_fence()
+        pool = self._critical if priority else self._bulk
+        pg = PgConn(lambda: pool.connection(self._wait_s(pool)), self.where, self._head())
+        async with self._calling():
+            try:
+                yield pg
+                await pg.commit()
+            except BaseException:
+                await pg.rollback()
+                raise
+            finally:
+                await pg.close()
+        if pg.started:
+            self._down.discard(pool)
+            return
+        writes = pg.blind()
+        if writes:
+            # Shielded: a caller cancelled now leaves its writes committed with the group,
+            # never half sent.
+            await asyncio.shield(self._groups[priority](writes))
+
+    async def write(self, sql: str, args: Sequence[Any] = (), priority: bool = False) -> Result:
+        self._check_fence()
+        pool = self._critical if priority else self._bulk
+        statement = (params(sql), tuple(args))
+        async with self._calling(), pool.connection(self._wait_s(pool)) as conn:
+            if self._fence is None:  # autocommit: one statement, one round trip
+                result = await trip(conn, self.where, [statement])
+            else:
+                # Fenced: BEGIN, the fence, the statement and COMMIT, still one trip.
+                async with conn.pipeline(), conn.transaction():
+                    await conn.execute(*self._head()[0])
+                    cur = await conn.execute(*statement)
+                rows = await cur.fetchall() if cur.description else []
+                result = Result(rows, cur.rowcount)
+        self._down.discard(pool)
+        return result
+
+    async def write_later(self, sql: str, args: Sequence[Any] = (), priority: bool = False) -> None:
+        self._check_fence()
+        await asyncio.shield(self._groups[priority]([(params(sql), tuple(args))]))
+
+    async def _commit_groups(
+        self, pool: AsyncConnectionPool, groups: list[list[Write]]
+    ) -> list[BaseException | None]:
+        """Every waiting group in one trip. A statement the database refused fails that trip
+        whole: then each group goes alone, so only the group that holds it is told."""
         try:
-            async with self._bulk.connection(self._wait_s(self._bulk)) as conn:
-                result = await _PgConn(conn, self.where).execute(sql, args)
-            self._down.discard(self._bulk)
-            return result
-        except PoolTimeout as e:
-            raise self._failure(e) from e
-        except StoreUnavailable:
-            self._mark_down()
-            raise
+            await self._commit_trip(pool, _joined(groups))
+            return [None] * len(groups)
+        except StoreError as e:
+            if isinstance(e, StoreUnavailable | Fenced) or len(groups) == 1:
+                return [e] * len(groups)
+        out: list[BaseException | None] = []
+        for group in groups:
+            try:
+                await self._commit_trip(pool, _joined([group]))
+                out.append(None)
+            except StoreError as e:
+                out.append(e)
+        return out
+
+    async def _commit_trip(self, pool: AsyncConnectionPool, writes: list[Write]) -> None:
+        self._check_fence()
+        async with self._calling(), pool.connection(self._wait_s(pool)) as conn:
+            await commit_trip(conn, self.where, [*self._head(), *writes])
+        self._down.discard(pool)
+
+    async def read(self, sql: str, args: Sequence[Any] = ()) -> Result:
+        async with self._calling(), self._bulk.connection(self._wait_s(self._bulk)) as conn:
+            result = await trip(conn, self.where, [(params(sql), tuple(args))])
+        self._down.discard(self._bulk)
+        return result
 
     async def close(self) -> None:
         await self._drop_lease_conn()
         await self._bulk.close()
         await self._critical.close()
+
+
+def _joined(groups: list[list[Write]]) -> list[Write]:
+    """The groups' writes as one transaction's: the events lock once, first, when any group
+    inserts events (taken mid-way it could wait on a row another holder of it wants)."""
+    writes = [w for group in groups for w in group if w is not LOCK_EVENTS]
+    if any(group[:1] == [LOCK_EVENTS] for group in groups):
+        return [LOCK_EVENTS, *writes]
+    return writes

@@ -26,6 +26,7 @@ from spotdrain.coordinator.store.backend import (
     StoreError,
     schema_version,
 )
+from spotdrain.coordinator.store.groups import GroupCommit, Write
 
 T = TypeVar("T")
 READERS = 2
@@ -152,9 +153,7 @@ class SqliteBackend(Backend):
         self._all: list[sqlite3.Connection] = []
         self._all_lock = threading.Lock()
         # Transactions of blind writes waiting to commit together (group_commit).
-        self._groups: list[tuple[list[tuple[str, Sequence[Any]]], asyncio.Future[None]]] = []
-        self._groups_priority = False
-        self._committer: asyncio.Task[None] | None = None
+        self._groups = GroupCommit(self._commit_groups)
 
     async def open(self) -> None:
         try:
@@ -217,33 +216,17 @@ class SqliteBackend(Backend):
         self, writes: Sequence[tuple[str, Sequence[Any]]], priority: bool
     ) -> None:
         """Commit these blind writes with every other group waiting now, in one trip."""
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._groups.append((list(writes), done))
-        self._groups_priority = self._groups_priority or priority
-        if self._committer is None or self._committer.done():
-            self._committer = asyncio.get_running_loop().create_task(self._commit_groups())
-        await done
+        await self._groups(writes, priority)
 
-    async def _commit_groups(self) -> None:
-        while self._groups:
-            groups, self._groups = self._groups, []
-            priority, self._groups_priority = self._groups_priority, False
-            await self._lock.acquire(priority)
-            try:
-                errors = await self._write(_group, [w for w, _ in groups])
-            except BaseException as e:  # noqa: BLE001 (each waiter is told)
-                errors = [e] * len(groups)
-            finally:
-                self._lock.release()
-            for (_, done), error in zip(groups, errors, strict=True):
-                if done.done():
-                    continue
-                if error is None:
-                    done.set_result(None)
-                elif isinstance(error, BaseException):
-                    done.set_exception(error)
-                else:
-                    done.set_exception(StoreError(f"database {self.path}: {error}"))
+    async def _commit_groups(
+        self, groups: list[list[Write]], priority: bool
+    ) -> list[BaseException | None]:
+        await self._lock.acquire(priority)
+        try:
+            errors = await self._write(_group, groups)
+        finally:
+            self._lock.release()
+        return [None if e is None else StoreError(f"database {self.path}: {e}") for e in errors]
 
     def _reader_db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)

@@ -1015,6 +1015,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also the variant with desired capacity kept (SetModelReplicas)",
     )
+    p.add_argument(
+        "--capacity-only",
+        action="store_true",
+        help="only the variant with desired capacity kept (no one-StartWorker-per-node run)",
+    )
     p.add_argument("--flood", action="store_true", help="also a window with one node flooding")
     p.add_argument("--mass", action="store_true", help="mass reclamation on the largest size")
     p.add_argument("--mass-nodes", type=int, default=1000)
@@ -1080,6 +1085,8 @@ async def amain(opts: argparse.Namespace) -> dict[str, Any]:
         "runs": {},
     }
     variants = ["plain", "capacity"] if opts.capacity else ["plain"]
+    if opts.capacity_only:
+        variants = ["capacity"]
     chosen = backends(opts)
     try:
         for backend in chosen:

@@ -813,7 +813,9 @@ class Run:
         nodes = self.pick_nodes(k)
         m0 = await asyncio.to_thread(scrape, self.coord.metrics_url)
         cpu0, sim0, t0 = process_cpu_s(self.coord.pid), self._sim_cpu(), time.monotonic()
+        lag = asyncio.ensure_future(self.shards.all("lag", duration=2.0))
         results = await self.taints(nodes, t0 + 0.5, 1.0)
+        sim_lags = [x for part in await lag for x in part]
         # Who had the two cores while the Taints were answered: the coordinator, or the
         # simulator standing in for the 10,000 hosts (its own cores, in a real fleet).
         wall = time.monotonic() - t0
@@ -822,6 +824,11 @@ class Run:
         out: dict[str, Any] = {"taint": taint_summary(results), "settled_s": settled_s}
         out["cpu_avg"] = (cpu1 - cpu0) / wall
         out["sim_cpu_avg"] = (sim1 - sim0) / wall
+        # Each side's event-loop lag over the burst: a Taint's round trip is as late as the
+        # later of the two loops makes it.
+        out["sim_lag_p99_ms"] = percentile(sim_lags, 0.99) if sim_lags else None
+        lag_s = histogram_quantile(buckets(m0, LAG), buckets(m1, LAG), 0.99)
+        out["lag_p99_ms"] = None if lag_s is None else lag_s * 1000
         # The coordinator's own share (handler start to answer): the rest of each round trip
         # is gRPC's queue before the handler, the network and the simulator.
         handled = buckets(m0, TAINT_ANSWER), buckets(m1, TAINT_ANSWER)
@@ -971,6 +978,8 @@ ROWS = [
     ("mass: > 800 ms / DEADLINE", "mass.taint.over_800ms", None, 1, 0, "0"),
     ("mass: coordinator CPU (cores)", "mass.cpu_avg", None, 1, 2, ""),
     ("mass: simulator CPU (cores)", "mass.sim_cpu_avg", None, 1, 2, ""),
+    ("mass: coordinator loop lag p99 (ms)", "mass.lag_p99_ms", None, 1, 1, ""),
+    ("mass: simulator loop lag p99 (ms)", "mass.sim_lag_p99_ms", None, 1, 1, ""),
     ("mass: replacements placed", "mass.replacements.placed", None, 1, 0, "= Taints"),
 ]
 

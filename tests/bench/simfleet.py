@@ -269,6 +269,18 @@ class Shard:
 
         return list(await asyncio.gather(*(one(*item) for item in items)))
 
+    async def cmd_lag(self, duration: float, every: float = 0.01) -> list[float]:
+        """This shard's event-loop lag (ms late for a `every` s sleep) over `duration`: when
+        it is large, a round trip measured here is the simulator's wait as much as the
+        coordinator's."""
+        lags: list[float] = []
+        end = time.monotonic() + duration
+        while time.monotonic() < end:
+            t0 = time.monotonic()
+            await asyncio.sleep(every)
+            lags.append(max(0.0, (time.monotonic() - t0 - every) * 1000))
+        return lags
+
     async def cmd_events(self, duration: float, every: float, per_tick: int, size: int):
         """Every `every` s, `per_tick` random registered nodes each send a batch of `size`."""
         self.ack_ms = []

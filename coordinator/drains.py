@@ -102,11 +102,14 @@ class Drains:
             self._remember_lifted(d)
 
     def _ended(self, node_id: str, reclaim_id: str, lifted: DrainRow) -> None:
+        self._unstarted(node_id, reclaim_id)
+        self._remember_lifted(lifted)
+
+    def _unstarted(self, node_id: str, reclaim_id: str) -> None:
         drains = self.active.get(node_id, {})
         drains.pop(reclaim_id, None)
         if not drains:
             self.active.pop(node_id, None)
-        self._remember_lifted(lifted)
 
     def _remember_lifted(self, drain: DrainRow) -> None:
         node = self.lifted.setdefault(drain.node_id, {})
@@ -245,6 +248,7 @@ class Drains:
         if first:
             await store.add_drain(drain)
             self.active.setdefault(node_id, {})[reclaim_id] = drain
+            store.on_rollback(lambda: self._unstarted(node_id, reclaim_id))
         now = fleet.clock()
         lost = [w for w in fleet.live_workers(node_id) if w.state != wm.DRAINING]
         why = reason if reason in wm.DRAIN_REASONS else "operator"

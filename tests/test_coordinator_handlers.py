@@ -10,7 +10,7 @@ import pytest
 
 from spotdrain.coordinator.drains import LIFTED_KEEP_S, LIFTED_PER_NODE
 from spotdrain.coordinator.service import AgentLinkServicer, Coordinator
-from spotdrain.coordinator.store import SCHEMA_VERSION, StoreError, open_store
+from spotdrain.coordinator.store import SCHEMA_VERSION, StoreError, StoreUnavailable, open_store
 from spotdrain.coordinator.store.schema import SQLITE_WORDS, steps_from
 from spotdrain.coordinator.timeline import fold, new_record
 from spotdrain.v1 import spotdrain_pb2 as pb
@@ -158,6 +158,33 @@ async def test_a_taint_is_answered_only_once_it_is_stored(store, clock):
     [again] = await store.active_drains("node-a")
     assert (again.terminate_at, again.grace_deadline) == (1120.0, 1110.0)
     assert [t.since for t in reply.taints] == [1000.0]
+    await coord.fleet.close()
+
+
+async def test_a_taint_whose_transaction_rolled_back_is_stored_by_its_retry(store, clock):
+    """The store fails a Taint's transaction after its drain was started: the agent hears
+    UNAVAILABLE and retries, and the retry stores the drain. (Remembered as started although
+    rolled back, the drain looked stored to the retry, which then stored nothing.)"""
+    coord = Coordinator(store, insecure=False, clock=clock)
+    servicer = AgentLinkServicer(coord)
+    rentals = coord.fleet.rentals
+    reclaim = rentals.reclaim
+
+    async def failing_once(*args, **kwargs):
+        rentals.reclaim = reclaim
+        raise StoreUnavailable("database gone mid-transaction")
+
+    rentals.reclaim = failing_once
+    request = pb.TaintRequest(node_id="node-a", reclaim_id="rcl-1", reason="notice",
+                              terminate_at=1120.0, grace_deadline=1110.0)
+    ctx = FakeContext("node:node-a")
+    assert await servicer.Taint(request, ctx) is None
+    assert ctx.ended[0] == grpc.StatusCode.UNAVAILABLE
+    assert await store.active_drains("node-a") == [] and coord.fleet.drains.active == {}
+    reply = await servicer.Taint(request, FakeContext("node:node-a"))
+    assert [t.reclaim_id for t in reply.taints] == ["rcl-1"]
+    [drain] = await store.active_drains("node-a")
+    assert (drain.reclaim_id, drain.terminate_at) == ("rcl-1", 1120.0)
     await coord.fleet.close()
 
 

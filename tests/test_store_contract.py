@@ -1155,3 +1155,26 @@ async def test_what_waits_for_the_commit_runs_after_it_and_never_after_a_rollbac
             raise RuntimeError("halfway")
     store.after_commit(lambda: ran.append("now"))  # outside a transaction: at once
     assert ran == ["sent", "now"]
+
+
+async def test_what_a_rollback_undoes_runs_on_it_in_reverse_and_never_after_a_commit(store):
+    """Memory a transaction changed before its commit (a drain it started) is put back when it
+    rolls back, the last change first, whether the body or the commit failed; a commit keeps
+    it, and outside a transaction there is nothing to undo."""
+    undone: list[str] = []
+    async with store.transaction():
+        await store.add_taint("node-a", "rcl-1", "notice")
+        store.on_rollback(lambda: undone.append("kept"))
+    with pytest.raises(RuntimeError):
+        async with store.transaction():
+            await store.add_taint("node-a", "rcl-2", "notice")
+            store.on_rollback(lambda: undone.append("first"))
+            store.on_rollback(lambda: undone.append("second"))
+            raise RuntimeError("halfway")
+    with pytest.raises(StoreError):
+        async with store.transaction():
+            store._tx().conn.defer("INSERT INTO meta VALUES ('schema_version', 'x')")
+            store.on_rollback(lambda: undone.append("refused at commit"))
+    store.on_rollback(lambda: undone.append("never"))
+    assert undone == ["second", "first", "refused at commit"]
+    assert [t.reclaim_id for t in await store.taints("node-a")] == ["rcl-1"]

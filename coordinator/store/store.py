@@ -63,6 +63,7 @@ class _Tx:
     owner: asyncio.Task[Any] | None
     open: bool = True
     after: list[Callable[[], None]] = field(default_factory=list)
+    undo: list[Callable[[], None]] = field(default_factory=list)
 
 
 _current_tx: ContextVar[_Tx | None] = ContextVar("spotdrain_store_tx", default=None)
@@ -97,14 +98,20 @@ class Store:
         if self._tx() is not None:
             yield
             return
-        async with self.backend.transaction(priority) as conn:
-            tx = _Tx(self, conn, asyncio.current_task())
-            token = _current_tx.set(tx)
-            try:
-                yield
-            finally:
-                tx.open = False
-                _current_tx.reset(token)
+        tx: _Tx | None = None
+        try:
+            async with self.backend.transaction(priority) as conn:
+                tx = _Tx(self, conn, asyncio.current_task())
+                token = _current_tx.set(tx)
+                try:
+                    yield
+                finally:
+                    tx.open = False
+                    _current_tx.reset(token)
+        except BaseException:
+            for undo in reversed(tx.undo if tx is not None else []):  # rolled back
+                undo()
+            raise
         for callback in tx.after:  # committed
             callback()
 
@@ -116,6 +123,14 @@ class Store:
             callback()
         else:
             tx.after.append(callback)
+
+    def on_rollback(self, undo: Callable[[], None]) -> None:
+        """Run `undo` if the current transaction rolls back (nothing outside one): memory that a
+        transaction changed before its commit (a drain it started) is put back, so it is never
+        ahead of the store (a retry would take the drain as stored and store nothing)."""
+        tx = self._tx()
+        if tx is not None:
+            tx.undo.append(undo)
 
     async def _read(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         tx = self._tx()

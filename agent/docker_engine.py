@@ -165,6 +165,34 @@ class DockerEngine:
             fresh[info.id] = ContainerInfo(info.id, info.name, info.kind, pid, image=info.image)
         self.inventory = fresh
 
+    async def sigterms_since(self, since: float, until: float) -> set[str] | None:
+        """The containers the engine was asked to SIGTERM between `since` and `until` (its
+        own `kill` events, signal 15), or None when the engine cannot tell (not answering).
+        A restarted agent asks this of the SIGTERMs its predecessor announced: delivered ones
+        are never sent again, the others still are (a SIGKILL between the announcement and
+        the kill call left the job without any SIGTERM)."""
+
+        def kills() -> list[dict[str, Any]]:
+            return list(
+                self._api.events(
+                    since=int(since) - 1,  # whole seconds: the announcement's own second too
+                    until=int(until) + 1,
+                    filters={"type": "container", "event": "kill"},
+                    decode=True,
+                )
+            )
+
+        try:
+            events = await self._call(kills)
+        except (DockerUnavailable, docker.errors.APIError) as e:
+            log.warning("node %s: cannot read the engine's kill events: %s", self.node_id, e)
+            return None
+        return {
+            e.get("Actor", {}).get("ID", "")
+            for e in events
+            if e.get("Actor", {}).get("Attributes", {}).get("signal") in ("15", "SIGTERM")
+        }
+
     # --- signalling --------------------------------------------------------------------------
 
     async def signal_all(

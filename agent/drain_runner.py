@@ -218,7 +218,7 @@ class DrainRunner:
     # --- the loop ----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        self._rebuild()
+        await self._rebuild()
         self._spawn(self.status.watch())
         while True:
             self._retry_writes_when_due()
@@ -332,7 +332,7 @@ class DrainRunner:
         if not self.bundles.save(rec, unstored) and self._next_write_retry is None:
             self._next_write_retry = self.clock() + RETRY_WRITES_S
 
-    def _rebuild(self) -> None:
+    async def _rebuild(self) -> None:
         """Agent restart: reload every unfinished bundle and carry on with its deadlines."""
         now = self.clock()
         recs = self.bundles.load_all(with_events=True)
@@ -352,7 +352,14 @@ class DrainRunner:
                 rec.terminate_at - now,
             )
             self.live[rec.reclaim_id] = rec
-            self._apply(rec, rec.resume(now))
+            self._apply(rec, rec.resume(now, await self._delivered(rec, now)))
+
+    async def _delivered(self, rec: r.Reclamation, now: float) -> set[str] | None:
+        """Of the SIGTERMs the old process announced, those the engine was asked to send."""
+        announced = [e["at"] for e in rec.announced.values() if e["signal"] == r.SIGTERM]
+        if not announced:
+            return None
+        return await self.docker.sigterms_since(min(announced), now)
 
     def _on_notice(self, parsed: Notice | NoticeInvalid) -> None:
         now = self.clock()

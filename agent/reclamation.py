@@ -463,9 +463,11 @@ class Reclamation:
         ]
         return rec, _stamp(commands, now)
 
-    def resume(self, now: float) -> list[Command]:
-        """After an agent restart: carry on from the stored progress, same deadlines."""
-        reported = self._announced_by_previous_run()
+    def resume(self, now: float, delivered: set[str] | None = None) -> list[Command]:
+        """After an agent restart: carry on from the stored progress, same deadlines.
+        `delivered`: of the SIGTERMs the old process announced, those the engine says it was
+        asked to send (None: it cannot tell, and every announced one counts as sent)."""
+        reported = self._announced_by_previous_run(delivered)
         if self.lifted:
             # A cancel or resume that the coordinator may not have heard of yet: say it again.
             lift = [] if self.lift_acknowledged else [LiftTaints(self.reclaim_id)]
@@ -505,14 +507,19 @@ class Reclamation:
                 commands.append(WatchExits(live))
         return _stamp(commands + self._observe(now) + self._tick(now), now)
 
-    def _announced_by_previous_run(self) -> list[Command]:
+    def _announced_by_previous_run(self, delivered: set[str] | None) -> list[Command]:
         """The announcements the old process left: each SIGTERM may have been delivered, so it
-        counts as sent (reported with `by: previous run`) and is never sent again; a SIGKILL
-        is withdrawn (the next look kills it again if it still runs, which is harmless) and
-        reported the same way, since it may have been delivered: a container that exits 137
-        has its sigkill_sent."""
+        counts as sent (reported with `by: previous run`) and is never sent again, unless the
+        engine says it was never asked to (`delivered` without it): then it is withdrawn and
+        the container, still running and never signalled, gets its SIGTERM at the next look.
+        A SIGKILL is withdrawn (the next look kills it again if it still runs, which is
+        harmless) and reported the same way, since it may have been delivered: a container
+        that exits 137 has its sigkill_sent."""
         commands: list[Command] = []
         for container, entry in list(self.announced.items()):
+            if entry["signal"] == SIGTERM and delivered is not None and container not in delivered:
+                self._move(container, entry["before"])
+                continue
             if entry["signal"] == SIGTERM:
                 self._move(container, TERM_BY_PREVIOUS_RUN)
                 self.sigterm_at.setdefault(container, entry["at"])

@@ -223,11 +223,12 @@ class Story:
             assert listed == [DeliverSignals(event.signal, (event.container,))], listed
         return self._log(event.now, self.rec.handle(event))
 
-    def restart(self, now: float) -> list[Command]:
-        """The agent process dies and comes back: only the persisted bundle survives."""
+    def restart(self, now: float, delivered: set[str] | None = None) -> list[Command]:
+        """The agent process dies and comes back: only the persisted bundle survives (and the
+        engine's word on which announced SIGTERMs it was asked to send, when it answers)."""
         bundle = json.loads(json.dumps(self.rec.to_json()))
         self.rec = Reclamation.from_json(bundle)
-        return self._log(now, self.rec.resume(now))
+        return self._log(now, self.rec.resume(now, delivered))
 
     def check(self) -> None:
         check_story(self.log, self.rec, self.deadlines)
@@ -1284,6 +1285,27 @@ def test_the_tick_past_the_taint_deadline_announces_the_listing_made_ahead() -> 
     commands = story(Tick(T0 + 0.8, listed=(job("c1"), job("w1", "inference"))))
     assert commands[-1] == SignalContainers(SIGTERM, announced=("c1",))
     assert story.rec.taint_mode == "local" and story.rec.ledger("c1") == TERM_ANNOUNCED
+    story.check()
+
+
+def test_a_restart_sends_the_announced_sigterms_the_engine_never_received() -> None:
+    """The agent is SIGKILLed between the step that announced its first SIGTERMs and the kill
+    calls. Restarted, it asks the engine which of them it was asked to send: c1 was, c2 never.
+    c1 counts as signalled by the previous run and is never signalled again; c2 is withdrawn
+    and, still running, gets its one SIGTERM at the first look, as a job that never had one
+    (killed at G without it, a job that would have honoured it overruns)."""
+    story = Story(strict=True)
+    story.begin()
+    story(TaintAnswered(T0 + 0.05, listed=(job("c1"), job("c2"))))
+    assert story.rec.ledger("c2") == TERM_ANNOUNCED
+
+    resumed = story.restart(T0 + 1, delivered={"c1"})
+    assert [c.details["container"] for c in resumed if isinstance(c, Emit)] == ["c1"]
+    assert story.rec.ledger("c1") == TERM_BY_PREVIOUS_RUN
+    assert story.rec.ledger("c2") is None
+    assert story(Observed(T0 + 1.1, running=("c1", "c2"))) == [
+        SignalContainers(SIGTERM, frozenset({"c1"}))]  # fmt: skip
+    assert story(listed(T0 + 1.2, "c2")) == [DeliverSignals(SIGTERM, ("c2",))]
     story.check()
 
 

@@ -31,11 +31,16 @@ class KillTrap:
     answer to the first `kill?signal=SIGTERM`: that one is dropped and `on_trip` called instead
     (the request itself reached the engine, so the container got its SIGTERM). HTTP/1.1 answers
     a connection's requests in order, so the first bytes back after that request are its answer.
+    With `drop_request`, the request itself is dropped and `on_trip` called: the engine never
+    hears of it.
     """
 
-    def __init__(self, path: Path, upstream: str, on_trip: Callable[[], None]) -> None:
+    def __init__(
+        self, path: Path, upstream: str, on_trip: Callable[[], None], drop_request: bool = False
+    ) -> None:
         self.upstream = upstream.removeprefix("unix://")
         self.on_trip = on_trip
+        self.drop_request = drop_request
         self.tripped = threading.Event()
         self._lock = threading.Lock()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -62,6 +67,10 @@ class KillTrap:
         try:
             while data := client.recv(65536):
                 if not self.tripped.is_set() and KILL_SIGTERM.search(data):
+                    if self.drop_request:
+                        self.tripped.set()
+                        self.on_trip()
+                        return
                     asked.set()
                 engine.sendall(data)
         except OSError:
@@ -140,6 +149,55 @@ def test_an_agent_killed_after_its_sigterm_reached_the_engine_never_sends_a_seco
         assert [e["kind"] for e in events].count("notice_received") == 1
         assert list(bundle.get("announced", {})) == [stubborn.id]  # on disk before it was sent
         assert bundle["signalled"] == {}  # the answer died with the agent
+    finally:
+        agent.proc.stop()
+        trap.close()
+
+
+def test_an_agent_killed_before_its_sigterm_reached_the_engine_sends_it_after_the_restart(
+    tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers
+):
+    """The same job, but the agent is SIGKILLed as its SIGTERM leaves for the engine, which
+    never receives it: announced in the bundle, delivered to nobody. The restarted agent asks
+    the engine what it was asked to send (its kill events), finds no SIGTERM, and sends one
+    itself: the job hears exactly one, before G. (Counted as sent by the previous run, the
+    job would have had none and been killed at G.)"""
+    stubborn = run_workload(docker_engine.client, name=containers + "stubborn",
+                            node_id="node-a", kind="ignores_term")
+    agent_box: dict = {}
+
+    def kill_agent() -> None:
+        os.kill(agent_box["agent"].proc.pid, signal.SIGKILL)
+
+    trap = KillTrap(tmp_path / "engine-proxy.sock", docker_engine.host, kill_agent,
+                    drop_request=True)  # fmt: skip
+    agent = start_agent(tmp_path, "node-a", coordinator, trap.address, gpus, nvml_lib,
+                        AgentOptions(grace_s=5.0, overrun_s=1.0))
+    agent_box["agent"] = agent
+    admin = coordinator.admin()
+    try:
+        wait_until(lambda: any(n.connected for n in admin.nodes()), 10, "node-a to register")
+        agent.write_notice({"id": "once-2", "action": "terminate",
+                            "terminate_at": time.time() + 12})
+        assert trap.tripped.wait(10), "the agent never sent its SIGTERM"
+        agent.proc.popen.wait(10)
+        assert agent.proc.popen.returncode == -signal.SIGKILL
+        [bundle_path] = (agent.state_dir / "reclamations").glob("rcl-*.json")
+        bundle = json.loads(bundle_path.read_text())
+        assert list(bundle.get("announced", {})) == [stubborn.id]  # announced, never sent
+        assert "SIGTERM ignored" not in stubborn.logs().decode()
+
+        agent.restart()
+        drained = admin.wait_for("drained", node="node-a", timeout=30)
+        assert stubborn.logs().decode().count("SIGTERM ignored") == 1
+        events = admin.events(node="node-a", reclaim_id=drained["reclaim_id"])
+        notice = next(e for e in events if e["kind"] == "notice_received")
+        sigterms = [e for e in events if e["kind"] == "sigterm_sent"]
+        assert [(e["container"], e.get("by", "")) for e in sigterms] == [(stubborn.id, "")]
+        assert sigterms[0]["wall_time"] < notice["grace_deadline"]
+        kills = [e for e in events if e["kind"] == "sigkill_sent"]
+        assert [k["container"] for k in kills] == [stubborn.id]
+        assert kills[0]["wall_time"] >= notice["grace_deadline"]  # at G, not before
     finally:
         agent.proc.stop()
         trap.close()

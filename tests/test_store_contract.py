@@ -734,8 +734,7 @@ async def test_a_taint_overtakes_queued_event_batches(store):
 
 def group_trips(store: Store) -> int:
     """Commits made for blind transactions (the backend's own counter, not a public API)."""
-    groups = store.backend._groups
-    return sum(g.trips for g in (groups.values() if isinstance(groups, dict) else [groups]))
+    return sum(g.trips for g in store.backend._groups.values())
 
 
 async def test_blind_transactions_commit_together_and_a_refused_one_alone(store):
@@ -993,6 +992,46 @@ async def test_backend_for_reads_the_db_flag(tmp_path):
 
 
 # --- SQLite only --------------------------------------------------------------------------------
+
+
+async def test_sqlite_a_taints_blind_writes_go_before_queued_bulk_ones(tmp_path, clock):
+    """The writer is busy; forty blind bulk transactions (workers' new states) wait for it in
+    one trip; a Taint's blind transaction comes after them. It commits first, in a trip of its
+    own: the critical path's writes never ride in, or wait for, a trip of bulk ones."""
+    store = await open_store(str(tmp_path / "c.sqlite"), clock)
+    gate, holding = asyncio.Event(), asyncio.Event()
+    committed: list[str] = []
+
+    async def busy_writer() -> None:
+        async with store.transaction():
+            await store.node("node-a")  # a read in the transaction: it holds the writer
+            holding.set()
+            await gate.wait()
+
+    async def bulk(n: int) -> None:
+        worker = f"w-{n:02d}"
+        await store.save_worker(worker, "node-b", "m", "ready", 1.0, {"worker_id": worker})
+        committed.append(f"bulk-{n}")
+
+    async def taint() -> None:
+        async with store.transaction(priority=True):
+            await store.add_taint("node-a", "rcl-1", "notice")
+        committed.append("taint")
+
+    try:
+        holder = asyncio.create_task(busy_writer())
+        await holding.wait()
+        bulks = [asyncio.create_task(bulk(n)) for n in range(40)]
+        await until(lambda: waiting_writers(store) == 1)  # the bulk groups' trip, queued
+        critical = asyncio.create_task(taint())
+        await until(lambda: waiting_writers(store) == 2)
+        gate.set()
+        async with asyncio.timeout(20):
+            await asyncio.gather(holder, critical, *bulks)
+        assert committed[0] == "taint" and len(committed) == 41
+        assert store.backend._groups[True].trips == 1
+    finally:
+        await store.close()
 
 
 async def test_sqlite_a_write_cancelled_while_the_file_is_locked_leaves_the_store_usable(

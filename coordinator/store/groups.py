@@ -5,7 +5,9 @@ state, the coordinator's own events) needs no connection of its own while it run
 its writes here; one task commits every transaction queued meanwhile in one trip to the
 database, and tells each its own outcome. A thousand Taints in a second are then a few trips,
 not a thousand transactions queueing for the writer (SQLite) or a pool's connections
-(PostgreSQL). Each backend says how one trip commits a list of groups.
+(PostgreSQL). Each backend says how one trip commits a list of groups, and keeps one queue for
+the critical path (a Taint's) and one for the rest, so a Taint's trip never carries, nor waits
+for, a trip of bulk writes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 Write = tuple[str, Sequence[Any]]
 # One trip: the groups in, for each group None (committed) or why it was not.
-Commit = Callable[[list[list[Write]], bool], Awaitable[list[BaseException | None]]]
+Commit = Callable[[list[list[Write]]], Awaitable[list[BaseException | None]]]
 # Groups committed in one trip at most: one trip's statements stay bounded whatever the queue.
 GROUPS_PER_TRIP = 500
 
@@ -25,7 +27,6 @@ class GroupCommit:
     def __init__(self, commit: Commit) -> None:
         self._commit = commit
         self._waiting: list[tuple[list[Write], asyncio.Future[None]]] = []
-        self._priority = False
         self._committer: asyncio.Task[None] | None = None
         self.trips = 0  # commits made: fewer than the groups told, when groups waited together
 
@@ -33,12 +34,11 @@ class GroupCommit:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    async def __call__(self, writes: Sequence[Write], priority: bool = False) -> None:
+    async def __call__(self, writes: Sequence[Write]) -> None:
         """Committed with every other group waiting now; raises what failed this group."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         self._waiting.append((list(writes), done))
-        self._priority = self._priority or priority
         if self._committer is None or self._committer.done():
             self._committer = loop.create_task(self._commit_waiting())
         await done
@@ -47,10 +47,9 @@ class GroupCommit:
         while self._waiting:
             groups = self._waiting[:GROUPS_PER_TRIP]
             del self._waiting[:GROUPS_PER_TRIP]
-            priority, self._priority = self._priority, bool(self._waiting) and self._priority
             self.trips += 1
             try:
-                errors = await self._commit([w for w, _ in groups], priority)
+                errors = await self._commit([w for w, _ in groups])
             except BaseException as e:  # noqa: BLE001 (each waiter is told)
                 errors = [e] * len(groups)
             for (_, done), error in zip(groups, errors, strict=True):

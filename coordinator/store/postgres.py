@@ -168,8 +168,8 @@ class PostgresBackend(Backend):
         # Transactions of blind writes waiting to commit together, per pool (so a Taint's
         # never waits behind bulk ones): by priority.
         self._groups = {
-            False: GroupCommit(lambda groups, _: self._commit_groups(self._bulk, groups)),
-            True: GroupCommit(lambda groups, _: self._commit_groups(self._critical, groups)),
+            False: GroupCommit(lambda groups: self._commit_groups(self._bulk, groups)),
+            True: GroupCommit(lambda groups: self._commit_groups(self._critical, groups)),
         }
 
     def _wait_s(self, pool: AsyncConnectionPool) -> float | None:

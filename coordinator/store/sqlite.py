@@ -152,8 +152,12 @@ class SqliteBackend(Backend):
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._all_lock = threading.Lock()
-        # Transactions of blind writes waiting to commit together (group_commit).
-        self._groups = GroupCommit(self._commit_groups)
+        # Transactions of blind writes waiting to commit together (group_commit), by priority:
+        # a Taint's trip holds only the critical path's writes and goes first to the writer.
+        self._groups = {
+            False: GroupCommit(lambda groups: self._commit_groups(groups, False)),
+            True: GroupCommit(lambda groups: self._commit_groups(groups, True)),
+        }
 
     async def open(self) -> None:
         try:
@@ -216,7 +220,7 @@ class SqliteBackend(Backend):
         self, writes: Sequence[tuple[str, Sequence[Any]]], priority: bool
     ) -> None:
         """Commit these blind writes with every other group waiting now, in one trip."""
-        await self._groups(writes, priority)
+        await self._groups[priority](writes)
 
     async def _commit_groups(
         self, groups: list[list[Write]], priority: bool

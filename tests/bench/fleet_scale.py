@@ -54,6 +54,7 @@ REPO = HERE.parent.parent
 MODEL, IMAGE, SLOTS = "fleet-bench", "bench/fake-model:1", 4
 NODES_PER_GROUP = 1000
 NODES_PER_SHARD = 2500
+COORDINATOR_CPU = 0  # --pin: the coordinator's own core
 INFLIGHT_PER_SHARD = 200  # registrations in flight per shard during setup: bounded startup
 TAINTS = 50
 EVENT_EVERY_S = 3.0
@@ -512,8 +513,9 @@ class Run:
 
     async def start(self) -> None:
         db = self.backend.new_db(self.work, self.label)
+        pin = ["taskset", "-c", str(COORDINATOR_CPU)] if self.opts.pin else []
         self.coord = CoordinatorProc(
-            shlex.split(self.opts.coordinator_cmd),
+            [*pin, *shlex.split(self.opts.coordinator_cmd)],
             self.work,
             db,
             self.pki.cached("coordinator", server=True),
@@ -822,6 +824,14 @@ class Run:
         cpu1, sim1 = process_cpu_s(self.coord.pid), self._sim_cpu()
         m1 = await asyncio.to_thread(scrape, self.coord.metrics_url)
         out: dict[str, Any] = {"taint": taint_summary(results), "settled_s": settled_s}
+        # Each call's start as wall time (the shards' monotonic clock is this machine's), to
+        # line up with the coordinator's log when asking where a round trip's time went.
+        wall_minus_mono = time.time() - time.monotonic()
+        out["calls"] = [
+            {"node": r["node"], "start": r["t0"] + wall_minus_mono, "ms": r["ms"],
+             "code": r["code"]}  # fmt: skip
+            for r in results
+        ]
         out["cpu_avg"] = (cpu1 - cpu0) / wall
         out["sim_cpu_avg"] = (sim1 - sim0) / wall
         # Each side's event-loop lag over the burst: a Taint's round trip is as late as the
@@ -1043,6 +1053,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=str(REPO / ".venv/bin/spotdrain-coordinator"),
         help="the coordinator's command (shell words), e.g. to run another checkout",
     )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help=f"the coordinator alone on CPU {COORDINATOR_CPU}, everything else (the simulator, "
+        "PostgreSQL, this script) on the others: the coordinator measured on a core of its own",
+    )
     p.add_argument("--coordinator-log-level", default="INFO")
     p.add_argument(
         "--work",
@@ -1114,6 +1130,13 @@ async def amain(opts: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
+    if opts.pin:
+        # Inherited by the simulator's shards and PostgreSQL, started from here.
+        others = os.sched_getaffinity(0) - {COORDINATOR_CPU}
+        if not others:
+            print("--pin needs at least two CPUs", file=sys.stderr)
+            return 2
+        os.sched_setaffinity(0, others)
     started = time.monotonic()
     # A SIGTERM unwinds like Ctrl-C, so every process this started is stopped.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -1127,6 +1150,7 @@ def main(argv: list[str] | None = None) -> int:
     print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
     print(
         f"coordinator: {opts.coordinator_cmd}; mutual TLS, loopback; window {opts.window_s:.0f} s"
+        + (f"; pinned alone to CPU {COORDINATOR_CPU}" if opts.pin else "")
     )
     print_tables(report)
     print(f"\nwall time {report['wall_s']:.0f} s")

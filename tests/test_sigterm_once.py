@@ -14,7 +14,9 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -98,6 +100,65 @@ class KillTrap:
         self.sock.close()
 
 
+@dataclass
+class KilledMidRound:
+    """A job that traps TERM, counts it and carries on; an agent whose engine socket goes
+    through a KillTrap; the notice sent and the agent SIGKILLed at the trap."""
+
+    stubborn: Any
+    agent: Any
+    trap: KillTrap
+    admin: Any
+
+    def bundle(self) -> dict:
+        """The reclamation's bundle as the restarted agent will find it."""
+        [path] = (self.agent.state_dir / "reclamations").glob("rcl-*.json")
+        return json.loads(path.read_text())
+
+    def restart_until_drained(self) -> tuple[list[dict], dict]:
+        """The agent started again and the node drained: the job heard exactly one SIGTERM.
+        The reclamation's events, and its notice."""
+        self.agent.restart()
+        drained = self.admin.wait_for("drained", node="node-a", timeout=30)
+        assert self.stubborn.logs().decode().count("SIGTERM ignored") == 1
+        events = self.admin.events(node="node-a", reclaim_id=drained["reclaim_id"])
+        notice = next(e for e in events if e["kind"] == "notice_received")
+        return events, notice
+
+    def close(self) -> None:
+        self.agent.proc.stop()
+        self.trap.close()
+
+
+def killed_mid_round(
+    tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers, drop_request: bool
+) -> KilledMidRound:
+    stubborn = run_workload(docker_engine.client, name=containers + "stubborn",
+                            node_id="node-a", kind="ignores_term")
+    agent_box: dict = {}
+
+    def kill_agent() -> None:
+        os.kill(agent_box["agent"].proc.pid, signal.SIGKILL)
+
+    trap = KillTrap(tmp_path / "engine-proxy.sock", docker_engine.host, kill_agent,
+                    drop_request=drop_request)  # fmt: skip
+    agent = start_agent(tmp_path, "node-a", coordinator, trap.address, gpus, nvml_lib,
+                        AgentOptions(grace_s=5.0, overrun_s=1.0))
+    agent_box["agent"] = agent
+    run = KilledMidRound(stubborn, agent, trap, coordinator.admin())
+    try:
+        wait_until(lambda: any(n.connected for n in run.admin.nodes()), 10, "node-a to register")
+        agent.write_notice({"id": "once-1", "action": "terminate",
+                            "terminate_at": time.time() + 12})
+        assert trap.tripped.wait(10), "the agent never sent its SIGTERM"
+        agent.proc.popen.wait(10)
+        assert agent.proc.popen.returncode == -signal.SIGKILL
+    except BaseException:
+        run.close()
+        raise
+    return run
+
+
 def test_an_agent_killed_after_its_sigterm_reached_the_engine_never_sends_a_second(
     tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers
 ):
@@ -106,37 +167,15 @@ def test_an_agent_killed_after_its_sigterm_reached_the_engine_never_sends_a_seco
     arrives. The bundle on disk already names the job as announced (written before the
     signal). The restarted agent sends it no second SIGTERM, reports the first one as sent
     by the previous run, and kills the job at the original G; the node drains."""
-    stubborn = run_workload(docker_engine.client, name=containers + "stubborn",
-                            node_id="node-a", kind="ignores_term")
-    agent_box: dict = {}
-
-    def kill_agent() -> None:
-        os.kill(agent_box["agent"].proc.pid, signal.SIGKILL)
-
-    trap = KillTrap(tmp_path / "engine-proxy.sock", docker_engine.host, kill_agent)
-    agent = start_agent(tmp_path, "node-a", coordinator, trap.address, gpus, nvml_lib,
-                        AgentOptions(grace_s=5.0, overrun_s=1.0))
-    agent_box["agent"] = agent
-    admin = coordinator.admin()
+    run = killed_mid_round(tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers,
+                           drop_request=False)  # fmt: skip
+    stubborn = run.stubborn
     try:
-        wait_until(lambda: any(n.connected for n in admin.nodes()), 10, "node-a to register")
-        t_notice = time.time()
-        agent.write_notice({"id": "once-1", "action": "terminate",
-                            "terminate_at": t_notice + 12})
-        assert trap.tripped.wait(10), "the agent never sent its SIGTERM"
-        agent.proc.popen.wait(10)
-        assert agent.proc.popen.returncode == -signal.SIGKILL
         wait_until(lambda: stubborn.logs().decode().count("SIGTERM ignored") == 1, 5,
                    "the job to hear the SIGTERM")
-        [bundle_path] = (agent.state_dir / "reclamations").glob("rcl-*.json")
-        bundle = json.loads(bundle_path.read_text())  # what the restarted agent will find
-
-        agent.restart()
-        drained = admin.wait_for("drained", node="node-a", timeout=30)
+        bundle = run.bundle()
         # The job heard SIGTERM exactly once: not again from the restarted agent.
-        assert stubborn.logs().decode().count("SIGTERM ignored") == 1
-        events = admin.events(node="node-a", reclaim_id=drained["reclaim_id"])
-        notice = next(e for e in events if e["kind"] == "notice_received")
+        events, notice = run.restart_until_drained()
         sigterms = [e for e in events if e["kind"] == "sigterm_sent"]
         assert len(sigterms) == 1
         assert sigterms[0]["by"] == "previous run" and sigterms[0]["container"] == stubborn.id
@@ -150,8 +189,7 @@ def test_an_agent_killed_after_its_sigterm_reached_the_engine_never_sends_a_seco
         assert list(bundle.get("announced", {})) == [stubborn.id]  # on disk before it was sent
         assert bundle["signalled"] == {}  # the answer died with the agent
     finally:
-        agent.proc.stop()
-        trap.close()
+        run.close()
 
 
 def test_an_agent_killed_before_its_sigterm_reached_the_engine_sends_it_after_the_restart(
@@ -162,36 +200,13 @@ def test_an_agent_killed_before_its_sigterm_reached_the_engine_sends_it_after_th
     the engine what it was asked to send (its kill events), finds no SIGTERM, and sends one
     itself: the job hears exactly one, before G. (Counted as sent by the previous run, the
     job would have had none and been killed at G.)"""
-    stubborn = run_workload(docker_engine.client, name=containers + "stubborn",
-                            node_id="node-a", kind="ignores_term")
-    agent_box: dict = {}
-
-    def kill_agent() -> None:
-        os.kill(agent_box["agent"].proc.pid, signal.SIGKILL)
-
-    trap = KillTrap(tmp_path / "engine-proxy.sock", docker_engine.host, kill_agent,
-                    drop_request=True)  # fmt: skip
-    agent = start_agent(tmp_path, "node-a", coordinator, trap.address, gpus, nvml_lib,
-                        AgentOptions(grace_s=5.0, overrun_s=1.0))
-    agent_box["agent"] = agent
-    admin = coordinator.admin()
+    run = killed_mid_round(tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers,
+                           drop_request=True)  # fmt: skip
+    stubborn = run.stubborn
     try:
-        wait_until(lambda: any(n.connected for n in admin.nodes()), 10, "node-a to register")
-        agent.write_notice({"id": "once-2", "action": "terminate",
-                            "terminate_at": time.time() + 12})
-        assert trap.tripped.wait(10), "the agent never sent its SIGTERM"
-        agent.proc.popen.wait(10)
-        assert agent.proc.popen.returncode == -signal.SIGKILL
-        [bundle_path] = (agent.state_dir / "reclamations").glob("rcl-*.json")
-        bundle = json.loads(bundle_path.read_text())
-        assert list(bundle.get("announced", {})) == [stubborn.id]  # announced, never sent
+        assert list(run.bundle().get("announced", {})) == [stubborn.id]  # announced, never sent
         assert "SIGTERM ignored" not in stubborn.logs().decode()
-
-        agent.restart()
-        drained = admin.wait_for("drained", node="node-a", timeout=30)
-        assert stubborn.logs().decode().count("SIGTERM ignored") == 1
-        events = admin.events(node="node-a", reclaim_id=drained["reclaim_id"])
-        notice = next(e for e in events if e["kind"] == "notice_received")
+        events, notice = run.restart_until_drained()  # its one SIGTERM, from the new agent
         sigterms = [e for e in events if e["kind"] == "sigterm_sent"]
         assert [(e["container"], e.get("by", "")) for e in sigterms] == [(stubborn.id, "")]
         assert sigterms[0]["wall_time"] < notice["grace_deadline"]
@@ -199,5 +214,4 @@ def test_an_agent_killed_before_its_sigterm_reached_the_engine_sends_it_after_th
         assert [k["container"] for k in kills] == [stubborn.id]
         assert kills[0]["wall_time"] >= notice["grace_deadline"]  # at G, not before
     finally:
-        agent.proc.stop()
-        trap.close()
+        run.close()

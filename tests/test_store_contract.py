@@ -657,18 +657,28 @@ async def test_a_task_spawned_in_a_transaction_writes_on_its_own(store):
     assert [n.node_id for n in await store.nodes()] == ["node-bg"]
 
 
+class EventReader:
+    """A consumer of the event log as WatchEvents is one: it resumes after the last id it saw,
+    one read at a time."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.seen: list[int] = []
+        self._cursor = asyncio.Lock()
+
+    async def catch_up(self) -> None:
+        async with self._cursor:
+            after = self.seen[-1] if self.seen else 0
+            while rows := await self.store.events_after(after):
+                self.seen.extend(r.id for r in rows)
+                after = rows[-1].id
+
+
 async def test_concurrent_writers_all_land_and_a_consumer_never_skips(store):
     """Twenty agents flush event batches and re-register at once: every event lands once, ids
     are unique, and a consumer resuming after the last id it saw misses none."""
-    seen: list[int] = []
-    cursor = asyncio.Lock()
-
-    async def consume() -> None:
-        async with cursor:
-            after = seen[-1] if seen else 0
-            while rows := await store.events_after(after):
-                seen.extend(r.id for r in rows)
-                after = rows[-1].id
+    reader = EventReader(store)
+    seen, consume = reader.seen, reader.catch_up
 
     async def agent(n: int) -> list[int | None]:
         node_id, ids = f"node-{n:02d}", []
@@ -761,15 +771,8 @@ async def test_the_coordinators_own_events_committed_together_keep_their_order(s
     """The coordinator's own events (no id awaited: committed in groups) and agents' batches
     (ids returned) stored at once: every id is unique and a consumer that resumes after the
     last id it saw misses none."""
-    seen: list[int] = []
-    cursor = asyncio.Lock()
-
-    async def consume() -> None:
-        async with cursor:
-            after = seen[-1] if seen else 0
-            while rows := await store.events_after(after):
-                seen.extend(r.id for r in rows)
-                after = rows[-1].id
+    reader = EventReader(store)
+    seen, consume = reader.seen, reader.catch_up
 
     async def own(n: int) -> None:
         for i in range(5):

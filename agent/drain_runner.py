@@ -342,6 +342,8 @@ class DrainRunner:
                 for fields in self.bundles.step_events.pop(rec.reclaim_id, []):
                     self.outbox.put_event(OutgoingEvent(**fields))
         self.link.wake()
+        # One question to the engine for every bundle (a hung engine costs one call's timeout).
+        delivered = await self._delivered([rec for rec in recs if not rec.finished], now)
         for rec in recs:
             if rec.finished:
                 continue
@@ -352,11 +354,13 @@ class DrainRunner:
                 rec.terminate_at - now,
             )
             self.live[rec.reclaim_id] = rec
-            self._apply(rec, rec.resume(now, await self._delivered(rec, now)))
+            self._apply(rec, rec.resume(now, delivered))
 
-    async def _delivered(self, rec: r.Reclamation, now: float) -> set[str] | None:
+    async def _delivered(self, recs: list[r.Reclamation], now: float) -> set[str] | None:
         """Of the SIGTERMs the old process announced, those the engine was asked to send."""
-        announced = [e["at"] for e in rec.announced.values() if e["signal"] == r.SIGTERM]
+        announced = [
+            e["at"] for rec in recs for e in rec.announced.values() if e["signal"] == r.SIGTERM
+        ]
         if not announced:
             return None
         return await self.docker.sigterms_since(min(announced), now)

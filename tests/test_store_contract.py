@@ -1220,3 +1220,15 @@ async def test_what_a_rollback_undoes_runs_on_it_in_reverse_and_never_after_a_co
     store.on_rollback(lambda: undone.append("never"))
     assert undone == ["second", "first", "refused at commit"]
     assert [t.reclaim_id for t in await store.taints("node-a")] == ["rcl-1"]
+
+
+async def test_a_blind_transactions_commands_wait_for_its_group_commit(store):
+    """A transaction that only wrote is committed in a group after its block ends: what waits
+    for its commit (a command to an agent) runs only once that group's trip is done."""
+    seen: list[int] = []
+    trips = group_trips(store)
+    async with store.transaction(priority=True):
+        await store.add_taint("node-a", "rcl-1", "notice")
+        store.after_commit(lambda: seen.append(group_trips(store)))
+    assert seen == [trips + 1]
+    assert [t.reclaim_id for t in await store.taints("node-a")] == ["rcl-1"]

@@ -6,7 +6,8 @@ Each is an aiohttp app on 127.0.0.1 (port 0 unless told) served from its own thr
 loop, so sync tests, async tests and benchmark processes can all talk to it without the server
 blocking their loop. Every emulator is a context manager, has `.url`, `.close()`, thread-safe
 setters, `refuse()` / `accept()` (close the listening socket and reopen it on the same port),
-`fail_next(n, status)` and `malformed_next(n)` for the next n requests, a request log (`.seen`)
+`fail_next(n, status)`, `malformed_next(n)`, `split_next(n)` and `trickle_next(n)` for the next
+n requests, a request log (`.seen`)
 and `changed_at`, the time.monotonic() at which the last state change became visible to clients.
 
 What each emulator answers follows the providers' documentation:
@@ -125,6 +126,7 @@ class _Emulator:
         self._log: list[Seen] = []
         self._failures: collections.deque[tuple[int, bytes, str | None]] = collections.deque()
         self._malformed: collections.deque[str | None] = collections.deque()
+        self._paced: collections.deque[tuple[str | None, str, float]] = collections.deque()
         self.changes: list[tuple[str, float]] = []
         self._closing = False
         self._listening = False
@@ -245,6 +247,19 @@ class _Emulator:
         with self._lock:
             self._malformed.extend([path] * n)
 
+    def split_next(
+        self, n: int = 1, path: str | None = None, gap_s: float = 0.15, chunked: bool = False
+    ) -> None:
+        """Send the next n answers in two pieces `gap_s` apart, as a link that splits a
+        response does: with their Content-Length, or `chunked` (one chunk a piece)."""
+        with self._lock:
+            self._paced.extend([(path, "chunked" if chunked else "split", gap_s)] * n)
+
+    def trickle_next(self, n: int = 1, path: str | None = None, every_s: float = 0.25) -> None:
+        """Send the next n answers a byte every `every_s`, with their Content-Length."""
+        with self._lock:
+            self._paced.extend([(path, "trickle", every_s)] * n)
+
     @staticmethod
     def _take(queue: collections.deque, path: str, key: Callable[[Any], str | None]):
         """The first queued fault meant for `path`, removed: (True, fault), else (False, None)."""
@@ -308,7 +323,44 @@ class _Emulator:
         with self._cond:
             seen.status = response.status
             self._cond.notify_all()
+            paced, pace = self._take(self._paced, request.path, lambda p: p[0])
+        if paced:
+            return await self._send_paced(request, response, pace[1], pace[2])
         return response
+
+    @staticmethod
+    async def _send_paced(
+        request: web.Request, response: web.Response, how: str, gap_s: float
+    ) -> web.StreamResponse:
+        body = response.body if isinstance(response.body, bytes) else b""
+        stream = web.StreamResponse(
+            status=response.status,
+            headers={
+                k: v
+                for k, v in response.headers.items()
+                if k.lower() not in ("content-length", "transfer-encoding")
+            },
+        )
+        if how == "chunked":
+            stream.enable_chunked_encoding()
+        else:
+            stream.content_length = len(body)
+        half = len(body) // 2
+        pieces = (
+            [body[i : i + 1] for i in range(len(body))]
+            if how == "trickle"
+            else [body[:half], body[half:]]
+        )
+        try:
+            await stream.prepare(request)
+            for index, piece in enumerate(pieces):
+                if index:
+                    await asyncio.sleep(gap_s)
+                await stream.write(piece)
+            await stream.write_eof()
+        except ConnectionError:
+            pass  # the client gave up mid-answer (its deadline): nothing more to send
+        return stream
 
     def _decorate(self, response: web.Response) -> None:
         pass
@@ -342,26 +394,40 @@ class AwsImds(_Emulator):
     kind = "aws"
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time,
                  instance_id: str = "i-0123456789abcdef0", require_v2: bool = True,
                  host: str = "127.0.0.1", port: int = 0) -> None:
         self.clock = clock
+        self.wall = wall  # what a re-stamped time is written from, read once per answer
         self.instance_id = instance_id
         self.require_v2 = require_v2
         self._tokens: dict[str, float] = {}
         self._token_failures: collections.deque[int] = collections.deque()
         self._instance_action: dict | None = None
         self._rebalance: dict | None = None
+        # Re-stamped on every read, as amazon-ec2-metadata-mock does by default: the
+        # instance-action's time is `wall() + this`, the rebalance's noticeTime `wall()`.
+        self._action_in_s: float | None = None
+        self._restamp_rebalance = False
         self._maintenance: list[dict] = []
         super().__init__(host=host, port=port)
 
     # setters
 
-    def set_instance_action(self, action: str = "terminate", time_iso: str | None = None) -> None:
+    def set_instance_action(
+        self,
+        action: str = "terminate",
+        time_iso: str | None = None,
+        *,
+        restamp_in_s: float | None = None,
+    ) -> None:
+        """`restamp_in_s`: every read names time = now + this (AWS's mock, by default)."""
         if action not in SPOT_ACTIONS:
             raise ValueError(f"instance-action is one of {SPOT_ACTIONS}, not {action!r}")
         with self._lock:
             self._instance_action = {"action": action,
                                      "time": time_iso or iso_utc(time.time() + 120)}
+            self._action_in_s = restamp_in_s
             self._changed("instance-action")
 
     def clear_instance_action(self) -> None:
@@ -369,9 +435,11 @@ class AwsImds(_Emulator):
             self._instance_action = None
             self._changed("instance-action")
 
-    def set_rebalance(self, notice_time_iso: str | None = None) -> None:
+    def set_rebalance(self, notice_time_iso: str | None = None, *, restamp: bool = False) -> None:
+        """`restamp`: every read names noticeTime = now (AWS's mock, by default)."""
         with self._lock:
             self._rebalance = {"noticeTime": notice_time_iso or iso_utc()}
+            self._restamp_rebalance = restamp
             self._changed("rebalance")
 
     def clear_rebalance(self) -> None:
@@ -437,11 +505,15 @@ class AwsImds(_Emulator):
         prefix = "/latest/meta-data/"
         item = path[len(prefix):] if path.startswith(prefix) else None
         if item == "spot/instance-action" and self._instance_action:
+            if self._action_in_s is not None:
+                self._instance_action["time"] = iso_utc(self.wall() + self._action_in_s)
             return _text(json.dumps(self._instance_action))
         if (item == "spot/termination-time" and self._instance_action
                 and self._instance_action["action"] == "terminate"):
             return _text(self._instance_action["time"])
         if item == "events/recommendations/rebalance" and self._rebalance:
+            if self._restamp_rebalance:
+                self._rebalance["noticeTime"] = iso_utc(self.wall())
             return _text(json.dumps(self._rebalance))
         if item == "events/maintenance/scheduled":
             return _text(json.dumps(self._maintenance))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 from typing import Any
@@ -86,9 +87,84 @@ def has(kind: type, n: int = 1, **fields):
 # --- AWS ---------------------------------------------------------------------------------------
 
 
+BOOT = "0c9f0d5e-6f43-4a3e-9d0c-2b4c8a1e7f10"
+INSTANCE_ACTION = "/latest/meta-data/spot/instance-action"
+
+
 def aws_source(imds: AwsImds, sink: Recorder) -> aws.Source:
     cfg = aws.Config.from_table({"endpoint": imds.url, "poll_s": 0.1}, "")
-    return aws.Source(cfg, sink, clock=lambda: NOW)
+    return aws.Source(cfg, sink, clock=lambda: NOW, boot=lambda: BOOT)
+
+
+def instance_action_reads(imds: AwsImds) -> int:
+    return len([s for s in imds.seen if s.path == INSTANCE_ACTION and s.status is not None])
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_aws_instance_action_split_in_two_is_read_whole_and_acted_on(chunked):
+    """A link splits every answer in two, 150 ms apart (inside the read's deadline): the
+    notice is read from the whole document, never from its first half."""
+    with AwsImds() as imds:
+        imds.set_instance_action("terminate", iso_utc(NOW + 120))
+        imds.split_next(1000, path=INSTANCE_ACTION, gap_s=0.15, chunked=chunked)
+        sink = Recorder()
+        async with running(aws_source(imds, sink)):
+            await sink.until(has(Notice))
+            await imds.await_seen(lambda s: s.path == INSTANCE_ACTION and s.status == 200,
+                                  count=instance_action_reads(imds) + 3)  # fmt: skip
+        assert [(n.key, n.terminate_at) for n in sink.of(Notice)] == [
+            (f"aws:instance-action:{BOOT}", NOW + 120)]
+        assert not sink.of(NoticeInvalid) and ("down", "aws") not in sink.told
+
+
+async def test_aws_instance_action_trickled_past_the_deadline_is_a_failed_read():
+    """A byte every 250 ms: no read ends inside its 0.5 s deadline, so each is a failure and
+    the source reports itself down; no part of the document is ever taken for one."""
+    with AwsImds() as imds:
+        imds.set_instance_action("terminate", iso_utc(NOW + 120))
+        imds.trickle_next(1000, path=INSTANCE_ACTION, every_s=0.25)
+        sink = Recorder()
+        async with running(aws_source(imds, sink)) as source:
+            await sink.until(lambda told: ("down", "aws") in told)
+            assert "no whole answer" in source.health.error
+        assert sink.told == [("down", "aws")]
+
+
+async def test_aws_instance_action_re_stamped_on_every_read_is_one_interruption():
+    """AWS's own mock writes `time` afresh on every read: every poll is a new document, all of
+    them this boot's one interruption (one key), never a new notice each."""
+    wall = itertools.count(NOW, 1.0)
+    with AwsImds(wall=lambda: next(wall)) as imds:
+        imds.set_instance_action("terminate", restamp_in_s=120)
+        sink = Recorder()
+        async with running(aws_source(imds, sink)):
+            await sink.until(has(Notice, 5))
+        notices = sink.of(Notice)
+        assert {n.key for n in notices} == {f"aws:instance-action:{BOOT}"}
+        times = [n.terminate_at for n in notices]
+        assert times == sorted(times) and len(set(times)) == len(times)  # re-stamped each read
+
+
+async def test_aws_rebalance_re_stamped_on_every_read_is_one_advisory():
+    """One rebalance recommendation per boot, whatever noticeTime each read names."""
+    wall = itertools.count(NOW, 1.0)
+    with AwsImds(wall=lambda: next(wall)) as imds:
+        imds.set_rebalance(restamp=True)
+        sink = Recorder()
+        async with running(aws_source(imds, sink)):
+            await sink.until(has(Advisory))
+            await imds.await_seen(lambda s: s.path.endswith("rebalance"), count=6)
+        assert [(a.key, a.withdrawn) for a in sink.of(Advisory)] == [
+            (f"aws:rebalance:{BOOT}", False)]
+
+
+@pytest.mark.parametrize("document", [
+    {"action": "cancel", "id": "i-other"},
+    {"action": "reboot", "time": "2027-01-15T08:00:00Z"},
+], ids=["cancel", "unknown-action"])
+def test_aws_instance_action_only_takes_the_actions_aws_writes(document):
+    parsed = aws.parse_instance_action(json.dumps(document).encode(), BOOT)
+    assert isinstance(parsed, NoticeInvalid)
 
 
 async def test_aws_instance_action_is_a_notice_with_its_time_as_deadline():

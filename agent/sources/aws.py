@@ -1,8 +1,11 @@
 """AWS: the instance metadata service, IMDSv2 (a session token on every read).
 
 - `spot/instance-action` ({"action": "terminate"|"stop"|"hibernate", "time": ISO}; 404 when
-  none) is a notice with D = its time, keyed by its content (AWS gives no id).
-- `events/recommendations/rebalance` ({"noticeTime": ISO}) is an advisory.
+  none) is a notice with D = its time. AWS gives no id, and an instance is interrupted once per
+  boot (a stopped one comes back with a new boot), so it is keyed by this boot's id: a document
+  re-read, re-stamped or rewritten is the same interruption, heard again (the reclamation keeps
+  the earliest D, docs/notice-sources.md).
+- `events/recommendations/rebalance` ({"noticeTime": ISO}) is an advisory, one per boot too.
 - `events/maintenance/scheduled` (a list of {Code, EventId, NotBefore, NotAfter, State, ...},
   dates like "21 Jan 2019 09:00:43 GMT") gives an advisory per event; State canceled or
   completed, or the event gone from the list, withdraws it.
@@ -26,7 +29,7 @@ from typing import Any
 import aiohttp
 
 from spotdrain.agent.notice import Notice, NoticeInvalid, content_hash, in_range, parse_notice
-from spotdrain.agent.sources.base import Advisory, Health, Sink
+from spotdrain.agent.sources.base import Advisory, Health, Sink, boot_id
 from spotdrain.agent.sources.http import ReadFailed, Reply, fetch, session
 from spotdrain.agent.sources.settings import check_keys, endpoint, number
 
@@ -36,6 +39,7 @@ INSTANCE_ACTION = "/latest/meta-data/spot/instance-action"
 REBALANCE = "/latest/meta-data/events/recommendations/rebalance"
 MAINTENANCE = "/latest/meta-data/events/maintenance/scheduled"
 OVER = ("canceled", "completed")
+SPOT_ACTIONS = ("terminate", "stop", "hibernate")  # all AWS writes in an instance-action
 
 
 @dataclass(frozen=True)
@@ -56,14 +60,24 @@ class Config:
         )
 
 
-def parse_instance_action(body: bytes) -> Notice | NoticeInvalid:
+def parse_instance_action(body: bytes, boot: str) -> Notice | NoticeInvalid:
+    """This boot's interruption: its identity is the boot's, whatever `time` the document names
+    (and whatever id or source it carries: a notice file's fields mean nothing here)."""
     parsed = parse_notice(body)
     if parsed is None:
         return NoticeInvalid("spot/instance-action: empty document", content_hash(body))
-    return parsed
+    if isinstance(parsed, NoticeInvalid):
+        return parsed
+    if parsed.action not in SPOT_ACTIONS:
+        return NoticeInvalid(f"spot/instance-action: action {parsed.action!r} is not one of "
+                             f"{', '.join(SPOT_ACTIONS)}", content_hash(body.strip()))  # fmt: skip
+    return Notice(key=f"aws:instance-action:{boot}", notice_id=f"aws-instance-action-{boot[:8]}",
+                  action=parsed.action, terminate_at=parsed.terminate_at,
+                  source="aws-instance-action")  # fmt: skip
 
 
-def parse_rebalance(body: bytes) -> Advisory | NoticeInvalid:
+def parse_rebalance(body: bytes, boot: str) -> Advisory | NoticeInvalid:
+    """AWS gives one rebalance recommendation per boot (its noticeTime may be re-stamped)."""
     try:
         doc = json.loads(body)
         notice_time = str(doc["noticeTime"])[:64]
@@ -71,7 +85,7 @@ def parse_rebalance(body: bytes) -> Advisory | NoticeInvalid:
     except (ValueError, KeyError, TypeError) as e:
         return NoticeInvalid(f"rebalance recommendation: not a document we read ({e})",
                              content_hash(body))  # fmt: skip
-    return Advisory(key=f"aws:rebalance:{notice_time}", source="aws", reason="rebalance",
+    return Advisory(key=f"aws:rebalance:{boot}", source="aws", reason="rebalance",
                     detail=f"noticeTime {notice_time}")  # fmt: skip
 
 
@@ -115,11 +129,18 @@ def _aws_date(value: Any) -> float | None:
 class Source:
     name = "aws"
 
-    def __init__(self, cfg: Config, sink: Sink, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        sink: Sink,
+        clock: Callable[[], float] = time.time,
+        boot: Callable[[], str] = boot_id,
+    ) -> None:
         self.cfg = cfg
         self.sink = sink
         self.clock = clock
         self.health = Health(self.name, sink, clock)
+        self.boot = boot()
         self._token = ""
         self._token_until = 0.0
         self._last_action: Notice | NoticeInvalid | None = None
@@ -146,7 +167,7 @@ class Source:
         """One round: the instance action first (it is the notice), then the advisories."""
         reply = await self._get(http, INSTANCE_ACTION)
         if reply.status == 200:
-            parsed = parse_instance_action(reply.body)
+            parsed = parse_instance_action(reply.body, self.boot)
             if parsed != self._last_action:
                 self._last_action = parsed
                 self.sink.notice(parsed)
@@ -155,13 +176,14 @@ class Source:
         else:
             raise ReadFailed(f"GET {INSTANCE_ACTION}: HTTP {reply.status}")
         shown: dict[str, Advisory] = {}
-        for path, parse in ((REBALANCE, parse_rebalance), (MAINTENANCE, parse_maintenance)):
+        for path in (REBALANCE, MAINTENANCE):
             reply = await self._get(http, path)
             if reply.status == 404:
                 continue
             if reply.status != 200:
                 raise ReadFailed(f"GET {path}: HTTP {reply.status}")
-            result = parse(reply.body)
+            result = (parse_rebalance(reply.body, self.boot) if path == REBALANCE
+                      else parse_maintenance(reply.body))  # fmt: skip
             if isinstance(result, NoticeInvalid):
                 if self._last_invalid.get(path) != result:
                     self._last_invalid[path] = result

@@ -40,24 +40,42 @@ async def fetch(
     timeout_s: float,
     body: str | None = None,
 ) -> Reply:
+    """One request and its whole answer (to its Content-Length or its last chunk) under one
+    deadline: a body still arriving at `timeout_s` is a failed read, never a partial document."""
     try:
-        async with http.request(
-            method,
-            url,
-            headers=headers,
-            data=body,
-            allow_redirects=False,
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
-        ) as resp:
-            body = await resp.content.read(MAX_BODY + 1)
-            if len(body) > MAX_BODY:
-                raise ReadFailed(f"{method} {url}: answer larger than {MAX_BODY} bytes")
-            if resp.status >= 500:
-                raise ReadFailed(f"{method} {url}: HTTP {resp.status}")
-            return Reply(resp.status, body, {k.lower(): v for k, v in resp.headers.items()})
+        async with asyncio.timeout(timeout_s):
+            return await _exchange(http, method, url, headers, timeout_s, body)
     except TimeoutError:
-        raise ReadFailed(f"{method} {url}: no answer in {timeout_s:g} s") from None
-    except aiohttp.ClientError as e:
+        raise ReadFailed(f"{method} {url}: no whole answer in {timeout_s:g} s") from None
+    except aiohttp.ClientError as e:  # refused, reset, or a body cut short of its length
         raise ReadFailed(f"{method} {url}: {e.__class__.__name__}: {e}") from None
-    except asyncio.CancelledError:
-        raise
+
+
+async def _exchange(
+    http: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    headers: dict[str, str],
+    timeout_s: float,
+    body: str | None,
+) -> Reply:
+    async with http.request(
+        method,
+        url,
+        headers=headers,
+        data=body,
+        allow_redirects=False,
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+    ) as resp:
+        if resp.content_length is not None and resp.content_length > MAX_BODY:
+            raise ReadFailed(f"{method} {url}: answer of {resp.content_length} bytes, "
+                             f"more than {MAX_BODY}")  # fmt: skip
+        # read(n) gives what has arrived so far, not the body: read until the end of it.
+        data = bytearray()
+        while chunk := await resp.content.read(MAX_BODY + 1 - len(data)):
+            data += chunk
+            if len(data) > MAX_BODY:
+                raise ReadFailed(f"{method} {url}: answer larger than {MAX_BODY} bytes")
+        if resp.status >= 500:
+            raise ReadFailed(f"{method} {url}: HTTP {resp.status}")
+        return Reply(resp.status, bytes(data), {k.lower(): v for k, v in resp.headers.items()})

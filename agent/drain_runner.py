@@ -378,14 +378,19 @@ class DrainRunner:
             )
             return
         reclaim_id = r.reclaim_id_for(self.cfg.node_id, parsed.key)
-        if parsed.action == "cancel":
-            # A finished reclamation takes its cancel too: recorded once, however often it is
-            # read (an agent restarted with the cancel still in the notice file reads it again).
+        # A finished reclamation takes its cancel and its updates too: the same provider event
+        # is one reclamation however often it is read (an agent restarted with a cancel still in
+        # the notice file reads it again; AWS's mock re-stamps its document on every read).
+        try:
             rec = (
                 self.live.get(reclaim_id)
                 or self.recent.get(reclaim_id)
                 or self.bundles.load(reclaim_id)
             )
+        except RuntimeError as e:  # a garbled bundle still stands for its notice: not a crash
+            log.error("node %s: notice %s: %s", self.cfg.node_id, parsed.notice_id, e)
+            return
+        if parsed.action == "cancel":
             if rec is None:  # a cancel of a notice this node never had
                 self._emit(
                     "notice_cancelled",
@@ -397,14 +402,9 @@ class DrainRunner:
                 return
             self._step(rec, r.Cancelled(now))
             return
-        if reclaim_id in self.live or self.bundles.exists(reclaim_id):
-            # Same id (or same content): one reclamation. Its deadlines stand (invariant 2).
-            log.info(
-                "node %s: duplicate notice %s for %s ignored",
-                self.cfg.node_id,
-                parsed.notice_id,
-                reclaim_id,
-            )
+        if rec is not None:
+            # Heard again: the machine decides what, if anything, it changes (D only earlier).
+            self._step(rec, r.NoticeHeard(now, parsed.action, parsed.terminate_at))
             return
         rec, commands = r.Reclamation.begin(parsed, self.cfg.node_id, now, self.cfg.margins)
         log.info(

@@ -60,6 +60,10 @@ LEDGER_TRANSITIONS: dict[tuple[str | None, str | None], str] = {
     (KILL_ANNOUNCED, TERM_BY_PREVIOUS_RUN): "withdrawn",
 }
 PHASES = ("tainting", "draining", "done")
+# The provider's notice heard again with a later D (kept, never moved) is recorded at most this
+# often, with how many such were heard between: a source that re-stamps its document on every
+# read (AWS's own mock) cannot fill the timeline.
+LATER_NOTICE_RECORDED_EVERY_S = 10.0
 OUTCOMES = ("", "drained", "overrun", "cancelled", "resumed")
 
 
@@ -218,6 +222,17 @@ class Cancelled:
 
 
 @dataclass(frozen=True)
+class NoticeHeard:
+    """The provider's notice for this reclamation, heard again: re-read, re-stamped or
+    rewritten. D is the earliest ever heard (DESIGN "one interruption is one reclamation"):
+    an earlier D moves D, G and O earlier; a later one is recorded and moves nothing."""
+
+    now: float
+    action: str
+    terminate_at: float | None  # None: the notice names no time, so it says nothing of D
+
+
+@dataclass(frozen=True)
 class WorkloadReported:
     """A report a container wrote into its status directory (spotdrain.workload), as the agent
     read it at `now`. Information only: it never moves a deadline and never counts towards
@@ -245,6 +260,7 @@ Event = (
     | Tick
     | Cancelled
     | WorkloadReported
+    | NoticeHeard
 )
 
 # --- commands: what the shell must do ------------------------------------------------------
@@ -407,6 +423,11 @@ class Reclamation:
     resumed: bool = False  # a pause the owner has ended
     lift_acknowledged: bool = False  # the coordinator lifted the taints of a cancel or resume
     sigterm_at: dict[str, float] = field(default_factory=dict)  # container id -> its SIGTERM
+    # What the provider said last (NoticeHeard), and when a later D was last recorded.
+    heard_action: str = ""
+    heard_terminate_at: float | None = None
+    later_recorded_at: float | None = None
+    later_unrecorded: int = 0  # later Ds heard since then, not recorded one by one
     # Workload reports by container name, held until the container is signalled or exits.
     pending_reports: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     # Containers a round is about to signal: id -> {signal, name, kind, image, at}. In the bundle
@@ -443,6 +464,8 @@ class Reclamation:
             observe_every_s=margins.observe_every_s,
             taint_answer_s=margins.taint_answer_s,
             taint_answer_by=now + margins.taint_answer_s,
+            heard_action=notice.action,
+            heard_terminate_at=notice.terminate_at,
         )
         commands: list[Command] = [
             Emit(
@@ -658,6 +681,8 @@ class Reclamation:
                 return self._cancelled(now)
             case WorkloadReported():
                 return self._reported(event)
+            case NoticeHeard():
+                return self._heard(event)
         raise TypeError(event)
 
     def next_wakeup(self) -> float | None:
@@ -918,6 +943,54 @@ class Reclamation:
             details["before_sigterm"] = True
         details["reported_at"] = doc["reported_at"]
         return Emit(doc["report"], details, at=at)
+
+    def _heard(self, ev: NoticeHeard) -> list[Command]:
+        said = ev.terminate_at if ev.terminate_at is not None else self.heard_terminate_at
+        if (ev.action, said) == (self.heard_action, self.heard_terminate_at):
+            return []  # the same document read again (another poll, an agent restart)
+        acted = ev.action != self.heard_action
+        self.heard_action, self.heard_terminate_at = ev.action, said
+        earlier = said is not None and said < self.terminate_at
+        movable = earlier and self.phase != "done" and not self.lifted
+        if not (acted or movable):
+            # A later D (kept), or an earlier one after the drain ended: at most one record
+            # every LATER_NOTICE_RECORDED_EVERY_S.
+            since = self.later_recorded_at
+            if since is not None and ev.now - since < LATER_NOTICE_RECORDED_EVERY_S:
+                self.later_unrecorded += 1
+                return []
+            self.later_recorded_at = ev.now
+        commands: list[Command] = []
+        if movable:
+            assert said is not None
+            shift = self.terminate_at - said
+            self.terminate_at -= shift
+            self.grace_deadline -= shift
+            self.overrun_at -= shift
+        details = {
+            "action": ev.action,
+            "heard_terminate_at": said,
+            "terminate_at": self.terminate_at,
+            "grace_deadline": self.grace_deadline,
+            "overrun_at": self.overrun_at,
+            "moved": movable,
+            "unrecorded": self.later_unrecorded,
+        }
+        self.later_unrecorded = 0
+        commands.append(Emit("notice_updated", details))
+        if movable and self.phase == "draining":
+            # The workloads' file and the gates learn the earlier deadlines at once.
+            commands += [
+                self._deadline_file(),
+                Emit(
+                    "deadline_file_written",
+                    {"terminate_at": self.terminate_at, "grace_deadline": self.grace_deadline},
+                ),
+                DrainWorkers(self.reclaim_id, self.grace_deadline),
+            ]
+        if movable:
+            commands += self._deadlines(ev.now)  # an earlier G or O may have passed already
+        return commands
 
     def _observe(self, now: float) -> list[Command]:
         if self.verified_at is not None or self.lifted:

@@ -48,6 +48,7 @@ from spotdrain.agent.reclamation import (
     InvalidTransition,
     LiftTaints,
     Margins,
+    NoticeHeard,
     Observe,
     Observed,
     Reclamation,
@@ -182,7 +183,13 @@ def check_story(log: list[tuple[float, Command]], rec: Reclamation, deadlines: t
     for now, c in log:
         if isinstance(c, Emit):
             assert getattr(c, "at", now) == now, (now, c)
-    # Invariant 2: the deadlines never move.
+    # Invariant 2: the deadlines never move, but earlier when the provider names an earlier D.
+    moved = [c for _, c in log if c == emit("notice_updated", moved=True)]
+    if moved:
+        last = moved[-1].details  # type: ignore[union-attr]
+        expected = (deadlines[0], last["terminate_at"], last["grace_deadline"], last["overrun_at"])
+        assert all(now <= first for now, first in zip(expected[1:], deadlines[1:], strict=True))
+        deadlines = expected
     assert (rec.reclaim_id, rec.terminate_at, rec.grace_deadline, rec.overrun_at) == deadlines
     # Once cancelled with the taints lifted, no container is ever signalled.
     if "LiftTaints" in names:
@@ -682,6 +689,73 @@ def test_an_empty_observation_arriving_after_o_is_not_a_drain(when: float) -> No
     story(Observed(T0 + 1.1, running=("c1",)))  # the in-flight look predates the exit
     outcome = kinds(story(Observed(when)))
     assert "drained" not in outcome and "overrun" in story.kinds, outcome
+
+
+# --- the same notice heard again ---------------------------------------------------------------
+
+
+def test_a_rewritten_notice_with_a_later_d_is_recorded_and_moves_nothing(story: Story) -> None:
+    """The provider rewrites its notice from T+60 to T+300 (AWS has been seen to): the same
+    interruption, D stays the earliest heard, and the update is in the timeline."""
+    story.begin(notice(terminate_at=T0 + 60))
+    story(TaintAnswered(T0 + 0.05))
+    assert story(NoticeHeard(T0 + 1, "terminate", T0 + 300)) == [
+        emit("notice_updated", action="terminate", heard_terminate_at=T0 + 300,
+             terminate_at=T0 + 60, moved=False, unrecorded=0),
+    ]  # fmt: skip
+    assert story.rec.terminate_at == T0 + 60
+    # The same document read again (the next poll, an agent restart): nothing at all.
+    assert story(NoticeHeard(T0 + 2, "terminate", T0 + 300)) == []
+    restarted = Reclamation.from_json(json.loads(json.dumps(story.rec.to_json())))
+    assert restarted.handle(NoticeHeard(T0 + 3, "terminate", T0 + 300)) == []
+
+
+def test_an_earlier_d_heard_mid_drain_moves_d_g_and_o_earlier_and_tells_the_workloads(
+    story: Story,
+) -> None:
+    """T+300 first, then T+60: the drain runs to the earlier deadlines from then on (the
+    deadline file and the gates are told), and G passing at once kills at once."""
+    story.begin(notice(terminate_at=T0 + 300))
+    tainted_with_d = story(TaintAnswered(T0 + 0.05))
+    assert match(WriteDeadlineFile, terminate_at=T0 + 300) in tainted_with_d
+    grace, overrun = MARGINS.grace_s, MARGINS.overrun_s
+    assert story(NoticeHeard(T0 + 1, "terminate", T0 + 60)) == [
+        emit("notice_updated", heard_terminate_at=T0 + 60, terminate_at=T0 + 60,
+             grace_deadline=T0 + 60 - grace, overrun_at=T0 + 60 - overrun, moved=True),
+        match(WriteDeadlineFile, terminate_at=T0 + 60, grace_deadline=T0 + 60 - grace),
+        emit("deadline_file_written", terminate_at=T0 + 60, grace_deadline=T0 + 60 - grace),
+        match(DrainWorkers, grace_deadline=T0 + 60 - grace),
+    ]  # fmt: skip
+    assert story.rec.next_wakeup() == T0 + 60 - grace
+    # A later one again never moves it back.
+    story(NoticeHeard(T0 + 2, "terminate", T0 + 300))
+    assert story.rec.terminate_at == T0 + 60
+    # An earlier D whose G has already passed: the SIGKILL round comes in the same step.
+    commands = story(NoticeHeard(T0 + 5, "terminate", T0 + 12))
+    assert match(CutWorkers) in commands and SignalContainers(SIGKILL) in commands
+
+
+def test_a_notice_re_stamped_on_every_read_is_one_record_every_ten_seconds() -> None:
+    """AWS's own mock re-stamps `time` on every read: a later D each second for two minutes is
+    one reclamation with a notice_updated every ten seconds, each counting the ones between."""
+    rec, _ = Reclamation.begin(notice(terminate_at=T0 + 120), NODE, T0, MARGINS)
+    updates = []
+    for second in range(1, 121):
+        for cmd in rec.handle(NoticeHeard(T0 + second, "terminate", T0 + 120 + second)):
+            assert cmd == emit("notice_updated", moved=False, terminate_at=T0 + 120)
+            updates.append(cmd.details["unrecorded"])  # type: ignore[union-attr]
+    assert updates == [0] + [9] * 11
+    assert rec.terminate_at == T0 + 120
+
+
+def test_a_notice_heard_after_a_cancel_or_the_drain_moves_nothing(story: Story) -> None:
+    tainted_with(story, "c1")
+    story(ContainerExited(T0 + 1, "c1", "c1", 0))
+    story(Observed(T0 + 1.1))
+    assert story.rec.outcome == "drained"
+    assert story(NoticeHeard(T0 + 2, "terminate", T0 + 5)) == [
+        emit("notice_updated", moved=False, terminate_at=D)
+    ]
 
 
 # --- cancellation ----------------------------------------------------------------------------

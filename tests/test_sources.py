@@ -113,7 +113,8 @@ async def test_aws_instance_action_split_in_two_is_read_whole_and_acted_on(chunk
             await imds.await_seen(lambda s: s.path == INSTANCE_ACTION and s.status == 200,
                                   count=instance_action_reads(imds) + 3)  # fmt: skip
         assert [(n.key, n.terminate_at) for n in sink.of(Notice)] == [
-            (f"aws:instance-action:{BOOT}", NOW + 120)]
+            (f"aws:instance-action:{BOOT}", NOW + 120)
+        ]
         assert not sink.of(NoticeInvalid) and ("down", "aws") not in sink.told
 
 
@@ -155,13 +156,18 @@ async def test_aws_rebalance_re_stamped_on_every_read_is_one_advisory():
             await sink.until(has(Advisory))
             await imds.await_seen(lambda s: s.path.endswith("rebalance"), count=6)
         assert [(a.key, a.withdrawn) for a in sink.of(Advisory)] == [
-            (f"aws:rebalance:{BOOT}", False)]
+            (f"aws:rebalance:{BOOT}", False)
+        ]
 
 
-@pytest.mark.parametrize("document", [
-    {"action": "cancel", "id": "i-other"},
-    {"action": "reboot", "time": "2027-01-15T08:00:00Z"},
-], ids=["cancel", "unknown-action"])
+@pytest.mark.parametrize(
+    "document",
+    [
+        {"action": "cancel", "id": "i-other"},
+        {"action": "reboot", "time": "2027-01-15T08:00:00Z"},
+    ],
+    ids=["cancel", "unknown-action"],
+)
 def test_aws_instance_action_only_takes_the_actions_aws_writes(document):
     parsed = aws.parse_instance_action(json.dumps(document).encode(), BOOT)
     assert isinstance(parsed, NoticeInvalid)

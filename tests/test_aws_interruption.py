@@ -1,0 +1,131 @@
+"""One AWS interruption, heard many times: the real AWS source polling the suite's IMDS emulator
+(tests/cloudmeta.py), the agent's source hub and its drain runner over in-memory adapters (as
+tests/test_one_machine_two_notices.py has them). However often the instance-action is read,
+re-stamped or rewritten, it is one reclamation whose D is the earliest heard."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from test_one_machine_two_notices import one_machine
+
+from cloudmeta import AwsImds, iso_utc
+from spotdrain.agent.drain_runner import DrainRunner
+from spotdrain.agent.outbox import Outbox
+from spotdrain.agent.source_hub import SourceHub
+from spotdrain.agent.sources import aws
+from spotdrain.agent.sources.settings import AdvisoryPolicy
+
+BOOT = "5b1f3c9e-2d47-4e8a-b6f1-0a9c7e3d2b14"
+INSTANCE_ACTION = "/latest/meta-data/spot/instance-action"
+
+
+@contextlib.asynccontextmanager
+async def agent_hearing(tmp_path: Path, imds: AwsImds) -> AsyncIterator[tuple[DrainRunner, Outbox]]:
+    """The drain loop and the AWS source (polling every 0.1 s) for the length of a scenario."""
+    cfg, outbox, _engine, drains = one_machine(tmp_path)
+    hub = SourceHub(cfg.node_id, drains, AdvisoryPolicy(), cfg.state_dir)
+    source = aws.Source(aws.Config.from_table({"endpoint": imds.url, "poll_s": 0.1}, ""), hub,
+                        boot=lambda: BOOT)  # fmt: skip
+    tasks = [asyncio.create_task(drains.run()), asyncio.create_task(source.run())]
+    try:
+        yield drains, outbox
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await drains.close()
+        outbox.close()
+
+
+def events(outbox: Outbox, kind: str) -> list[dict[str, Any]]:
+    return [e.details for e in outbox.pending(1000) if e.kind == kind]
+
+
+async def until(what: str, predicate: Callable[[], Any], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+def heard_again(outbox: Outbox) -> bool:
+    """A barrier: the agent has handled a later read, as an update or as a second notice."""
+    return bool(events(outbox, "notice_updated")) or len(events(outbox, "notice_received")) > 1
+
+
+def reads(imds: AwsImds) -> int:
+    return len([s for s in imds.seen if s.path == INSTANCE_ACTION and s.status == 200])
+
+
+def bundles(drains: DrainRunner) -> list[str]:
+    return sorted(p.name for p in drains.bundles.dir.glob("rcl-*.json"))
+
+
+async def test_an_instance_action_re_stamped_on_every_read_is_one_reclamation(tmp_path):
+    """AWS's own mock (what aws-node-termination-handler tests with) writes `time` afresh on
+    every read. Ten polls later there is still one reclamation, D is the first time heard, and
+    the later times are recorded as an update of it, not as notices."""
+    wall = itertools.count(time.time(), 1.0)
+    with AwsImds(wall=lambda: next(wall)) as imds:
+        imds.set_instance_action("terminate", restamp_in_s=120)
+        async with agent_hearing(tmp_path, imds) as (drains, outbox):
+            await until("the notice", lambda: events(outbox, "notice_received"))
+            first = reads(imds)
+            # A barrier, not a sleep: ten more reads of a new document each, all handled.
+            await imds.await_seen(lambda s: s.path == INSTANCE_ACTION and s.status == 200,
+                                  count=first + 10)  # fmt: skip
+            await until("a later read handled", lambda: heard_again(outbox))
+            [received] = events(outbox, "notice_received")
+            updated = events(outbox, "notice_updated")
+            assert len(bundles(drains)) == 1
+            assert {u["terminate_at"] for u in updated} == {received["terminate_at"]}
+            assert all(u["heard_terminate_at"] > received["terminate_at"] for u in updated)
+            assert not any(u["moved"] for u in updated)
+            assert len(updated) <= 2  # one record per ten seconds, however many reads
+
+
+async def test_a_rewrite_to_a_later_time_is_recorded_and_d_stays_the_earliest(tmp_path):
+    with AwsImds() as imds:
+        t = int(time.time())
+        imds.set_instance_action("terminate", iso_utc(t + 60))
+        async with agent_hearing(tmp_path, imds) as (drains, outbox):
+            await until("the notice", lambda: events(outbox, "notice_received"))
+            imds.set_instance_action("terminate", iso_utc(t + 300))
+            await until("a later read handled", lambda: heard_again(outbox))
+            [received] = events(outbox, "notice_received")
+            [updated] = events(outbox, "notice_updated")
+            assert received["terminate_at"] == t + 60
+            assert (updated["heard_terminate_at"], updated["terminate_at"], updated["moved"]) == (
+                t + 300,
+                t + 60,
+                False,
+            )
+            assert len(bundles(drains)) == 1
+
+
+async def test_a_rewrite_to_an_earlier_time_moves_d_earlier_and_the_workloads_see_it(tmp_path):
+    """T+300 first, then T+60, while the job (which ignores SIGTERM) still runs: the same
+    reclamation now ends at T+60, and so does the workloads' deadline file."""
+    with AwsImds() as imds:
+        t = int(time.time())
+        imds.set_instance_action("terminate", iso_utc(t + 300))
+        async with agent_hearing(tmp_path, imds) as (drains, outbox):
+            await until("the deadline file", lambda: events(outbox, "deadline_file_written"))
+            imds.set_instance_action("terminate", iso_utc(t + 60))
+            await until("a later read handled", lambda: heard_again(outbox))
+            assert len(events(outbox, "notice_received")) == 1 and len(bundles(drains)) == 1
+            [updated] = events(outbox, "notice_updated")
+            assert (updated["terminate_at"], updated["moved"]) == (t + 60, True)
+            [rec] = drains.live.values()
+            assert (rec.terminate_at, rec.grace_deadline) == (t + 60, t + 58)
+            deadline = json.loads(drains.cfg.deadline_file.read_text())
+            written = (deadline["terminate_at_epoch"], deadline["grace_deadline_epoch"])
+            assert written == (t + 60, t + 58)

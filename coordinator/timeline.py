@@ -37,6 +37,10 @@ def fold(record: dict[str, Any], kind: str, wall_time: float, details: dict[str,
         for key in ("t0", "terminate_at", "grace_deadline", "overrun_at"):
             if isinstance(details.get(key), int | float):
                 record[key] = float(details[key])
+    if kind == "notice_updated" and details.get("moved"):  # the provider named an earlier D
+        for key in ("terminate_at", "grace_deadline", "overrun_at"):
+            if isinstance(details.get(key), int | float):
+                record[key] = min(float(details[key]), record.get(key) or float("inf"))
     # First occurrence of each step; a local then remote taint keeps both.
     step = kind
     if kind == "tainted":

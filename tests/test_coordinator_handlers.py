@@ -80,6 +80,17 @@ def test_fold_ignores_non_numeric_deadlines():
     assert rec["t0"] == 0.0 and rec["terminate_at"] == 35.0
 
 
+def test_the_record_keeps_the_earliest_d_the_agent_heard():
+    """An update that moved D earlier moves the record's deadlines; one that did not, not."""
+    rec = new_record("rcl-1", "node-a")
+    fold(rec, "notice_received", 5.0, {"terminate_at": 305.0, "grace_deadline": 295.0})
+    fold(rec, "notice_updated", 6.0, {"terminate_at": 305.0, "moved": False})
+    assert rec["terminate_at"] == 305.0
+    fold(rec, "notice_updated", 7.0, {"terminate_at": 65.0, "grace_deadline": 55.0,
+                                      "moved": True})  # fmt: skip
+    assert (rec["terminate_at"], rec["grace_deadline"]) == (65.0, 55.0)
+
+
 class FakeContext:
     """Enough of grpc.aio.ServicerContext for the handlers: a peer and the status they set
     (`ended`: the code and message a refusal set; never an abort's exception)."""

@@ -10,6 +10,7 @@ from spotdrain.v1 import spotdrain_pb2 as pb
 KINDS = frozenset(
     {
         "notice_received",
+        "notice_updated",
         "notice_invalid",
         "tainted",
         "worker_draining",

@@ -31,6 +31,7 @@ LANES = (SOURCE, AGENT, COORDINATOR, WORKLOADS, ACQUIRER)
 # Kinds not listed are the agent's, or the coordinator's when the coordinator recorded them.
 _ARROWS: dict[str, tuple[str, str]] = {
     "notice_received": (SOURCE, AGENT),
+    "notice_updated": (SOURCE, AGENT),
     "notice_invalid": (SOURCE, AGENT),
     "notice_cancelled": (SOURCE, AGENT),
     "notice_acknowledged": (AGENT, SOURCE),

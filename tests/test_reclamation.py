@@ -970,6 +970,7 @@ class ReclamationWorld(RuleBasedStateMachine):
         self.observes = 0  # Observe commands in flight
         self.strays = iter(f"s{i}" for i in range(100))
         self.strays_started = 0
+        self.heard: list[float] = []  # every D the provider named after the first
         n = notice(terminate_at=None if d_offset is None else T0 + d_offset)
         self._carry_out(self.story.begin(n, T0))
         if coordinator == "answers":
@@ -1112,6 +1113,19 @@ class ReclamationWorld(RuleBasedStateMachine):
     def cancelled(self, dt: float, rarely: int) -> None:
         if rarely == 0:
             self._deliver(Cancelled(self._at(dt)))
+
+    @rule(dt=SHORT_DELAYS, d_offset=st.sampled_from([-5.0, 0.0, 3.0, 12.0, 30.0, 300.0]))
+    def notice_heard_again(self, dt: float, d_offset: float) -> None:
+        """The provider rewrites or re-stamps its notice: any D, before or after the one held."""
+        now = self._at(dt)
+        self.heard.append(now + d_offset)
+        self._deliver(NoticeHeard(now, "terminate", now + d_offset))
+
+    @invariant()
+    def d_is_the_earliest_heard_while_the_drain_runs(self) -> None:
+        rec = self.story.rec
+        if rec.phase != "done" and not rec.lifted:
+            assert rec.terminate_at == min([self.story.deadlines[1], *self.heard])
 
     @rule(dt=DELAYS, got_out=st.integers(0, 7), obeys=st.booleans())
     def agent_restarts(self, dt: float, got_out: int, obeys: bool) -> None:

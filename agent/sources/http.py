@@ -44,7 +44,7 @@ async def fetch(
     deadline: a body still arriving at `timeout_s` is a failed read, never a partial document."""
     try:
         async with asyncio.timeout(timeout_s):
-            return await _exchange(http, method, url, headers, timeout_s, body)
+            return await _exchange(http, method, url, headers, body)
     except TimeoutError:
         raise ReadFailed(f"{method} {url}: no whole answer in {timeout_s:g} s") from None
     except aiohttp.ClientError as e:  # refused, reset, or a body cut short of its length
@@ -56,7 +56,6 @@ async def _exchange(
     method: str,
     url: str,
     headers: dict[str, str],
-    timeout_s: float,
     body: str | None,
 ) -> Reply:
     async with http.request(
@@ -65,7 +64,7 @@ async def _exchange(
         headers=headers,
         data=body,
         allow_redirects=False,
-        timeout=aiohttp.ClientTimeout(total=timeout_s),
+        timeout=aiohttp.ClientTimeout(total=None),  # fetch's own deadline covers it all
     ) as resp:
         if resp.content_length is not None and resp.content_length > MAX_BODY:
             raise ReadFailed(f"{method} {url}: answer of {resp.content_length} bytes, "

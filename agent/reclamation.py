@@ -387,7 +387,8 @@ def reclaim_id_for(node_id: str, notice_key: str) -> str:
 
 @dataclass
 class Reclamation:
-    """One reclamation: its absolute deadlines (computed once, never moved) and its progress."""
+    """One reclamation: its absolute deadlines (computed once; only the provider naming an
+    earlier D moves them, and only earlier: NoticeHeard) and its progress."""
 
     reclaim_id: str
     node_id: str

@@ -142,6 +142,41 @@ def test_aws_rebalance_recommendation_is_404_until_emitted():
         assert aws_get(aws, "events/recommendations/rebalance", tok)[0] == 404
 
 
+def test_aws_re_stamps_time_and_notice_time_on_every_read_when_told():
+    """As amazon-ec2-metadata-mock does by default: a new time on every read."""
+    wall = iter(range(1_800_000_000, 1_800_000_100))
+    with AwsImds(wall=lambda: float(next(wall))) as aws:
+        tok = token(aws)
+        aws.set_instance_action("terminate", restamp_in_s=120)
+        aws.set_rebalance(restamp=True)
+        times = [json.loads(aws_get(aws, "spot/instance-action", tok)[2])["time"]
+                 for _ in range(2)]  # fmt: skip
+        assert times == [cloudmeta.iso_utc(1_800_000_120), cloudmeta.iso_utc(1_800_000_121)]
+        notice = json.loads(aws_get(aws, "events/recommendations/rebalance", tok)[2])
+        assert notice == {"noticeTime": cloudmeta.iso_utc(1_800_000_002)}
+
+
+@pytest.mark.parametrize("how", ["split", "chunked", "trickle"])
+def test_a_paced_answer_arrives_whole_and_late(how):
+    """split_next / trickle_next change when the bytes arrive, never what they are."""
+    with AwsImds() as aws:
+        tok = token(aws)
+        aws.set_instance_action("terminate", "2017-09-18T08:22:00Z")
+        _, _, whole = aws_get(aws, "spot/instance-action", tok)
+        if how == "trickle":
+            aws.trickle_next(1, path="/latest/meta-data/spot/instance-action", every_s=0.01)
+        else:
+            aws.split_next(1, path="/latest/meta-data/spot/instance-action", gap_s=0.15,
+                           chunked=how == "chunked")  # fmt: skip
+        started = time.monotonic()
+        status, headers, body = aws_get(aws, "spot/instance-action", tok)
+        took = time.monotonic() - started
+        assert status == 200 and body == whole
+        assert took >= (0.01 * (len(whole) - 1) if how == "trickle" else 0.15)
+        assert ("Transfer-Encoding" in headers) == (how == "chunked")
+        assert aws_get(aws, "spot/instance-action", tok)[2] == whole  # the next one is not paced
+
+
 def test_aws_scheduled_maintenance_is_a_json_list():
     with AwsImds() as aws:
         tok = token(aws)

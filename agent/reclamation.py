@@ -911,9 +911,7 @@ class Reclamation:
         }
         if ev.nbytes is not None:
             doc["bytes"] = ev.nbytes
-        if container is None or (
-            container not in self.signalled and container not in self.gated
-        ):
+        if container is None or (container not in self.signalled and container not in self.gated):
             held = self.pending_reports.setdefault(ev.name, [])
             if len(held) < PENDING_REPORTS_KEPT:
                 held.append(doc)

@@ -52,11 +52,13 @@ class Config:
     def from_table(cls, table: dict[str, Any], where: str) -> Config:
         check_keys(table, {"endpoint", "poll_s", "timeout_s"}, where, "aws")
         return cls(
-            endpoint=endpoint(table.get("endpoint"), f"{where}sources.aws.endpoint",
-                              cls.endpoint),  # fmt: skip
+            endpoint=endpoint(
+                table.get("endpoint"), f"{where}sources.aws.endpoint", cls.endpoint
+            ),  # fmt: skip
             poll_s=number(table.get("poll_s", cls.poll_s), f"{where}sources.aws.poll_s", 0.1, 60),
-            timeout_s=number(table.get("timeout_s", cls.timeout_s),
-                             f"{where}sources.aws.timeout_s", 0.05, 30),  # fmt: skip
+            timeout_s=number(
+                table.get("timeout_s", cls.timeout_s), f"{where}sources.aws.timeout_s", 0.05, 30
+            ),  # fmt: skip
         )
 
 

@@ -254,6 +254,26 @@ async def test_gcp_unreachable_server_is_down_then_up_and_re_armed():
             await sink.until(has(Notice))
 
 
+async def test_gcp_answer_without_metadata_flavor_is_not_believed_and_the_source_is_down():
+    """Something other than the metadata server answers on its address (a proxy, a captive
+    portal) and says TRUE, without `Metadata-Flavor: Google`. Not the provider: no notice, and
+    the source reports itself down, naming why. Once the real server answers again, it is up,
+    and its own TRUE is the notice."""
+    with GceMetadata() as server:
+        server.set_preempted(True)
+        server.impostor()
+        sink = Recorder()
+        async with running(gcp_source(server, sink)) as source:
+            # Three failed reads before "down", each of them a TRUE: none became a notice.
+            await sink.until(lambda told: ("down", "gcp") in told)
+            assert sink.told == [("down", "gcp")]
+            assert "without Metadata-Flavor: Google" in source.health.error
+            server.impostor(False)
+            await sink.until(has(Notice))
+        assert sink.told[:2] == [("down", "gcp"), ("up", "gcp")]
+        assert [n.action for n in sink.of(Notice)] == ["terminate"]
+
+
 async def test_gcp_unexpected_value_is_invalid_not_a_notice():
     with GceMetadata() as server:
         server.malformed_next(1, path="/computeMetadata/v1/instance/preempted")

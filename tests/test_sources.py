@@ -404,6 +404,30 @@ async def test_azure_acknowledges_only_once_the_node_is_verified_empty():
         assert server.acknowledged == ["p-1"]
 
 
+@pytest.mark.parametrize("on_start", ["remove", "start"])
+async def test_azure_an_event_that_went_ahead_and_left_is_not_a_cancel(on_start):
+    """The node was verified empty and the agent acknowledged the Preempt: the platform goes
+    ahead and the event leaves the document (at once, or after showing it Started), long
+    before its NotBefore. That is the eviction going ahead, not a provider calling it off: no
+    cancel, which would lift the taints of a machine about to vanish."""
+    with AzureMetadata(on_start=on_start) as server:
+        sink = Recorder()
+        events = "/metadata/scheduledevents"
+        async with running(azure_source(server, sink, acknowledge=True)):
+            server.set_events([azure_event("p-1", not_before=NOW + 30)])
+            await sink.until(has(Notice))
+            sink.settle("azure:p-1", "drained")
+            await sink.until(lambda told: ("notice_acknowledged", {"event_id": "p-1",
+                                                                   "status": 200}) in told)
+            if on_start == "start":
+                await server.await_seen(lambda s: s.path == events and s.at > server.changed_at,
+                                        count=3)  # fmt: skip
+                server.set_events([])
+            changed = server.changed_at
+            await server.await_seen(lambda s: s.path == events and s.at > changed, count=3)
+        assert [n.action for n in sink.of(Notice)] == ["terminate"]
+
+
 async def test_azure_refused_then_back():
     with AzureMetadata() as server:
         sink = Recorder()

@@ -7,7 +7,8 @@ Resources name this VM (its name from `/metadata/instance/compute/name`, or `vm_
   empty. NotBefore is RFC 1123 in the docs ("Mon, 19 Sep 2016 18:29:47 GMT") and ISO 8601 in
   Microsoft's own mock server ("2026-12-02T18:13:35Z"): both are read (see `parse_not_before`);
 - `Reboot`, `Redeploy`, `Freeze`: an advisory;
-- an event that leaves the document before its NotBefore was called off: a cancel.
+- an event that leaves the document before its NotBefore was called off: a cancel, unless it
+  went ahead first (we acknowledged it, or the platform showed it `Started`).
 Each event is judged on its own: one this VM cannot read is reported (`notice_invalid` naming
 it) and never hides a readable one beside it, nor counts as gone. Azure defines no proof of
 origin on the reply (only the request's `Metadata: true`), so none is checked.
@@ -92,6 +93,7 @@ class Scheduled:
     event_type: str
     not_before: float | None
     description: str = ""
+    status: str = ""  # EventStatus: Scheduled, Started
 
 
 @dataclass
@@ -192,7 +194,7 @@ def _parse_event(ev: dict[str, Any], index: int) -> Scheduled | NoticeInvalid:
     except ValueError as e:
         return _bad_event(f"event {event_id} ({kind}): {e}", ev)
     description = str(ev.get("Description", ""))[:200]
-    return Scheduled(event_id, kind, not_before, description)
+    return Scheduled(event_id, kind, not_before, description, str(ev.get("EventStatus", ""))[:32])
 
 
 class Source:
@@ -206,6 +208,8 @@ class Source:
         self.vm_name = cfg.vm_name
         self._incarnation: int | None = None
         self._known: dict[str, Scheduled] = {}
+        # Events that went ahead (acknowledged by us, or shown Started): gone is not a cancel.
+        self._went_ahead: set[str] = set()
         self._invalid: set[str] = set()  # content hashes of what is reported invalid now
         self._acks: set[asyncio.Task[None]] = set()
 
@@ -265,6 +269,8 @@ class Source:
     ) -> None:
         now = self.clock()
         for event_id, ev in events.items():
+            if ev.status == "Started":
+                self._went_ahead.add(event_id)
             if event_id in self._known:
                 continue
             self._known[event_id] = ev
@@ -286,7 +292,8 @@ class Source:
         # An event still there but unreadable now is not gone: only a missing one is a cancel.
         for event_id in sorted(set(self._known) - set(events) - set(unreadable)):
             ev = self._known.pop(event_id)
-            if ev.not_before is not None and now >= ev.not_before:
+            if event_id in self._went_ahead or (ev.not_before is not None and now >= ev.not_before):
+                self._went_ahead.discard(event_id)
                 continue  # it went ahead; nothing to call off
             key = f"azure:{event_id}"
             if ev.event_type in NOTICES:
@@ -309,6 +316,7 @@ class Source:
                                         {**HEADERS, "Content-Type": "application/json"},
                                         self.cfg.timeout_s, body=body)  # fmt: skip
                     if reply.status < 300:
+                        self._went_ahead.add(ev.event_id)  # gone from now on: not a cancel
                         self.sink.record(self.name, "notice_acknowledged",
                                          {"event_id": ev.event_id, "status": reply.status})
                         return

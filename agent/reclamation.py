@@ -417,6 +417,8 @@ class Reclamation:
     # The notice's cancel has been recorded: the same cancel read again (an agent restarted
     # while the cancel is still the notice file's content) records nothing more.
     cancel_recorded: bool = False
+    # The cancel lifted the taints (nothing was stopped); the outcome it had, if any, stands.
+    lifted_by_cancel: bool = False
 
     # --- construction ----------------------------------------------------------------------
 
@@ -678,7 +680,7 @@ class Reclamation:
     @property
     def lifted(self) -> bool:
         """Cancelled or resumed: nothing more may be signalled, and the taints must go."""
-        return self.resumed or self.outcome in ("cancelled", "resumed")
+        return self.resumed or self.lifted_by_cancel or self.outcome in ("cancelled", "resumed")
 
     @property
     def finished(self) -> bool:
@@ -1021,9 +1023,10 @@ class Reclamation:
             return [Emit("notice_cancelled", details)]
         # Nothing was stopped under this notice, the node verified empty or not: the provider
         # keeps the machine, so it is ours to use again (design: a cancel lifts what nothing
-        # was stopped under). The outcome it had, if any, stays in the event.
+        # was stopped under). An outcome already recorded (drained) stands, as in the record.
         details["lifted"] = True
-        self.outcome = "cancelled"
+        self.lifted_by_cancel = True
+        self.outcome = self.outcome or "cancelled"
         self.phase = "done"
         return [Emit("notice_cancelled", details), LiftTaints(self.reclaim_id)]
 

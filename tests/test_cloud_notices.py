@@ -194,7 +194,7 @@ def test_a_terminate_removed_early_from_an_empty_node_lifts_its_taint(
         assert cancelled["lifted"] is True and cancelled["outcome"] == "drained"
         assert cancelled["reclaim_id"] == notice["reclaim_id"]
         wait_until(lambda: not taints(events, "node-a"), 10, "the taint lifted")
-        assert spotctl(agent, "status")["state"] == "available"
+        wait_until(lambda: spotctl(agent, "status")["state"] == "available", 10, "available")
         assert "sigterm_sent" not in events.kinds(node="node-a")
     finally:
         server.close()

@@ -1,5 +1,6 @@
-"""Real agents hearing a cloud themselves: AWS's metadata service and Azure's Scheduled Events
-emulated on loopback (tests/cloudmeta.py), a real coordinator, real containers. An advisory
+"""Real agents hearing a cloud themselves: AWS's metadata service, Google's metadata server
+and Azure's Scheduled Events emulated on loopback (tests/cloudmeta.py), a real coordinator, real
+containers. Something that is not Google's metadata server is not believed. An advisory
 prepares without draining; a notice that follows drains with the replacement already serving; a
 broken source is reported and a malformed notice taints nothing; a Terminate the platform
 removes early lifts the taint when nothing was stopped under it, and only then."""
@@ -12,7 +13,7 @@ import pytest
 from test_capacity_live import RouteWatcher, two_ready_workers
 from test_pause import spotctl, wait_state
 
-from cloudmeta import AwsImds, AzureMetadata, azure_event, iso_utc
+from cloudmeta import AwsImds, AzureMetadata, GceMetadata, azure_event, iso_utc
 from dockerenv import run_workload
 from harness import AgentOptions, start_agent, wait_until
 from images.fake_model import ensure_model_image
@@ -227,6 +228,37 @@ def test_a_terminate_removed_after_a_job_was_stopped_keeps_the_taint(
                             "terminate_at": time.time() + 60})
         events.wait_for("notice_received", node="node-a", notice_id="later", timeout=15)
         assert cancelled["reclaim_id"] in {t.reclaim_id for t in taints(events, "node-a")}
+    finally:
+        server.close()
+        agent.proc.stop()
+
+
+def test_a_preemption_from_something_that_is_not_the_metadata_server_opens_nothing(
+    tmp_path, docker_engine, coordinator, gpus, nvml_lib
+):
+    """Something else answers on the metadata address (a proxy, a captive portal) and says the
+    VM is preempted, without `Metadata-Flavor: Google`. No reclamation opens and the source is
+    reported down, naming why; once the real server answers, the source is up and its own
+    TRUE is the notice."""
+    server = GceMetadata()
+    server.set_preempted(True)
+    server.impostor()
+    toml = tmp_path / "node-a.toml"
+    toml.write_text(f'[sources.gcp]\nendpoint = "{server.url}"\n')
+    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
+                        AgentOptions(grace_s=4.0, overrun_s=1.0, default_notice_s=20.0,
+                                     extra=["--config", str(toml), "--sources", "file,gcp"]))
+    events = coordinator.admin()
+    try:
+        down = events.wait_for("notice_source_down", node="node-a", timeout=20)
+        assert down["source"] == "gcp" and "without Metadata-Flavor: Google" in down["error"]
+        # The source read TRUE three times before it was down: none of it became a notice.
+        assert not {"notice_received", "tainted"} & set(events.kinds(node="node-a"))
+        assert spotctl(agent, "status")["state"] == "available"
+        server.impostor(False)
+        events.wait_for("notice_source_up", node="node-a", timeout=15)
+        notice = events.wait_for("notice_received", node="node-a", timeout=15)
+        assert notice["source"] == "gcp"
     finally:
         server.close()
         agent.proc.stop()

@@ -463,6 +463,11 @@ class DrainRunner:
             self.recent[rec.reclaim_id] = rec
             while len(self.recent) > RECENT_KEPT:
                 del self.recent[next(iter(self.recent))]
+        elif rec.reclaim_id not in self.live:
+            # A finished one reopened (a cancel that lifts a drained node): live again until
+            # the coordinator confirms the lift, so its TaintsLifted reaches it.
+            self.recent.pop(rec.reclaim_id, None)
+            self.live[rec.reclaim_id] = rec
 
     def past_grace(self, now: float) -> r.Reclamation | None:
         """The reclamation whose grace deadline has passed (its SIGKILL round took whatever

@@ -439,6 +439,8 @@ class Reclamation:
     # The notice's cancel has been recorded: the same cancel read again (an agent restarted
     # while the cancel is still the notice file's content) records nothing more.
     cancel_recorded: bool = False
+    # The cancel lifted the taints (nothing was stopped); the outcome it had, if any, stands.
+    lifted_by_cancel: bool = False
 
     # --- construction ----------------------------------------------------------------------
 
@@ -704,7 +706,7 @@ class Reclamation:
     @property
     def lifted(self) -> bool:
         """Cancelled or resumed: nothing more may be signalled, and the taints must go."""
-        return self.resumed or self.outcome in ("cancelled", "resumed")
+        return self.resumed or self.lifted_by_cancel or self.outcome in ("cancelled", "resumed")
 
     @property
     def finished(self) -> bool:
@@ -1084,21 +1086,31 @@ class Reclamation:
         if self.cancel_recorded:
             return []
         self.cancel_recorded = True
-        if self.phase == "done" or self.lifted:
-            return [Emit("notice_cancelled", {"lifted": False, "outcome": self.outcome})]
-        # "Nothing was stopped yet": still tainting, or the SIGTERM round found no container.
-        nothing_stopped = self.phase == "tainting" or (
-            self.sigterm_round_done and not self.signalled and not self.gated
-        )
-        if not nothing_stopped:
-            # Something was already stopped: the drain goes on under the same deadlines.
-            details: dict[str, Any] = {"lifted": False}
-            if self.outcome:
-                details["outcome"] = self.outcome
+        details: dict[str, Any] = {"lifted": False}
+        if self.outcome:
+            details["outcome"] = self.outcome
+        if self.lifted or not self._stopped_nothing():
+            # Lifted already (a resumed pause), or something was stopped: it stays stopped and
+            # the drain goes on (or has ended) under the same deadlines; the taints stay.
             return [Emit("notice_cancelled", details)]
-        self.outcome = "cancelled"
+        # Nothing was stopped under this notice, the node verified empty or not: the provider
+        # keeps the machine, so it is ours to use again (design: a cancel lifts what nothing
+        # was stopped under). An outcome already recorded (drained) stands, as in the record.
+        details["lifted"] = True
+        self.lifted_by_cancel = True
+        self.outcome = self.outcome or "cancelled"
         self.phase = "done"
-        return [Emit("notice_cancelled", {"lifted": True}), LiftTaints(self.reclaim_id)]
+        return [Emit("notice_cancelled", details), LiftTaints(self.reclaim_id)]
+
+    def _stopped_nothing(self) -> bool:
+        """No container was signalled (by this process or the one before) nor drained at its
+        gate under this notice, and no round has one announced: still tainting, or the SIGTERM
+        round is over and found nothing."""
+        if self.phase == "tainting":
+            return True
+        return (
+            self.sigterm_round_done and not self.signalled and not self.gated and not self.announced
+        )
 
     # --- persistence -----------------------------------------------------------------------
 

@@ -20,13 +20,17 @@ What each emulator answers follows the providers' documentation:
 - GCE: https://cloud.google.com/compute/docs/metadata/querying-metadata (Metadata-Flavor: Google
   required, 403 otherwise, echoed on answers; ETag; wait_for_change, last_etag, timeout_sec),
   https://cloud.google.com/compute/docs/troubleshooting/troubleshoot-metadata-server (codes;
-  the official hanging-GET sample retries 503 "during maintenance").
+  the official hanging-GET sample retries 503 "during maintenance"). `impostor()` answers as
+  something else on the metadata address would (a proxy, a captive portal): no Metadata-Flavor.
 - Azure: https://learn.microsoft.com/azure/virtual-machines/linux/scheduled-events (document shape,
   Metadata: true else 400, POST StartRequests, 200 for a valid id, 400 for a malformed request,
   incarnation moves when Events change, an approved event goes to Started),
   https://learn.microsoft.com/azure/virtual-machines/instance-metadata-service (api-version
   mandatory, duplicate query names rejected, X-Forwarded-For rejected, GET only, format=text
-  needed on a leaf node).
+  needed on a leaf node). NotBefore is written as the docs write it (RFC 1123) or, with
+  `date_style="iso"`, as Microsoft's own scheduled-events mock server does ("2026-12-02T18:13:35Z");
+  `unreadable_event()` is an event for this VM nobody can read, for documents that mix one
+  with good events.
 
 Run one alone for a benchmark process: `python tests/cloudmeta.py aws|gcp|azure --port N`;
 with `--control` it takes calls of its setters on stdin, one JSON line each, and answers each
@@ -70,6 +74,21 @@ def aws_date(ts: float | None = None) -> str:
 def rfc1123(ts: float | None = None) -> str:
     """Azure NotBefore: "Mon, 19 Sep 2016 18:29:47 GMT"."""
     return email.utils.formatdate(time.time() if ts is None else ts, usegmt=True)
+
+
+def dotnet_round_trip(ts: float | None = None) -> str:
+    """.NET's round-trip ("o") form: "2026-12-02T18:13:35.1234567+00:00"."""
+    ts = time.time() if ts is None else ts
+    ticks = round((ts % 1) * 10**7) % 10**7
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(int(ts))) + f".{ticks:07d}+00:00"
+
+
+# Azure NotBefore forms: the docs', Microsoft's mock server's, and .NET's round trip.
+AZURE_DATE_STYLES: dict[str, Callable[[float | None], str]] = {
+    "rfc1123": rfc1123,
+    "iso": iso_utc,
+    "iso-fraction": dotnet_round_trip,
+}
 
 
 class ManualClock:
@@ -541,7 +560,15 @@ class GceMetadata(_Emulator):
                         "id": instance_id, "name": name}
         self._released = 0
         self._hanging = 0
+        self._impostor = False
         super().__init__(host=host, port=port)
+
+    def impostor(self, on: bool = True) -> None:
+        """Answer as something other than the metadata server would on its address (a proxy,
+        a captive portal, another service): the request's Metadata-Flavor is neither required
+        nor echoed, so no answer carries `Metadata-Flavor: Google`."""
+        with self._lock:
+            self._impostor = on
 
     def set_preempted(self, preempted: bool) -> None:
         self._set("preempted", "TRUE" if preempted else "FALSE")
@@ -594,10 +621,15 @@ class GceMetadata(_Emulator):
         await asyncio.to_thread(self.wait_hanging, count, timeout)
 
     def _decorate(self, response: web.Response) -> None:
+        with self._lock:
+            if self._impostor:
+                return
         response.headers["Metadata-Flavor"] = "Google"
 
     async def _handle(self, request: web.Request, seen: Seen) -> web.Response:
-        if request.headers.get("Metadata-Flavor") != "Google":
+        with self._lock:
+            impostor = self._impostor
+        if not impostor and request.headers.get("Metadata-Flavor") != "Google":
             return _text("Missing required header: Metadata-Flavor", 403, "text/html")
         if request.method != "GET":
             return _text("", 405)
@@ -654,18 +686,31 @@ EVENT_TYPES = ("Freeze", "Reboot", "Redeploy", "Preempt", "Terminate")
 def azure_event(event_id: str | None = None, *, event_type: str = "Preempt",
                 resources: tuple[str, ...] | list[str] = ("gpu-node-0",),
                 status: str = "Scheduled", not_before: float | str | None = None,
-                description: str = "", source: str = "Platform", duration: int = -1) -> dict:
+                description: str = "", source: str = "Platform", duration: int = -1,
+                date_style: str = "rfc1123") -> dict:
     """One Scheduled Events entry with every field of api-version 2020-07-01. `not_before` as
     a UNIX time or an already formatted string; the default is the documented minimum notice
-    for a Preempt (30 s) from now."""
+    for a Preempt (30 s) from now. `date_style`: one of AZURE_DATE_STYLES."""
     if event_type not in EVENT_TYPES:
         raise ValueError(f"EventType is one of {EVENT_TYPES}, not {event_type!r}")
-    when = not_before if isinstance(not_before, str) else rfc1123(
+    when = not_before if isinstance(not_before, str) else AZURE_DATE_STYLES[date_style](
         time.time() + 30 if not_before is None else not_before)
     return {"EventId": event_id or str(uuid.uuid4()).upper(), "EventType": event_type,
             "ResourceType": "VirtualMachine", "Resources": list(resources),
             "EventStatus": status, "NotBefore": when, "Description": description,
             "EventSource": source, "DurationInSeconds": duration}
+
+
+def unreadable_event(
+    event_id: str | None = None,
+    *,
+    event_type: str = "Terminate",
+    resources: tuple[str, ...] | list[str] = ("gpu-node-0",),
+    not_before: str = "sometime next week",
+) -> dict:
+    """An event for the VM whose NotBefore no reader can take as a date (a mixed document puts
+    it beside good ones)."""
+    return azure_event(event_id, event_type=event_type, resources=resources, not_before=not_before)
 
 
 class AzureMetadata(_Emulator):

@@ -1,7 +1,9 @@
-"""Real agents hearing a cloud themselves: AWS's metadata service emulated on loopback
-(tests/cloudmeta.py), a real coordinator, real containers. An advisory prepares without
-draining; a notice that follows drains with the replacement already serving; a broken source
-is reported and a malformed notice taints nothing."""
+"""Real agents hearing a cloud themselves: AWS's metadata service, Google's metadata server
+and Azure's Scheduled Events emulated on loopback (tests/cloudmeta.py), a real coordinator, real
+containers. Something that is not Google's metadata server is not believed. An advisory
+prepares without draining; a notice that follows drains with the replacement already serving; a
+broken source is reported and a malformed notice taints nothing; a Terminate the platform
+removes early lifts the taint when nothing was stopped under it, and only then."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import pytest
 from test_capacity_live import RouteWatcher, two_ready_workers
 from test_pause import spotctl, wait_state
 
-from cloudmeta import AwsImds, iso_utc
+from cloudmeta import AwsImds, AzureMetadata, GceMetadata, azure_event, iso_utc
+from dockerenv import run_workload
 from harness import AgentOptions, start_agent, wait_until
 from images.fake_model import ensure_model_image
 from spotdrain.v1 import spotdrain_pb2 as pb
@@ -152,4 +155,110 @@ def test_a_broken_source_is_reported_and_a_malformed_notice_taints_nothing(
             "notice_received", "tainted")]
     finally:
         imds.close()
+        agent.proc.stop()
+
+
+def azure_options(tmp_path, node: str, server: AzureMetadata) -> AgentOptions:
+    toml = tmp_path / f"{node}.toml"
+    toml.write_text(f'[sources.azure]\nendpoint = "{server.url}"\npoll_s = 0.2\n')
+    return AgentOptions(grace_s=4.0, overrun_s=1.0, default_notice_s=20.0,
+                        extra=["--config", str(toml), "--sources", "file,azure"])
+
+
+def taints(events, node: str) -> list:
+    return [t for n in events.nodes() if n.node_id == node for t in n.taints]
+
+
+def test_a_terminate_removed_early_from_an_empty_node_lifts_its_taint(
+    tmp_path, docker_engine, coordinator, gpus, nvml_lib
+):
+    """Nothing runs on node-a when Azure schedules a Terminate two minutes out (NotBefore as
+    Microsoft's mock server writes it). The node is tainted and verified empty at once. 84 s
+    before NotBefore the platform removes the event: the provider called it off. Nothing was
+    stopped under it, so the taint is lifted, the timeline says lifted, and the node is
+    available again."""
+    server = AzureMetadata(vm_name="node-a")
+    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
+                        azure_options(tmp_path, "node-a", server))
+    events = coordinator.admin()
+    try:
+        wait_until(lambda: any(n.connected for n in events.nodes()), 20, "node-a")
+        not_before = int(time.time()) + 120
+        server.set_events([azure_event("T-1", event_type="Terminate", resources=["node-a"],
+                                       not_before=not_before, date_style="iso")])
+        notice = events.wait_for("notice_received", node="node-a", timeout=15)
+        assert (notice["source"], notice["terminate_at"]) == ("azure", not_before)
+        events.wait_for("drained", node="node-a", timeout=15)
+        assert taints(events, "node-a")
+        server.set_events([])
+        cancelled = events.wait_for("notice_cancelled", node="node-a", timeout=15)
+        assert cancelled["lifted"] is True and cancelled["outcome"] == "drained"
+        assert cancelled["reclaim_id"] == notice["reclaim_id"]
+        wait_until(lambda: not taints(events, "node-a"), 10, "the taint lifted")
+        wait_until(lambda: spotctl(agent, "status")["state"] == "available", 10, "available")
+        assert "sigterm_sent" not in events.kinds(node="node-a")
+    finally:
+        server.close()
+        agent.proc.stop()
+
+
+def test_a_terminate_removed_after_a_job_was_stopped_keeps_the_taint(
+    tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers
+):
+    """A job runs on node-a when the Terminate comes: it gets its SIGTERM and leaves, and the
+    node is drained. Then the platform removes the event early. Something was stopped under
+    the notice, so the cancel is recorded and the taint stays."""
+    run_workload(docker_engine.client, name=containers + "job", node_id="node-a",
+                 kind="exits_on_term")
+    server = AzureMetadata(vm_name="node-a")
+    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
+                        azure_options(tmp_path, "node-a", server))
+    events = coordinator.admin()
+    try:
+        wait_until(lambda: any(n.connected for n in events.nodes()), 20, "node-a")
+        server.set_events([azure_event("T-2", event_type="Terminate", resources=["node-a"],
+                                       not_before=time.time() + 120)])
+        events.wait_for("sigterm_sent", node="node-a", timeout=15)
+        events.wait_for("drained", node="node-a", timeout=15)
+        server.set_events([])
+        cancelled = events.wait_for("notice_cancelled", node="node-a", timeout=15)
+        assert cancelled["lifted"] is False and cancelled["outcome"] == "drained"
+        # Barrier: a later notice's record, stored after the cancel, with the taint still on.
+        agent.write_notice({"id": "later", "action": "terminate",
+                            "terminate_at": time.time() + 60})
+        events.wait_for("notice_received", node="node-a", notice_id="later", timeout=15)
+        assert cancelled["reclaim_id"] in {t.reclaim_id for t in taints(events, "node-a")}
+    finally:
+        server.close()
+        agent.proc.stop()
+
+
+def test_a_preemption_from_something_that_is_not_the_metadata_server_opens_nothing(
+    tmp_path, docker_engine, coordinator, gpus, nvml_lib
+):
+    """Something else answers on the metadata address (a proxy, a captive portal) and says the
+    VM is preempted, without `Metadata-Flavor: Google`. No reclamation opens and the source is
+    reported down, naming why; once the real server answers, the source is up and its own
+    TRUE is the notice."""
+    server = GceMetadata()
+    server.set_preempted(True)
+    server.impostor()
+    toml = tmp_path / "node-a.toml"
+    toml.write_text(f'[sources.gcp]\nendpoint = "{server.url}"\n')
+    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
+                        AgentOptions(grace_s=4.0, overrun_s=1.0, default_notice_s=20.0,
+                                     extra=["--config", str(toml), "--sources", "file,gcp"]))
+    events = coordinator.admin()
+    try:
+        down = events.wait_for("notice_source_down", node="node-a", timeout=20)
+        assert down["source"] == "gcp" and "without Metadata-Flavor: Google" in down["error"]
+        # The source read TRUE three times before it was down: none of it became a notice.
+        assert not {"notice_received", "tainted"} & set(events.kinds(node="node-a"))
+        assert spotctl(agent, "status")["state"] == "available"
+        server.impostor(False)
+        events.wait_for("notice_source_up", node="node-a", timeout=15)
+        notice = events.wait_for("notice_received", node="node-a", timeout=15)
+        assert notice["source"] == "gcp"
+    finally:
+        server.close()
         agent.proc.stop()

@@ -202,6 +202,18 @@ def test_gce_requires_metadata_flavor_and_answers_with_it():
         assert answer["Metadata-Flavor"] == "Google" and answer["ETag"] == gce.etag("preempted")
 
 
+def test_gce_impostor_answers_without_metadata_flavor():
+    """Something else on the metadata address: it answers any request, echoing no flavor."""
+    with GceMetadata() as gce:
+        gce.set_preempted(True)
+        gce.impostor()
+        for headers in ({}, GOOGLE):
+            status, answer, body = call(gce.url + PREEMPTED, headers=headers)
+            assert (status, body) == (200, b"TRUE") and "Metadata-Flavor" not in answer
+        gce.impostor(False)
+        assert call(gce.url + PREEMPTED, headers=GOOGLE)[1]["Metadata-Flavor"] == "Google"
+
+
 def test_gce_values_and_etags():
     with GceMetadata(instance_id="42", name="vm-a") as gce:
         base = gce.url + "/computeMetadata/v1/instance/"
@@ -349,6 +361,27 @@ def test_azure_document_and_incarnation():
         assert doc == {"DocumentIncarnation": 3, "Events": [event]}
         azure.set_events([])
         assert azure.document() == {"DocumentIncarnation": 4, "Events": []}
+
+
+def test_azure_dates_in_each_form_azure_writes_and_an_unreadable_event():
+    """NotBefore as the docs write it, as Microsoft's mock server writes it, and as .NET's
+    round trip does; an unreadable event beside them makes a mixed document."""
+    when = 1_796_235_215.25  # 2026-12-02 18:13:35.25 UTC
+    forms = {
+        style: cloudmeta.azure_event(style, not_before=when, date_style=style)["NotBefore"]
+        for style in cloudmeta.AZURE_DATE_STYLES
+    }
+    assert forms == {
+        "rfc1123": "Wed, 02 Dec 2026 18:13:35 GMT",
+        "iso": "2026-12-02T18:13:35Z",
+        "iso-fraction": "2026-12-02T18:13:35.2500000+00:00",
+    }
+    with AzureMetadata() as azure:
+        bad = cloudmeta.unreadable_event("E0")
+        good = cloudmeta.azure_event("E1", event_type="Terminate", date_style="iso")
+        azure.set_events([bad, good])
+        doc = json.loads(call(azure.url + EVENTS, headers=AZURE)[2])
+        assert doc["Events"] == [bad, good] and bad["NotBefore"] == "sometime next week"
 
 
 def test_azure_post_start_requests_acknowledges_and_starts_the_event():

@@ -195,6 +195,10 @@ def check_story(log: list[tuple[float, Command]], rec: Reclamation, deadlines: t
     if "LiftTaints" in names:
         after = names[names.index("LiftTaints") :]
         assert not any(n.startswith("SignalContainers") for n in after), names
+    # A cancel lifts only what nothing was stopped under: no signal, no worker at its gate.
+    if "LiftTaints" in names and "pause_resumed" not in names:
+        before = set(names[: names.index("LiftTaints")])
+        assert not before & {"sigterm_sent", "sigkill_sent", "worker_draining"}, names
 
 
 @dataclass
@@ -834,12 +838,54 @@ def test_a_cancel_of_a_late_notice_before_anything_was_stopped_lifts_the_taints(
     assert story(Tick(T0 + 0.8)) == []
 
 
-def test_a_cancel_after_the_drain_is_recorded_but_changes_nothing(story: Story) -> None:
+def test_a_provider_cancel_after_an_empty_node_was_verified_lifts_the_taints(
+    story: Story,
+) -> None:
+    """Nothing runs on the node: it is verified empty at once and counted drained. 84 s before
+    D the provider removes the Terminate (the agent restarted in between). Nothing was stopped
+    under the notice, so the machine is the provider's to keep and ours to use: the taints are
+    lifted, and the timeline says so, with the outcome the drain had."""
     tainted_with(story)
-    story(Observed(T0 + 0.2))
-    assert story(Cancelled(T0 + 1)) == [
-        emit("notice_cancelled", lifted=False, outcome="drained")
+    assert story(Observed(T0 + 0.2)) == [emit("verified_empty"), emit("drained")]
+    assert story.rec.finished
+    story.restart(T0 + 1)
+    assert story(Cancelled(T0 + 2)) == [
+        emit("notice_cancelled", lifted=True, outcome="drained"),
+        LiftTaints(story.rec.reclaim_id),
     ]
+    assert story.rec.lifted and story.rec.outcome == "drained"  # as the record has it
+    # Open until the coordinator has lifted the taint too; no timer of its own any more.
+    assert not story.rec.finished and story.rec.next_wakeup() is None
+    assert story(Tick(G)) == [] and story(Tick(O)) == []
+    story.restart(T0 + 3)  # a lift the coordinator had not confirmed is asked again
+    assert story.log[-1][1] == LiftTaints(story.rec.reclaim_id)
+    assert story(TaintsLifted(T0 + 4)) == [] and story.rec.finished
+    assert story(Cancelled(T0 + 5)) == []
+
+
+def test_a_cancel_after_a_worker_drained_at_its_gate_keeps_the_taints(story: Story) -> None:
+    """An inference worker was drained at its gate and has left, and the node was verified
+    empty: something was stopped under the notice, so a cancel is recorded and the taints
+    stay."""
+    story.begin()
+    story(TaintAnswered(T0 + 0.05))
+    story(WorkersDraining(T0 + 0.06, ("w1",), ("worker-1",)))
+    assert story(SignalRoundDone(T0 + 0.07, SIGTERM)) == [Observe()]
+    story(exited("w1", T0 + 1))
+    assert "drained" in kinds(story(Observed(T0 + 1.1)))
+    assert story(Cancelled(T0 + 2)) == [emit("notice_cancelled", lifted=False, outcome="drained")]
+
+
+def test_a_cancel_while_a_stray_has_its_sigterm_announced_keeps_the_taints(story: Story) -> None:
+    """The node was empty when the notice came, but a look then found a job started by hand,
+    and the round that signals it has announced it: its SIGTERM may be on its way. A cancel now
+    lifts nothing; the drain goes on."""
+    tainted_with(story)
+    stray = story(Observed(T0 + 0.2, running=("c9",)))
+    assert stray == [match(SignalContainers, signal=SIGTERM)]
+    assert story(listed(T0 + 0.25, "c9")) == [DeliverSignals(SIGTERM, ("c9",))]
+    assert story(Cancelled(T0 + 0.3)) == [emit("notice_cancelled", lifted=False)]
+    assert story(signalled("c9", T0 + 0.31))[0] == emit("sigterm_sent", container="c9")
 
 
 # --- strays and failures ---------------------------------------------------------------------

@@ -93,6 +93,44 @@ async def test_a_cancel_read_again_after_a_restart_is_recorded_once(tmp_path: Pa
     outbox.close()
 
 
+async def test_a_cancel_after_an_empty_node_finished_its_drain_lifts_it(tmp_path: Path) -> None:
+    """Nothing runs on the node: it is verified empty and the reclamation finishes (drained).
+    Then the provider calls the notice off. Nothing was stopped, so the lift is carried out:
+    the coordinator is asked to remove the taint, the deadline file goes, the cancel is
+    recorded once with lifted true, and once the coordinator confirms the reclamation is
+    finished again (not left open, asking after every restart)."""
+
+    class Lifting(Link):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lifted: list[str] = []
+
+        async def taint_until_answered(self, reclaim_id: str, reason: str, **_: object) -> None:
+            (self.lifted if _.get("remove") else self.taints).append(reclaim_id)
+
+    cfg = config(tmp_path)
+    outbox = Outbox(cfg.state_dir / "outbox.sqlite")
+    engine, link = Engine(), Lifting()
+    engine.running_now = []
+    drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers())  # type: ignore[arg-type]
+    async with running(drains, outbox):
+        drains.notice(Notice(key="early", notice_id="early", action="terminate",
+                             terminate_at=time.time() + 120, source="azure"))  # fmt: skip
+        assert await asyncio.wait_for(drains.settled("early"), 5) == "drained"
+        await until(lambda: not drains.live, "the drain finished")
+        assert cfg.deadline_file.exists()
+        drains.notice(Notice(key="early", notice_id="early", action="cancel",
+                             terminate_at=None, source="azure"))  # fmt: skip
+        await until(lambda: link.lifted and not drains.live, "the lift confirmed")
+        [rec] = drains.recent.values()
+        assert rec.lifted and rec.finished and link.lifted == [rec.reclaim_id]
+        assert not cfg.deadline_file.exists()
+        cancelled = [e.details for e in outbox.pending(limit=1000)
+                     if e.kind == "notice_cancelled"]  # fmt: skip
+        assert cancelled == [{"lifted": True, "outcome": "drained"}]
+        assert engine.signals == []
+
+
 async def test_a_step_whose_agent_died_before_the_outbox_loses_no_event(tmp_path: Path) -> None:
     """The agent is killed between writing the bundle of the step that recorded the SIGTERM
     and storing that step's events in the outbox. The restarted agent finds the events in the

@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 
-from cloudmeta import AwsImds, AzureMetadata, GceMetadata, aws_maintenance_event, iso_utc, rfc1123
+from cloudmeta import (
+    AZURE_DATE_STYLES,
+    AwsImds,
+    AzureMetadata,
+    GceMetadata,
+    aws_maintenance_event,
+    iso_utc,
+    unreadable_event,
+)
 from spotdrain.agent.notice import Notice, NoticeInvalid
 from spotdrain.agent.sources import aws, azure, gcp
 from spotdrain.agent.sources.base import Advisory, Health
@@ -336,6 +344,26 @@ async def test_gcp_unreachable_server_is_down_then_up_and_re_armed():
             await sink.until(has(Notice))
 
 
+async def test_gcp_answer_without_metadata_flavor_is_not_believed_and_the_source_is_down():
+    """Something other than the metadata server answers on its address (a proxy, a captive
+    portal) and says TRUE, without `Metadata-Flavor: Google`. Not the provider: no notice, and
+    the source reports itself down, naming why. Once the real server answers again, it is up,
+    and its own TRUE is the notice."""
+    with GceMetadata() as server:
+        server.set_preempted(True)
+        server.impostor()
+        sink = Recorder()
+        async with running(gcp_source(server, sink)) as source:
+            # Three failed reads before "down", each of them a TRUE: none became a notice.
+            await sink.until(lambda told: ("down", "gcp") in told)
+            assert sink.told == [("down", "gcp")]
+            assert "without Metadata-Flavor: Google" in source.health.error
+            server.impostor(False)
+            await sink.until(has(Notice))
+        assert sink.told[:2] == [("down", "gcp"), ("up", "gcp")]
+        assert [n.action for n in sink.of(Notice)] == ["terminate"]
+
+
 async def test_gcp_unexpected_value_is_invalid_not_a_notice():
     with GceMetadata() as server:
         server.malformed_next(1, path="/computeMetadata/v1/instance/preempted")
@@ -349,10 +377,10 @@ async def test_gcp_unexpected_value_is_invalid_not_a_notice():
 
 
 def azure_event(event_id: str, kind: str = "Preempt", vm: str = "gpu-node-0",
-                not_before: float | None = NOW + 30) -> dict:
+                not_before: float | None = NOW + 30, style: str = "rfc1123") -> dict:
     return {"EventId": event_id, "EventType": kind, "ResourceType": "VirtualMachine",
             "Resources": [vm], "EventStatus": "Scheduled",
-            "NotBefore": rfc1123(not_before) if not_before else "",
+            "NotBefore": AZURE_DATE_STYLES[style](not_before) if not_before else "",
             "Description": "", "EventSource": "Platform", "DurationInSeconds": -1}
 
 
@@ -399,6 +427,51 @@ async def test_azure_reboot_is_an_advisory_and_malformed_document_invalid():
         assert sink.of(Advisory)[0].reason == "reboot" and not sink.of(Notice)
 
 
+async def test_azure_dates_as_microsofts_mock_server_and_dotnet_write_them_are_deadlines():
+    """The docs write NotBefore as RFC 1123; Microsoft's own mock server writes
+    "2026-12-02T18:13:35Z", and .NET's round trip adds seven digits and an offset. Each is the
+    event's deadline, to the microsecond."""
+    with AzureMetadata() as server:
+        sink = Recorder()
+        async with running(azure_source(server, sink)):
+            server.set_events([azure_event("iso-1", "Terminate", not_before=NOW + 90, style="iso"),
+                               azure_event("net-1", not_before=NOW + 60.25, style="iso-fraction"),
+                               azure_event("doc-1", not_before=NOW + 30)])  # fmt: skip
+            await sink.until(has(Notice, 3))
+        assert {n.key: n.terminate_at for n in sink.of(Notice)} == {
+            "azure:iso-1": NOW + 90,
+            "azure:net-1": NOW + 60.25,
+            "azure:doc-1": NOW + 30,
+        }
+        assert not sink.of(NoticeInvalid)
+
+
+async def test_azure_an_unreadable_event_is_reported_and_the_terminate_beside_it_acted_on():
+    """A document holds a Terminate for this VM that cannot be read and a good one. The bad one
+    is reported on its own, naming it, once however often the document is read; the good one
+    is a notice. When the good one later turns unreadable too, it is reported, and it is not
+    taken as called off: it is still in the document."""
+    with AzureMetadata() as server:
+        sink = Recorder()
+        events = "/metadata/scheduledevents"
+        async with running(azure_source(server, sink)):
+            server.set_events([unreadable_event("bad-1"),
+                               azure_event("good-1", "Terminate", not_before=NOW + 120)])
+            await sink.until(lambda told: has(Notice)(told) and has(NoticeInvalid)(told))
+            garbled = {**azure_event("good-1", "Terminate"), "NotBefore": "NaN"}
+            server.set_events([unreadable_event("bad-1"), garbled])
+            await sink.until(has(NoticeInvalid, 2))
+            changed = server.changed_at
+            # Barrier: three more reads of the last document, each answered before the next.
+            await server.await_seen(lambda s: s.path == events and s.at > changed, count=3)
+        notices = [(n.action, n.key, n.terminate_at) for n in sink.of(Notice)]
+        assert notices == [("terminate", "azure:good-1", NOW + 120)]
+        reasons = [i.reason for i in sink.of(NoticeInvalid)]
+        assert len(reasons) == 2, reasons
+        assert "event bad-1 (Terminate): NotBefore 'sometime next week' is not a date" in reasons[0]
+        assert "event good-1 (Terminate): NotBefore 'NaN' is not a date" in reasons[1]
+
+
 async def test_azure_acknowledges_only_once_the_node_is_verified_empty():
     with AzureMetadata() as server:
         sink = Recorder()
@@ -411,6 +484,30 @@ async def test_azure_acknowledges_only_once_the_node_is_verified_empty():
             await sink.until(lambda told: any(t[0] == "notice_acknowledged" for t in told
                                               if isinstance(t, tuple)))
         assert server.acknowledged == ["p-1"]
+
+
+@pytest.mark.parametrize("on_start", ["remove", "start"])
+async def test_azure_an_event_that_went_ahead_and_left_is_not_a_cancel(on_start):
+    """The node was verified empty and the agent acknowledged the Preempt: the platform goes
+    ahead and the event leaves the document (at once, or after showing it Started), long
+    before its NotBefore. That is the eviction going ahead, not a provider calling it off: no
+    cancel, which would lift the taints of a machine about to vanish."""
+    with AzureMetadata(on_start=on_start) as server:
+        sink = Recorder()
+        events = "/metadata/scheduledevents"
+        async with running(azure_source(server, sink, acknowledge=True)):
+            server.set_events([azure_event("p-1", not_before=NOW + 30)])
+            await sink.until(has(Notice))
+            sink.settle("azure:p-1", "drained")
+            await sink.until(lambda told: ("notice_acknowledged", {"event_id": "p-1",
+                                                                   "status": 200}) in told)
+            if on_start == "start":
+                await server.await_seen(lambda s: s.path == events and s.at > server.changed_at,
+                                        count=3)  # fmt: skip
+                server.set_events([])
+            changed = server.changed_at
+            await server.await_seen(lambda s: s.path == events and s.at > changed, count=3)
+        assert [n.action for n in sink.of(Notice)] == ["terminate"]
 
 
 async def test_azure_refused_then_back():
@@ -453,14 +550,59 @@ def test_health_goes_down_after_three_failures_and_backs_off():
     assert sink.told == [("down", "aws"), ("up", "aws")] and health.failures == 0
 
 
-def test_azure_not_before_out_of_range_is_invalid_not_a_deadline():
-    """A NotBefore in year 9999 (or 1960) is a broken document, not a deadline the agent would
-    store and then fail to write into the workloads' deadline file."""
-    for date in ("Fri, 31 Dec 9999 23:59:59 GMT", "Fri, 01 Jan 1960 00:00:00 GMT"):
-        doc = {"DocumentIncarnation": 2, "Events": [
-            {**azure_event("e-far"), "NotBefore": date}]}
-        parsed = azure.parse_document(json.dumps(doc).encode(), "gpu-node-0")
-        assert isinstance(parsed, NoticeInvalid) and "out of range" in parsed.reason
+@pytest.mark.parametrize("date, why", [
+    ("Fri, 31 Dec 9999 23:59:59 GMT", "out of range"),
+    ("Fri, 01 Jan 1960 00:00:00 GMT", "out of range"),
+    ("9999-12-31T23:59:59Z", "out of range"),
+    ("0001-01-01T00:00:00+00:00", "out of range"),
+    ("0000-01-01T00:00:00Z", "not a date"),
+    ("2026-02-30T10:00:00Z", "not a date"),
+    ("2026-12-02T18:13:35+99:00", "not a date"),
+    ("NaN", "not a date"),
+    (float("nan"), "not a date"),
+    (float("inf"), "not a date"),
+    (1796235215, "not a date"),
+    ("Wed, 02 Dec 2026 18:13:35 GMT" + " " * 100, "not a date"),
+])
+def test_azure_not_before_out_of_range_or_unreadable_is_invalid_not_a_deadline(date, why):
+    """A NotBefore in year 9999 (or 1960), NaN, infinity, a number, an impossible day, a
+    string longer than any date: never a deadline the agent would store and then fail to write
+    into the workloads' deadline file. That event is reported; the good one beside it stands."""
+    doc = {"DocumentIncarnation": 2, "Events": [
+        {**azure_event("e-far"), "NotBefore": date}, azure_event("e-good", "Terminate")]}
+    parsed = azure.parse_document(json.dumps(doc).encode(), "gpu-node-0")
+    assert isinstance(parsed, azure.Document)
+    assert list(parsed.events) == ["e-good"] and parsed.unreadable == {"e-far"}
+    [invalid] = parsed.invalid
+    assert invalid.reason.startswith("scheduled events: event e-far (Preempt): NotBefore")
+    assert why in invalid.reason and len(invalid.reason) < 200
+
+
+@pytest.mark.parametrize("date", [
+    "Mon, 19 Sep 2016 18:29:47 GMT",
+    "19 Sep 2016 18:29:47 -0000",
+    "2016-09-19T18:29:47Z",
+    "2016-09-19T18:29:47",
+    "2016-09-19T18:29:47.0000000Z",
+    "2016-09-19T20:29:47.000+02:00",
+    "2016-09-19T20:29:47+0200",
+])
+def test_azure_not_before_in_every_form_azure_writes(date):
+    """RFC 1123 (the docs), ISO 8601 with or without fraction or offset (Microsoft's mock
+    server, .NET): the same instant. No offset means UTC, as every Azure time is."""
+    assert azure.parse_not_before(date) == 1474309787.0
+
+
+def test_azure_a_broken_event_list_or_another_vms_bad_event():
+    """Another VM's unreadable event is not this VM's business; an entry that is not an object
+    might be anyone's: reported, and nothing known is taken as called off while it is there."""
+    doc = {"DocumentIncarnation": 3, "Events": [
+        {**azure_event("theirs", vm="gpu-node-9"), "NotBefore": "whenever"}, "junk",
+        azure_event("mine")]}
+    parsed = azure.parse_document(json.dumps(doc).encode(), "gpu-node-0")
+    assert isinstance(parsed, azure.Document) and list(parsed.events) == ["mine"]
+    assert [i.reason for i in parsed.invalid] == ["scheduled events: event #1 is not an object"]
+    assert parsed.anonymous_unreadable
 
 
 def test_aws_maintenance_date_out_of_range_is_invalid():

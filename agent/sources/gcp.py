@@ -11,6 +11,10 @@ once when the value's ETag is no longer E, else when it changes, else after N se
 same ETag. The GET is re-armed after every answer; after an error (with backoff) the next read
 is a plain GET, answered at once, so the source is known to be back without waiting for a
 change.
+
+Every answer must carry `Metadata-Flavor: Google`, as Google's own client libraries demand: one
+without it is not from the metadata server (a proxy, a captive portal, something else on the
+address), so it is a failed read, never a value: the source goes down, nothing is noticed.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from spotdrain.agent.sources.settings import check_keys, endpoint, number
 PREEMPTED = "/computeMetadata/v1/instance/preempted"
 MAINTENANCE = "/computeMetadata/v1/instance/maintenance-event"
 HEADERS = {"Metadata-Flavor": "Google"}
+FLAVOR = ("metadata-flavor", "Google")  # what proves an answer is the metadata server's
 MAINTENANCE_VALUES = ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_MAINTENANCE")
 
 
@@ -94,6 +99,9 @@ class Source:
                 url, timeout = self.cfg.endpoint + path, self.cfg.timeout_s
             try:
                 reply = await fetch(http, "GET", url, HEADERS, timeout)
+                if reply.headers.get(FLAVOR[0]) != FLAVOR[1]:
+                    why = "without Metadata-Flavor: Google, not the metadata server"
+                    raise ReadFailed(f"GET {path}: HTTP {reply.status} {why}")
                 if reply.status != 200:
                     raise ReadFailed(f"GET {path}: HTTP {reply.status}")
                 new_etag = reply.headers.get("etag", "")

@@ -221,7 +221,10 @@ class Drains:
             return None
         first = min(drains, key=lambda d: d.grace_deadline)
         reason = first.reason if first.reason in wm.DRAIN_REASONS else "operator"
-        return wm.NodeDrain(reason, first.grace_deadline, min(d.terminate_at for d in drains))
+        terminate_at = min(d.terminate_at for d in drains)
+        # G <= D by construction, whatever the records hold: a record stored with its G after
+        # its D (an agent's or a fuzzer's Taint, before begin_drain clamped it) drains by D.
+        return wm.NodeDrain(reason, min(first.grace_deadline, terminate_at), terminate_at)
 
     async def begin_drain(
         self,
@@ -241,6 +244,8 @@ class Drains:
         if terminate_at <= 0:  # an agent that sent no deadlines: the defaults from now
             terminate_at = fleet.clock() + DEFAULT_NOTICE_S
             grace = terminate_at - GRACE_MARGIN_S
+        # Work must be gone by D: a grace deadline after it (from the wire) is D itself.
+        grace = min(grace, terminate_at)
         first = known is None
         drain = known or DrainRow(
             node_id, reclaim_id, reason, terminate_at, grace, fleet.clock(), None

@@ -46,7 +46,12 @@ OnInvalid = Callable[[str, str, str], None]
 
 
 class Refused(Exception):
-    """A status directory entry that is not a report to read; str(): why."""
+    """A file that is not a regular file to read; str(): why, `info`: what fstat said of it
+    (a link's own, for a link)."""
+
+    def __init__(self, why: str, info: os.stat_result) -> None:
+        super().__init__(why)
+        self.info = info
 
 
 def read_regular_file(path: Path, limit: int) -> bytes:
@@ -60,16 +65,16 @@ def read_regular_file(path: Path, limit: int) -> bytes:
     try:
         known = os.fstat(handle)
         if stat.S_ISLNK(known.st_mode):
-            raise Refused("a symbolic link")
+            raise Refused("a symbolic link", known)
         if not stat.S_ISREG(known.st_mode):
-            raise Refused("not a regular file")
+            raise Refused("not a regular file", known)
         # No O_NOFOLLOW here: /proc/self/fd/N is a link by design, resolved to the handle's
         # inode, never by name.
         fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
             opened = os.fstat(fd)
             if (opened.st_dev, opened.st_ino) != (known.st_dev, known.st_ino):
-                raise Refused("changed while it was opened")
+                raise Refused("changed while it was opened", opened)
             return os.read(fd, limit)
         finally:
             os.close(fd)

@@ -244,12 +244,14 @@ class Drains:
         if terminate_at <= 0:  # an agent that sent no deadlines: the defaults from now
             terminate_at = fleet.clock() + DEFAULT_NOTICE_S
             grace = terminate_at - GRACE_MARGIN_S
-        # Work must be gone by D: a grace deadline after it (from the wire) is D itself.
-        grace = min(grace, terminate_at)
         first = known is None
         drain = known or DrainRow(
             node_id, reclaim_id, reason, terminate_at, grace, fleet.clock(), None
         )
+        if drain.grace_deadline > drain.terminate_at:
+            # Work must be gone by D: a G after it (from the wire, or a row stored so before
+            # this rule) is D itself, and is stored so.
+            drain = dataclasses.replace(drain, grace_deadline=drain.terminate_at)
         if first:
             await store.add_drain(drain)
             self.active.setdefault(node_id, {})[reclaim_id] = drain

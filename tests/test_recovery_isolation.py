@@ -93,6 +93,24 @@ async def test_a_taint_with_its_grace_deadline_after_d_is_stored_clamped(store_u
         await store.close()
 
 
+async def test_a_retried_taint_over_a_record_stored_with_g_after_d_drains_by_d(store_url):
+    """A record stored before the rule (G 2.6 µs after D) and the agent's retry of that Taint
+    after the coordinator restarted: the retry keeps the stored deadlines, with G = D, and
+    the node's worker drains instead of the Taint failing."""
+    clock = FakeClock()
+    store = await open_store(store_url, clock=clock)
+    try:
+        wa = await a_ready_worker(store, "node-a")
+        await store.start_drain("node-a", "rcl-a", "notice", D, G_AFTER_D)
+        coord = await started(store, clock)
+        await coord.fleet.drains.taint("node-a", "rcl-a", "notice", D, G_AFTER_D)
+        worker = coord.fleet.registry.get(wa)
+        assert (worker.state, worker.grace_deadline, worker.terminate_at) == (wm.DRAINING, D, D)
+        await coord.fleet.close()
+    finally:
+        await store.close()
+
+
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
 async def test_a_node_whose_recovery_fails_is_reported_once_and_the_others_recover(store_url):
     """Three nodes draining when the coordinator restarts; node-b has two workers, and the

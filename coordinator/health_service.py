@@ -19,7 +19,7 @@ class HealthServicer(health.aio.HealthServicer):
         self._statuses: dict[str, int] = {"": health_pb2.HealthCheckResponse.SERVING}
         self._shutting_down = False
 
-    async def set(self, service: str, status: int) -> None:  # noqa: A003 (the library's name)
+    async def set(self, service: str, status: int) -> None:
         if not self._shutting_down:
             self._statuses[service] = status
         await super().set(service, status)

@@ -8,9 +8,9 @@ import os
 import stat
 import sys
 
-from spotdrain.agent.notice import Notice, NoticeInvalid
 from asyncinotify import Inotify, Mask
 
+from spotdrain.agent.notice import Notice, NoticeInvalid
 from spotdrain.agent.notice_watcher import read_notice, watch
 
 

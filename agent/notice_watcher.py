@@ -8,7 +8,6 @@ in place is read after it closes the file, not halfway through.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import stat
@@ -16,6 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from spotdrain.agent.notice import Notice, NoticeInvalid, content_hash, parse_notice
+from spotdrain.agent.status_dirs import Refused, read_regular_file
 
 log = logging.getLogger("spotdrain.agent.notice")
 
@@ -23,26 +23,19 @@ MAX_NOTICE_BYTES = 64 * 1024
 
 
 def read_notice(path: Path) -> Notice | NoticeInvalid | None:
-    """The file's parse. Only a regular file is read: it is opened non-blocking and without
-    following a final symlink, and checked with fstat before any read, so a FIFO, a device or
-    a link at the notice path is a `NoticeInvalid` at once instead of a read that never ends."""
+    """The file's parse. Only a regular file is read: its type is known before it is opened
+    for reading (status_dirs.read_regular_file), so a FIFO, a device or a link at the notice
+    path is a `NoticeInvalid` at once, never a read that never ends or a device's open."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        raw = read_regular_file(path, MAX_NOTICE_BYTES + 1)
     except FileNotFoundError:
         return None
-    except OSError as e:
-        what = "a symbolic link" if e.errno == errno.ELOOP else e.strerror
-        return _unreadable(path, f"cannot read {path}: {what}", None)
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            return _unreadable(path, f"{path} is not a regular file ({_kind(info.st_mode)})", info)
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            raw = f.read(MAX_NOTICE_BYTES + 1)
+    except Refused as e:
+        if stat.S_ISLNK(e.info.st_mode):
+            return _unreadable(path, f"cannot read {path}: a symbolic link", None)
+        return _unreadable(path, f"{path} is not a regular file ({_kind(e.info.st_mode)})", e.info)
     except OSError as e:
         return _unreadable(path, f"cannot read {path}: {e.strerror}", None)
-    finally:
-        os.close(fd)
     if len(raw) > MAX_NOTICE_BYTES:
         return NoticeInvalid(reason=f"larger than {MAX_NOTICE_BYTES} bytes",
                              content_hash=content_hash(raw))  # fmt: skip

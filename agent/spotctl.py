@@ -52,6 +52,7 @@ from spotdrain.cli import ArgumentParser, UsageError, fail_usage
 from spotdrain.events import stored_event_to_dict
 from spotdrain.leader import Replicas, addresses
 from spotdrain.limits import MAX_ADMIN_MESSAGE_BYTES
+from spotdrain.printable import printable
 from spotdrain.security import channel_credentials
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
@@ -150,8 +151,11 @@ def parser() -> ArgumentParser:
     mr.add_argument("--image", default="", help="needed the first time a model is set")
     mr.add_argument("--slots", type=count, default=0, help="per worker (default: 4)")
     _json_flag(mr)
-    _json_flag(sub.add_parser(
-        "workloads", help="workload images: how their reclamations ended, which are flagged"))
+    _json_flag(
+        sub.add_parser(
+            "workloads", help="workload images: how their reclamations ended, which are flagged"
+        )
+    )
     return p
 
 
@@ -201,9 +205,7 @@ def replicas(args: Any) -> Replicas:
     if args.insecure:
         if any(tls):
             raise UsageError("--insecure and TLS flags exclude each other")
-        return Replicas(
-            found, lambda a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
-        )
+        return Replicas(found, lambda a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS))
     if not all(tls):
         raise UsageError("give --tls-cert, --tls-key and --ca, or --insecure")
     creds = channel_credentials(*tls)
@@ -241,8 +243,20 @@ def message_doc(msg: Message) -> dict[str, Any]:
     )
 
 
+def shown(lines: Iterable[str]) -> str:
+    """Lines for a person: each escaped whole (spotdrain.printable), so no value in it, a
+    tenant's file name or a node's reason, can move the cursor, ring, or start a line."""
+    return "\n".join(printable(line) for line in lines)
+
+
+def say(text: str) -> None:
+    """A message for a person on stderr; what it quotes (a coordinator's details, an error)
+    escaped as every other human-readable output."""
+    print(printable(text), file=sys.stderr)
+
+
 def emit(args: Any, messages: Iterable[Message], text: str) -> int:
-    """One JSON object a line with --json, else the rendered text."""
+    """One JSON object a line with --json, else the rendered text (built with `shown`)."""
     if args.json:
         for msg in messages:
             print(json.dumps(message_doc(msg), sort_keys=True), flush=True)
@@ -311,7 +325,7 @@ def render_timeline(tl: pb.Timeline) -> str:
         lines.append(f"outcome: {rec.outcome}")
     else:
         lines.append("outcome: in progress")
-    return "\n".join(lines)
+    return shown(lines)
 
 
 _COMMON = {"id", "kind", "node", "reclaim_id", "wall_time", "t_offset_s", "uid"}
@@ -331,7 +345,7 @@ async def timeline(stub: pb_grpc.AdminStub, args: Any) -> int:
         tl = await stub.GetTimeline(pb.GetTimelineRequest(reclaim_id=args.reclaim_id))
     except grpc.aio.AioRpcError as e:
         if e.code() == grpc.StatusCode.NOT_FOUND:
-            print(f"{PROG}: {e.details()}", file=sys.stderr)
+            say(f"{PROG}: {e.details()}")
             return 1
         raise
     if args.svg:
@@ -341,7 +355,7 @@ async def timeline(stub: pb_grpc.AdminStub, args: Any) -> int:
                 Path(args.svg).write_text, timeline_svg.render(tl), encoding="utf-8"
             )
         except OSError as e:
-            print(f"{PROG}: --svg {args.svg}: {e.strerror}", file=sys.stderr)
+            say(f"{PROG}: --svg {args.svg}: {e.strerror}")
             return 1
     if args.json:
         rec = tl.reclamation
@@ -399,7 +413,7 @@ async def workers(stub: pb_grpc.AdminStub, args: Any) -> int:
         print(
             json.dumps(doc, sort_keys=True)
             if args.json
-            else f"worker {doc['worker_id']} on {doc['node']}: {doc['state']}"
+            else shown([f"worker {doc['worker_id']} on {doc['node']}: {doc['state']}"])
         )
         return 0
     reply = await stub.ListWorkers(pb.ListWorkersRequest(node_id=args.node))
@@ -407,12 +421,13 @@ async def workers(stub: pb_grpc.AdminStub, args: Any) -> int:
     if args.json:
         print(json.dumps(docs, sort_keys=True))
         return 0
-    print(f"{'worker':<24} {'node':<14} {'model':<14} {'state':<9} {'slots':>7}  gate")
+    lines = [f"{'worker':<24} {'node':<14} {'model':<14} {'state':<9} {'slots':>7}  gate"]
     for d in docs:
-        print(
+        lines.append(
             f"{d['worker_id']:<24} {d['node']:<14} {d['model']:<14} {d['state']:<9} "
             f"{d['slots_in_use']:>3}/{d['capacity']:<3}  {d['gate_address']}"
         )
+    print(shown(lines))
     return 0
 
 
@@ -421,7 +436,7 @@ def render_nodes(nodes: Iterable[pb.Node], now: float) -> str:
     rows, tails = [], []
     for n in nodes:
         rows.append(
-            (
+            tuple(map(printable, (
                 n.node_id,
                 _mode(n.spot),
                 n.node_group or "-",
@@ -430,8 +445,8 @@ def render_nodes(nodes: Iterable[pb.Node], now: float) -> str:
                 str(n.live_workers),
                 str(n.active_rentals),
                 "yes" if n.connected else "no",
-            )
-        )
+            )))  # escaped before the columns are measured
+        )  # fmt: skip
         taints = ",".join(t.reason or t.key for t in n.taints) or "-"
         avoided = (
             f"  group avoided until {_when(n.group_avoided_until, now)}"
@@ -445,7 +460,7 @@ def render_nodes(nodes: Iterable[pb.Node], now: float) -> str:
     def line(cells: tuple[str, ...], tail: str) -> str:
         return " ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " " + tail
 
-    return "\n".join([line(header, "taints"), *map(line, rows, tails)])
+    return shown([line(header, "taints"), *map(line, rows, tails)])
 
 
 async def nodes(stub: pb_grpc.AdminStub, args: Any) -> int:
@@ -483,7 +498,7 @@ def render_rental(r: pb.Rental, now: float) -> str:
     lines += [f"  {part}" for part in (_reclaim(r, now), _ended(r)) if part]
     if r.detail:
         lines.append(f"  detail: {r.detail}")
-    return "\n".join(lines)
+    return shown(lines)
 
 
 def render_rentals(rentals: Iterable[pb.Rental], now: float) -> str:
@@ -498,7 +513,7 @@ def render_rentals(rentals: Iterable[pb.Rental], now: float) -> str:
             f"{r.rental_id:<20} {r.node_id:<14} {r.state:<8} {r.renter or '-':<12} {r.gpus:>4} "
             f"{_mode(r.started_on_spot):<9} {started:<24} {note or '-'}"
         )
-    return "\n".join(lines)
+    return shown(lines)
 
 
 async def rentals(stub: pb_grpc.RentalsStub, args: Any) -> int:
@@ -538,7 +553,7 @@ def render_reputation(rep: pb.Reputation) -> str:
     else:
         subject = f"provider {rep.provider}"
     s, f = rep.successes, rep.failures
-    return "\n".join(
+    return shown(
         [
             f"{subject}: score {rep.score:.3f}",
             f"  successes {s}  failures {f}  (counted {rep.counted})",
@@ -569,7 +584,7 @@ def render_models(models: Iterable[pb.Model]) -> str:
             f"{m.model:<20} {m.replicas:>8} {m.ready:>5} {m.starting:>8} {m.draining:>8} "
             f"{m.slots:>5}  {m.image}"
         )
-    return "\n".join(lines)
+    return shown(lines)
 
 
 async def models(stub: pb_grpc.AdminStub, args: Any) -> int:
@@ -609,7 +624,7 @@ async def workloads(stub: pb_grpc.AdminStub, args: Any) -> int:
         f"budget {reply.budget:.2%} of at least {reply.min_reclamations} reclamations; flagged "
         f"images {'kept off' if reply.no_spot_for_flagged else 'allowed on'} spot nodes"
     )
-    print("\n".join(lines))
+    print(shown(lines))
     return 0
 
 
@@ -617,19 +632,16 @@ async def local(args: Any) -> int:
     try:
         answer = await control_socket.request(args.socket, args.command)
     except PermissionError:
-        print(
-            f"{PROG}: {args.socket}: permission denied (root or group spotdrain only)",
-            file=sys.stderr,
-        )
+        say(f"{PROG}: {args.socket}: permission denied (root or group spotdrain only)")
         return 1
     except (OSError, TimeoutError) as e:
-        print(f"{PROG}: cannot reach the agent at {args.socket}: {e}", file=sys.stderr)
+        say(f"{PROG}: cannot reach the agent at {args.socket}: {e}")
         return 1
     if args.json:
         print(json.dumps(answer, sort_keys=True))
         return 0 if answer.get("ok") else 1
     if not answer.get("ok"):
-        print(f"{PROG}: refused: {answer.get('error')}", file=sys.stderr)
+        say(f"{PROG}: refused: {answer.get('error')}")
         return 1
     print(render_status(answer))
     return 0
@@ -668,7 +680,7 @@ def render_status(doc: dict[str, Any]) -> str:
         lines.append(
             f"  {j['kind']} job {j['worker_id']}: {'draining' if j['draining'] else 'running'}"
         )
-    return "\n".join(lines)
+    return shown(lines)
 
 
 ADMIN_COMMANDS = {
@@ -697,10 +709,7 @@ async def run(args: Any) -> int:
             LeaderStub(args.coordinators, pb_grpc.AdminStub, "Admin", wait), args
         )
     except grpc.aio.AioRpcError as e:
-        print(
-            f"{PROG}: coordinator {args.coordinator}: {e.code().name}: {e.details()}",
-            file=sys.stderr,
-        )
+        say(f"{PROG}: coordinator {args.coordinator}: {e.code().name}: {e.details()}")
         return 1
     finally:
         await args.coordinators.close()

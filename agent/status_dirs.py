@@ -4,11 +4,13 @@ directory"). The workload writes its checkpoint reports there (spotdrain.workloa
 watches the root and every container's directory through inotify, reads each report once,
 hands it on, and removes it.
 
-Everything in a status directory comes from the workload, so it is read as hostile input: only
-regular files, opened without following links and without blocking (a FIFO or a link to a
-host file is refused unread), at most spotdrain.workload.MAX_REPORT_BYTES each, and at most
-INVALID_EVENTS_PER_CONTAINER malformed ones reported per container; the rest are dropped with a
-log line.
+Everything in a status directory comes from the workload, so it is read as hostile input. A
+file's type is known before it is opened for reading: only a regular file is ever opened (a
+device node, a FIFO, a socket or a link to a host file is refused without being opened; some
+devices act when opened), at most spotdrain.workload.MAX_REPORT_BYTES of it is read, and at most
+INVALID_EVENTS_PER_CONTAINER malformed ones are reported per container. The rest are dropped
+with a log line, at most IGNORED_LINES_PER_INTERVAL of them a container each
+IGNORED_INTERVAL_S, then one line that counts the others.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ import logging
 import os
 import re
 import stat
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from spotdrain.workload import MAX_REPORT_BYTES, Report, ReportInvalid, parse_report
 
@@ -29,12 +34,61 @@ log = logging.getLogger("spotdrain.agent.status")
 # Where a container's status directory appears inside it.
 CONTAINER_STATUS_DIR = "/run/spotdrain/status"
 INVALID_EVENTS_PER_CONTAINER = 10
+# Past those, the log's share of a container's junk: 50,000 files are a few lines, not 50,000.
+IGNORED_LINES_PER_INTERVAL = 3
+IGNORED_INTERVAL_S = 60.0
 # A Docker container name: what a status directory may be called.
 _NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}$")
 
 # (container name, the report) for a good one; (container name, None, file, why) for a bad one.
 OnReport = Callable[[str, Report], None]
 OnInvalid = Callable[[str, str, str], None]
+
+
+class Refused(Exception):
+    """A file that is not a regular file to read; str(): why, `info`: what fstat said of it
+    (a link's own, for a link)."""
+
+    def __init__(self, why: str, info: os.stat_result) -> None:
+        super().__init__(why)
+        self.info = info
+
+
+def read_regular_file(path: Path, limit: int) -> bytes:
+    """At most `limit` bytes of `path`, which must be a regular file and no link, checked
+    before it is opened for reading. The name is opened O_PATH (no read, no device's open
+    handler, no FIFO's reader) and its type taken from that handle; only a regular file is
+    then opened for reading, through the handle itself (/proc/self/fd/N names that very
+    inode, so a name swapped in between is never what gets opened) and without blocking (a
+    lease). FileNotFoundError when the name is gone; Refused for what is not a report."""
+    handle = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        known = os.fstat(handle)
+        if stat.S_ISLNK(known.st_mode):
+            raise Refused("a symbolic link", known)
+        if not stat.S_ISREG(known.st_mode):
+            raise Refused("not a regular file", known)
+        # No O_NOFOLLOW here: /proc/self/fd/N is a link by design, resolved to the handle's
+        # inode, never by name.
+        fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            opened = os.fstat(fd)
+            if (opened.st_dev, opened.st_ino) != (known.st_dev, known.st_ino):
+                raise Refused("changed while it was opened", opened)
+            return os.read(fd, limit)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(handle)
+
+
+@dataclass
+class _IgnoredLines:
+    """A container's junk files in the log this interval: lines written, files left out."""
+
+    since: float
+    lines: int = 0
+    left_out: int = 0
 
 
 def make_status_dir(root: Path, name: str) -> Path:
@@ -58,13 +112,20 @@ def make_status_dir(root: Path, name: str) -> Path:
 
 class StatusDirs:
     def __init__(
-        self, root: Path, on_report: OnReport, on_invalid: OnInvalid, poll_s: float = 1.0
+        self,
+        root: Path,
+        on_report: OnReport,
+        on_invalid: OnInvalid,
+        poll_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.root = root
         self.on_report = on_report
         self.on_invalid = on_invalid
         self.poll_s = poll_s
+        self.clock = clock
         self._invalid_counts: dict[str, int] = {}
+        self._ignored: dict[str, _IgnoredLines] = {}
 
     def dir_for(self, name: str) -> Path:
         return make_status_dir(self.root, name)
@@ -96,20 +157,17 @@ class StatusDirs:
     def _read_one(self, name: str, entry: str) -> None:
         path = self.root / name / entry
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            raw = read_regular_file(path, MAX_REPORT_BYTES + 1)
         except FileNotFoundError:
             return  # read already (by a collect racing an inotify event)
-        except OSError as e:
-            why = "a symbolic link" if e.errno == errno.ELOOP else f"unreadable ({e.strerror})"
-            self._invalid(name, entry, why, path)
+        except Refused as e:
+            self._invalid(name, entry, str(e), path)
             return
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                self._invalid(name, entry, "not a regular file", path)
-                return
-            raw = os.read(fd, MAX_REPORT_BYTES + 1)
-        finally:
-            os.close(fd)
+        except OSError as e:
+            self._invalid(
+                name, entry, f"unreadable ({e.strerror or errno.errorcode.get(e.errno)})", path
+            )
+            return
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -133,9 +191,36 @@ class StatusDirs:
         count = self._invalid_counts.get(name, 0) + 1
         self._invalid_counts[name] = count
         if count > INVALID_EVENTS_PER_CONTAINER:
-            log.warning("status dir %s: %s ignored (%s); no more events for it", name, entry, why)
+            self._log_ignored(name, entry, why)
             return
         self.on_invalid(name, entry[:200], why[:500])
+
+    def _log_ignored(self, name: str, entry: str, why: str) -> None:
+        now = self.clock()
+        self.summarise_ignored(now)
+        window = self._ignored.setdefault(name, _IgnoredLines(now))
+        if window.lines >= IGNORED_LINES_PER_INTERVAL:
+            window.left_out += 1
+            return
+        window.lines += 1
+        log.warning(
+            "status dir %s: %s ignored (%s); no more events for it", name, entry[:200], why[:500]
+        )
+
+    def summarise_ignored(self, now: float) -> None:
+        """One line for each container whose interval has ended with files left out of the
+        log, counting them; its next junk file starts a new interval."""
+        for name, window in list(self._ignored.items()):
+            if now - window.since < IGNORED_INTERVAL_S:
+                continue
+            del self._ignored[name]
+            if window.left_out:
+                log.warning(
+                    "status dir %s: %d more files ignored in %.0f s, not logged one by one",
+                    name,
+                    window.left_out,
+                    now - window.since,
+                )
 
     # --- watching ------------------------------------------------------------------------------
 
@@ -145,7 +230,7 @@ class StatusDirs:
         inotify, every `poll_s`."""
         self.root.mkdir(parents=True, exist_ok=True)
         try:
-            from asyncinotify import Inotify, Mask  # noqa: PLC0415
+            from asyncinotify import Inotify  # noqa: PLC0415
         except ImportError as e:  # pragma: no cover (a dependency of the package)
             log.warning("inotify unavailable for %s (%s); polling", self.root, e)
             inotify = None
@@ -160,7 +245,23 @@ class StatusDirs:
                 ready.set()
             while True:
                 self.collect_all()
+                self.summarise_ignored(self.clock())
                 await asyncio.sleep(self.poll_s)
+        summaries = asyncio.create_task(self._summarise_every_interval())
+        try:
+            await self._watch_inotify(inotify, ready)
+        finally:
+            summaries.cancel()
+
+    async def _summarise_every_interval(self) -> None:
+        # A flood that stops still gets its count logged, without waiting for another file.
+        while True:
+            await asyncio.sleep(IGNORED_INTERVAL_S)
+            self.summarise_ignored(self.clock())
+
+    async def _watch_inotify(self, inotify: Any, ready: asyncio.Event | None) -> None:  # noqa: ANN401
+        from asyncinotify import Mask  # noqa: PLC0415 (imported by watch() already)
+
         with inotify:
             dir_mask = Mask.CREATE | Mask.MOVED_TO | Mask.ONLYDIR
             file_mask = Mask.CLOSE_WRITE | Mask.MOVED_TO | Mask.ONLYDIR | Mask.DONT_FOLLOW

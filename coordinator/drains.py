@@ -221,7 +221,10 @@ class Drains:
             return None
         first = min(drains, key=lambda d: d.grace_deadline)
         reason = first.reason if first.reason in wm.DRAIN_REASONS else "operator"
-        return wm.NodeDrain(reason, first.grace_deadline, min(d.terminate_at for d in drains))
+        terminate_at = min(d.terminate_at for d in drains)
+        # G <= D by construction, whatever the records hold: a record stored with its G after
+        # its D (an agent's or a fuzzer's Taint, before begin_drain clamped it) drains by D.
+        return wm.NodeDrain(reason, min(first.grace_deadline, terminate_at), terminate_at)
 
     async def begin_drain(
         self,
@@ -245,6 +248,10 @@ class Drains:
         drain = known or DrainRow(
             node_id, reclaim_id, reason, terminate_at, grace, fleet.clock(), None
         )
+        if drain.grace_deadline > drain.terminate_at:
+            # Work must be gone by D: a G after it (from the wire, or a row stored so before
+            # this rule) is D itself, and is stored so.
+            drain = dataclasses.replace(drain, grace_deadline=drain.terminate_at)
         if first:
             await store.add_drain(drain)
             self.active.setdefault(node_id, {})[reclaim_id] = drain

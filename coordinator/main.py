@@ -21,6 +21,7 @@ from spotdrain.coordinator.contracts import DEFAULT_BUDGET, DEFAULT_MIN, Contrac
 from spotdrain.coordinator.dashboard import Dashboard, DashboardConfig
 from spotdrain.coordinator.dashboard.app import is_loopback
 from spotdrain.coordinator.dashboard.auth import TokenError, load_token
+from spotdrain.coordinator.health_service import HealthServicer
 from spotdrain.coordinator.pauses import Pauses
 from spotdrain.coordinator.public_api import RentalsServicer, RoutesServicer
 from spotdrain.coordinator.rejections import RejectionGuard
@@ -195,7 +196,7 @@ async def _serve(args, host, port, creds, store, acquirers, avoid_s, contracts, 
     pb_grpc.add_AdminServicer_to_server(guard(AdminServicer(coord), "Admin"), server)
     pb_grpc.add_RoutesServicer_to_server(guard(RoutesServicer(coord), "Routes"), server)
     pb_grpc.add_RentalsServicer_to_server(guard(RentalsServicer(coord), "Rentals"), server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()  # the reference one, with List
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = [
         pb.DESCRIPTOR.services_by_name[name].full_name

@@ -4,6 +4,7 @@ every agent flag has a place in the TOML file; spotctl prints what the coordinat
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import time
@@ -176,6 +177,104 @@ def test_spotctl_events_and_timeline(tmp_path, pki, coordinator):
     assert js["outcome"] == "drained" and len(js["events"]) == len(evs)
     missing = run("spotctl", *coordinator.cli_args(), "timeline", "rcl-nope")
     assert missing.returncode == 1 and "no reclamation 'rcl-nope'" in missing.stderr
+
+
+def test_spotctl_timeline_shows_a_tenants_file_name_escaped(pki, coordinator):
+    """A job names a report file with an ESC sequence that sets the terminal's title, one that
+    clears the screen, a BEL, a C1 CSI and a byte that is not UTF-8; the agent reports it
+    invalid. The operator reads the timeline's table: every one of them is shown as an
+    escape, the terminal gets nothing to act on, and the row is still one row. --json keeps
+    the name as JSON escapes it."""
+    from spotdrain.v1 import spotdrain_pb2 as pb
+    from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.AgentLinkStub(coordinator.channel(pki.issue("node:node-a")))
+    t0 = time.time()
+    hostile = "\x1b]0;owned\x07\x1b[2J\x9b31m\n" + os.fsdecode(b"\xff") + ".json"
+    evs = [
+        ("notice_received", 0.0, {"notice_id": "i-1", "source": "aws-imds", "reason": "notice",
+                                  "t0": t0, "terminate_at": t0 + 30, "grace_deadline": t0 + 20,
+                                  "overrun_at": t0 + 28}),
+        ("workload_report_invalid", 0.5, {"name": "job", "file": hostile, "reason": "not JSON"}),
+    ]
+
+    def messages():
+        yield pb.AgentMessage(register=pb.Register(node_id="node-a"))
+        batch = [pb.Event(uid=f"u{i}", kind=k, node_id="node-a", reclaim_id="rcl-esc",
+                          wall_time=t0 + dt, t_offset_s=dt, details_json=json.dumps(d))
+                 for i, (k, dt, d) in enumerate(evs)]
+        yield pb.AgentMessage(events=pb.EventBatch(events=batch))
+
+    list(stub.Connect(messages(), timeout=5))
+    table = subprocess.run([str(BIN / "spotctl"), *coordinator.cli_args(), "timeline", "rcl-esc"],
+                           capture_output=True, timeout=30)  # bytes: what reaches the terminal
+    assert table.returncode == 0, table.stderr
+    out = table.stdout.decode("utf-8")
+    assert "\x1b" not in out and "\x07" not in out and "\x9b" not in out
+    assert all(line.isprintable() for line in out.split("\n"))
+    (row,) = [line for line in out.split("\n") if "workload_report_invalid" in line]
+    assert r"file=\x1b]0;owned\x07\x1b[2J\u009b31m\x0a\xff.json" in row
+    js = run("spotctl", *coordinator.cli_args(), "timeline", "rcl-esc", "--json")
+    assert json.loads(js.stdout)["events"][1]["file"] == hostile
+
+
+# A proto string is UTF-8 on the wire; a byte that is not reaches spotctl inside JSON (an
+# event's details, the agent's status) as a surrogate escape.
+WIRE_HOSTILE = "\x1b[2J\x07\x9b\u202e\n"
+HOSTILE = WIRE_HOSTILE + os.fsdecode(b"\xfe")
+
+
+def hostile(msg, depth: int = 0):
+    """`msg` with every string field, at any depth, set to WIRE_HOSTILE (one element in each
+    repeated message field, one entry in each map)."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    for f in msg.DESCRIPTOR.fields:
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            getattr(msg, f.name)[WIRE_HOSTILE] = WIRE_HOSTILE if f.message_type.fields_by_name[
+                "value"].type == F.TYPE_STRING else 1.0
+        elif f.type == F.TYPE_MESSAGE and depth < 3:
+            child = getattr(msg, f.name).add() if f.is_repeated else getattr(msg, f.name)
+            hostile(child, depth + 1)
+        elif f.type == F.TYPE_STRING:
+            if f.is_repeated:
+                getattr(msg, f.name).append(WIRE_HOSTILE)
+            else:
+                setattr(msg, f.name, WIRE_HOSTILE)
+    return msg
+
+
+def test_every_table_spotctl_prints_escapes_every_field():
+    """Whatever field of a coordinator's answer a tenant or a node can fill (a name, a reason,
+    an image, a detail), every plain table and status line shows it escaped: each line of
+    output printable, and no value starts a line of its own."""
+    from spotdrain.agent import spotctl
+    from spotdrain.v1 import spotdrain_pb2 as pb
+
+    tl = hostile(pb.Timeline())
+    tl.events[0].event.details_json = json.dumps({"file": HOSTILE, HOSTILE: HOSTILE})
+    status = {"node": HOSTILE, "state": HOSTILE, "paused": True,
+              "drain": {"reclaim_id": HOSTILE, "reason": HOSTILE, "phase": HOSTILE,
+                        "grace_in_s": 1.0, "deadline_in_s": 2.0},
+              "sources": [{"source": HOSTILE, "up": False, "error": HOSTILE}],
+              "at_risk": [{"reason": HOSTILE, "source": HOSTILE, "expires_at": 1.0}],
+              "workers": [{"worker_id": HOSTILE, "state": HOSTILE, "slots_in_use": 1,
+                           "capacity": 2}],
+              "rentals": [{"rental_id": HOSTILE}],
+              "jobs": [{"kind": HOSTILE, "worker_id": HOSTILE, "draining": True}]}
+    outputs = {
+        "timeline": spotctl.render_timeline(tl),
+        "nodes": spotctl.render_nodes([hostile(pb.Node())], 0.0),
+        "rental": spotctl.render_rental(hostile(pb.Rental()), 0.0),
+        "rentals": spotctl.render_rentals([hostile(pb.Rental())], 0.0),
+        "reputation": spotctl.render_reputation(hostile(pb.Reputation())),
+        "models": spotctl.render_models([hostile(pb.Model())]),
+        "status": spotctl.render_status(status),
+    }
+    assert "\\x0a\\xfe" in outputs["timeline"] and "\\x0a\\xfe" in outputs["status"]
+    for what, text in outputs.items():
+        assert "\\x1b[2J\\x07\\u009b\\u202e\\x0a" in text, what
+        assert all(line.isprintable() for line in text.split("\n")), what
 
 
 def test_spotctl_follow_prints_new_events(pki, coordinator):

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import stat
 import sys
 
+from asyncinotify import Inotify, Mask
+
 from spotdrain.agent.notice import Notice, NoticeInvalid
-from spotdrain.agent.notice_watcher import watch
+from spotdrain.agent.notice_watcher import read_notice, watch
 
 
 def write(path, doc) -> None:
@@ -97,6 +100,29 @@ async def test_a_fifo_at_the_notice_path_is_invalid_at_once_and_a_notice_over_it
         assert (await watcher.next()).notice_id == "after-fifo"
     finally:
         await watcher.close()
+
+
+async def test_a_device_at_the_notice_path_is_invalid_without_being_opened(tmp_path):
+    """A character device (/dev/null's numbers, made with mknod) where the notice file should
+    be: reported invalid as what it is, and never opened (some devices act when opened):
+    inotify on the directory sees no open of it up to a barrier opened after the read."""
+    path = tmp_path / "notice.json"
+    os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    (tmp_path / ".barrier").write_text("")
+    with Inotify() as inotify:
+        inotify.add_watch(tmp_path, Mask.OPEN)
+        result = read_notice(path)
+        os.close(os.open(tmp_path / ".barrier", os.O_RDONLY))
+        opened = []
+        async with asyncio.timeout(5):
+            async for event in inotify:
+                if event.name is not None and event.name.name == ".barrier":
+                    break
+                if event.name is not None:
+                    opened.append(event.name.name)
+    assert isinstance(result, NoticeInvalid)
+    assert "is not a regular file (a character device)" in result.reason
+    assert opened == []
 
 
 async def test_two_different_unreadable_inputs_are_two_reports(tmp_path):

@@ -291,6 +291,30 @@ async def test_a_drain_keeps_its_first_deadlines(store, clock):
     assert await store.active_drains() == [first]
 
 
+async def test_deadlines_come_back_from_the_store_bit_for_bit(store_url, stores):
+    """A database whose administrator set extra_float_digits = 0 (PostgreSQL 11's default, or a
+    postgresql.conf carried over) prints doubles with 15 significant digits: microseconds off
+    at today's epoch. A drain's deadlines, its G equal to its D and a G 2.6 µs before it, still
+    read back exactly, in every read and after a restart: they compare as they did before."""
+    if backend_name(store_url) == "postgresql":
+        with psycopg.connect(store_url, autocommit=True) as db:
+            name = db.info.dbname
+            db.execute(f'ALTER DATABASE "{name}" SET extra_float_digits = 0')
+            probe = db.execute("SELECT 1796237897.9496896::float8").fetchone()[0]
+        with psycopg.connect(store_url) as db:  # the setting bites a plain session
+            assert db.execute("SELECT 1796237897.9496896::float8").fetchone()[0] != probe
+    d = 1796237897.9496896
+    store = await stores.open_store()
+    even = await store.start_drain("node-a", "rcl-even", "notice", d, d)
+    close = await store.start_drain("node-b", "rcl-close", "notice", d, d - 2.6e-6)
+    assert (even.grace_deadline, even.terminate_at) == (d, d)
+    assert (close.grace_deadline, close.terminate_at) == (d - 2.6e-6, d)
+    await stores.close(store)
+    again = await stores.open_store()
+    assert await again.active_drains() == [even, close]
+    assert await again.drain("node-b", "rcl-close") == close
+
+
 async def test_an_ended_drain_is_no_longer_active(store, clock):
     """A node finishes its drain: it leaves the active list, its end time is the first one, and
     a late repeat of its start does not reopen it."""

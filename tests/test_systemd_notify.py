@@ -316,25 +316,39 @@ def test_journal_entries_carry_node_and_reclamation_ids(journal):
 
 
 def test_multi_line_messages_and_tracebacks_arrive_whole(journal):
-    """A value with a newline would end its field early in the `NAME=value` form: it goes in
-    the binary-safe form (name, length, bytes), so a traceback stays one entry and one
-    field, and `journalctl -o verbose` shows it whole."""
+    """A log line's own newline (one a tenant put in a file name, say) is escaped, so it can
+    never pass for a second line; a traceback keeps its lines, and a value with a newline
+    would end its field early in the `NAME=value` form: it goes in the binary-safe form
+    (name, length, bytes), so the traceback stays one entry and one field, and
+    `journalctl -o verbose` shows it whole."""
     log, listener = journal
     log.error("first line\nsecond line = still the message")
     raw, seals = listener.receive()
     assert seals is None
-    text = b"first line\nsecond line = still the message"
-    assert b"MESSAGE\n" + struct.pack("<Q", len(text)) + text + b"\n" in raw
-    assert parse_journal_entry(raw)["MESSAGE"] == text.decode()
+    assert b"MESSAGE=first line\\x0asecond line = still the message\n" in raw
     try:
         raise ValueError("NVML said no")
     except ValueError:
         log.exception("observation failed")
-    entry = listener.entry()
+    raw, _ = listener.receive()
+    entry = parse_journal_entry(raw)
+    text = entry["MESSAGE"].encode()
+    assert b"MESSAGE\n" + struct.pack("<Q", len(text)) + text + b"\n" in raw
     assert entry["PRIORITY"] == "3"
     assert entry["MESSAGE"].startswith("observation failed\nTraceback (most recent call last):")
     assert entry["MESSAGE"].endswith("ValueError: NVML said no")
     assert entry["EXCEPTION_TEXT"].splitlines()[-1] == "ValueError: NVML said no"
+
+
+def test_what_a_line_quotes_reaches_the_journal_escaped(journal):
+    """A line quoting a tenant's report name (an ESC sequence that sets the terminal's title,
+    BEL, a byte that is not UTF-8 as the file system hands it over) reaches the journal
+    escaped: `journalctl` shows it as text, not as a blob, and no terminal acts on it."""
+    log, listener = journal
+    name = "\x1b]0;owned\x07" + os.fsdecode(b"\xff") + ".json"
+    log.warning("status dir %s: %s ignored (%s)", "job-1", name, "not JSON")
+    entry = listener.entry()
+    assert entry["MESSAGE"] == "status dir job-1: \\x1b]0;owned\\x07\\xff.json ignored (not JSON)"
 
 
 def test_an_entry_too_big_for_a_datagram_travels_in_a_sealed_memfd(journal):

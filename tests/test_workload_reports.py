@@ -6,12 +6,17 @@ T0 = 1000, D = T0 + 30, G = D - 10, O = D - 2."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import logging
 import os
+import stat
+import sys
 
 import pytest
+from asyncinotify import Inotify, Mask
 
-from spotdrain import workload
+from spotdrain import systemd, workload
 from spotdrain.agent.notice import Notice
 from spotdrain.agent.reclamation import (
     PENDING_REPORTS_KEPT,
@@ -31,6 +36,8 @@ from spotdrain.agent.reclamation import (
     WorkloadReported,
 )
 from spotdrain.agent.status_dirs import (
+    IGNORED_INTERVAL_S,
+    IGNORED_LINES_PER_INTERVAL,
     INVALID_EVENTS_PER_CONTAINER,
     StatusDirs,
     make_status_dir,
@@ -247,3 +254,85 @@ def test_reports_waiting_at_start_are_read_and_a_reused_name_starts_clean(tmp_pa
     assert os.listdir(box) == [] and oct(box.stat().st_mode & 0o777) == "0o777"
     with pytest.raises(ValueError, match="not a container name"):
         make_status_dir(tmp_path, "../etc")
+
+
+async def test_a_planted_device_or_fifo_is_refused_without_being_opened(tmp_path):
+    """A job (root in its container) runs mknod for /dev/null's character device, and mkfifo,
+    under report names in its status directory. The agent learns their type without opening
+    them: inotify on the directory sees the agent open the good report beside them (the watch
+    works) and never the device or the FIFO, up to a barrier the test opens after the
+    agent's collect. Both are refused as what they are and removed."""
+    seen = Seen()
+    dirs = StatusDirs(tmp_path / "status", seen.report, seen.bad)
+    box = make_status_dir(dirs.root, "job-dev")
+    os.mknod(box / "dev.json", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    os.mkfifo(box / "fifo.json")
+    workload.Reporter(box).checkpoint_started(7)
+    (box / ".barrier").write_text("")
+    (report,) = set(os.listdir(box)) - {"dev.json", "fifo.json", ".barrier"}
+    with Inotify() as inotify:
+        inotify.add_watch(box, Mask.OPEN)
+        dirs.collect("job-dev")
+        os.close(os.open(box / ".barrier", os.O_RDONLY))
+        opened = []
+        async with asyncio.timeout(5):
+            async for event in inotify:
+                if event.name is None:
+                    continue  # the directory itself, listed
+                if event.name.name == ".barrier":
+                    break
+                opened.append(event.name.name)
+    assert opened == [report]
+    assert [(r.kind, r.generation) for _, r in seen.reports] == [("checkpoint_started", 7)]
+    assert {(entry, why) for _, entry, why in seen.invalid} == {
+        ("dev.json", "not a regular file"), ("fifo.json", "not a regular file")}
+    assert os.listdir(box) == [".barrier"]
+
+
+@pytest.fixture
+def agent_log(monkeypatch):
+    """The agent's own log configuration (systemd.configure_logging, not under systemd: text
+    on stderr), its stderr captured."""
+    stderr = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    root = logging.getLogger()
+    level = root.level
+    handler = systemd.configure_logging("spotdrain-agent", "INFO", node_id="node-a")
+    yield stderr
+    root.removeHandler(handler)
+    root.setLevel(level)
+
+
+def test_a_flood_of_junk_with_terminal_escapes_logs_a_few_escaped_lines(tmp_path, agent_log):
+    """A job writes 2,000 junk files named with an ESC sequence that clears the screen, a BEL
+    and a byte that is not UTF-8. Ten are reported as events; the log gets a few lines, each
+    showing the name escaped, and once the interval is over one line counts the rest."""
+    clock = FakeClockValue()
+    seen = Seen()
+    dirs = StatusDirs(tmp_path / "status", seen.report, seen.bad, clock=clock)
+    box = os.fsencode(make_status_dir(dirs.root, "job-flood"))
+    for i in range(2000):
+        fd = os.open(box + b"/bad-\x1b[2J\x07-%04d-\xff.json" % i, os.O_WRONLY | os.O_CREAT)
+        os.close(fd)
+    dirs.collect("job-flood")
+    assert len(seen.invalid) == INVALID_EVENTS_PER_CONTAINER and os.listdir(box) == []
+    lines = [x for x in agent_log.getvalue().splitlines() if "spotdrain.agent.status" in x]
+    assert len(lines) == IGNORED_LINES_PER_INTERVAL
+    for line in lines:
+        assert "bad-\\x1b[2J\\x07-" in line and "-\\xff.json ignored" in line
+        assert line.isprintable()
+    clock.now += IGNORED_INTERVAL_S
+    dirs.summarise_ignored(clock())
+    lines = [x for x in agent_log.getvalue().splitlines() if "spotdrain.agent.status" in x]
+    left_out = 2000 - INVALID_EVENTS_PER_CONTAINER - IGNORED_LINES_PER_INTERVAL
+    assert len(lines) == IGNORED_LINES_PER_INTERVAL + 1
+    assert f"status dir job-flood: {left_out} more files ignored in 60 s" in lines[-1]
+    assert all(line.isprintable() for line in agent_log.getvalue().splitlines())
+
+
+class FakeClockValue:
+    def __init__(self, now: float = 5_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

@@ -55,6 +55,11 @@ from spotdrain.coordinator.store.sqlite import check_version
 
 log = logging.getLogger("spotdrain.coordinator.store")
 
+# Every double as the exact digits that round-trip, whatever the server's own setting (0 gives
+# 15 significant digits: microseconds off at today's epoch): deadlines compare the same before
+# and after the store.
+EXACT_FLOATS = "-c extra_float_digits=3"
+
 # Any fixed number: the key of the migration's transaction-scoped advisory lock (the events
 # lock, EVENTS_LOCK, is pg_conn's).
 MIGRATION_LOCK = 0x5D02
@@ -146,6 +151,7 @@ class PostgresBackend(Backend):
             "autocommit": True,
             "connect_timeout": int(CONNECT_TIMEOUT_S),
             "application_name": self.session_name,
+            "options": EXACT_FLOATS,
         }
         self._bulk = AsyncConnectionPool(
             url, kwargs=kwargs, min_size=1, max_size=pool_size, open=False,
@@ -224,7 +230,8 @@ class PostgresBackend(Backend):
                     self._lease_conn = await psycopg.AsyncConnection.connect(
                         self.url, autocommit=True, connect_timeout=int(CONNECT_TIMEOUT_S),
                         application_name=self.session_name,
-                        options=f"-c statement_timeout={ms} -c lock_timeout={lock_ms}",
+                        options=f"{EXACT_FLOATS} -c statement_timeout={ms} "
+                        f"-c lock_timeout={lock_ms}",
                     )  # fmt: skip
                 cur = await self._lease_conn.execute(params(sql), tuple(args))
                 return await cur.fetchall()

@@ -30,6 +30,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from spotdrain.printable import printable
+
 log = logging.getLogger("spotdrain.systemd")
 
 JOURNAL_SOCKET = Path("/run/systemd/journal/socket")
@@ -129,6 +131,16 @@ async def keep_status(
 
 
 # --- the journal -----------------------------------------------------------------------------
+
+
+class PrintableFormatter(logging.Formatter):
+    """Every daemon's log line with what it quotes escaped (spotdrain.printable): a report's
+    file name, a container's name, what a job wrote may hold ESC sequences, a newline that
+    would start a forged line, or bytes that are not UTF-8. The traceback that may follow the
+    line is the daemon's own and keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        return printable(super().formatMessage(record))
 
 
 class ContextFilter(logging.Filter):
@@ -236,8 +248,9 @@ class JournalHandler(logging.Handler):
         self._sock = socket.socket(
             socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
         )
+        self.setFormatter(PrintableFormatter())
         self._fallback = logging.StreamHandler(sys.stderr)
-        self._fallback.setFormatter(logging.Formatter(TEXT_FORMAT))
+        self._fallback.setFormatter(PrintableFormatter(TEXT_FORMAT))
 
     def entry(self, record: logging.LogRecord) -> bytes:
         """The datagram's payload for `record`."""
@@ -324,7 +337,7 @@ def configure_logging(program: str, level: str, node_id: str = "") -> logging.Ha
     handler = journald_handler(program)
     if handler is None:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(TEXT_FORMAT))
+        handler.setFormatter(PrintableFormatter(TEXT_FORMAT))
     handler.addFilter(ContextFilter(node_id=node_id))
     root = logging.getLogger()
     root.setLevel(level.upper())

@@ -1,6 +1,6 @@
 """The agent's settings: every flag has a key in the TOML file; flags win over the file.
 
-A bad flag or file gives one clear line and exit code 2 (spotdrain.cli.UsageError).
+A bad flag or file gives one clear line and exit code 2 (spotdrain.runtime.cli.UsageError).
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotdrain.agent.reclamation import Margins
-from spotdrain.agent.sources import module as source_module
-from spotdrain.agent.sources.settings import (
+from spotdrain.agent.core.reclamation import Margins
+from spotdrain.agent.notices import module as source_module
+from spotdrain.agent.notices.settings import (
     AdvisoryPolicy,
     SourcesConfig,
     parse_advisory,
     parse_sources,
 )
-from spotdrain.cli import ArgumentParser, UsageError, host_port
+from spotdrain.runtime.cli import ArgumentParser, UsageError, host_port
 
 PROG = "spotdrain-agent"
 
@@ -48,7 +48,8 @@ class AgentConfig:
     # keep showing the old inode after an atomic replace.
     deadline_file: Path = Path("/run/spotdrain/workload/deadline.json")
     # Each workload container's own status directory, <status_dir>/<container name>,
-    # bind-mounted read-write at SPOTDRAIN_STATUS_DIR, for its reports (agent/status_dirs.py).
+    # bind-mounted read-write at SPOTDRAIN_STATUS_DIR, for its reports
+    # (agent/workloads/status_dirs.py).
     status_dir: Path = Path("/run/spotdrain/status")
     margins: Margins = field(default_factory=Margins)
     docker_call_timeout_s: float = 2.0  # each kill/list call; then signal the PID ourselves

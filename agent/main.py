@@ -16,25 +16,25 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from spotdrain import systemd
 from spotdrain.agent import config as agent_config
 from spotdrain.agent.config import AgentConfig
-from spotdrain.agent.control_socket import ControlSocket
-from spotdrain.agent.docker_engine import DockerEngine, DockerUnavailable
-from spotdrain.agent.drain_runner import DrainRunner
-from spotdrain.agent.gpu import GpuError, Nvml
-from spotdrain.agent.link import CoordinatorLink
-from spotdrain.agent.outbox import Outbox
-from spotdrain.agent.rentals import JOB_KINDS, PlainWorkloads
-from spotdrain.agent.slot_gate import Interrupted
-from spotdrain.agent.source_hub import SourceHub
-from spotdrain.agent.state import WriteHealth
-from spotdrain.agent.workers import WorkerManager
-from spotdrain.background import Background
-from spotdrain.cli import UsageError, fail_usage
-from spotdrain.metrics import CollectorRegistry, GaugeCollector, ReclamationMetrics
-from spotdrain.metrics import serve as metrics_serve
-from spotdrain.security import warn_insecure
+from spotdrain.agent.drain.link import CoordinatorLink
+from spotdrain.agent.drain.outbox import Outbox
+from spotdrain.agent.drain.runner import DrainRunner
+from spotdrain.agent.drain.state import WriteHealth
+from spotdrain.agent.host.control_socket import ControlSocket
+from spotdrain.agent.host.gpu import GpuError, Nvml
+from spotdrain.agent.notices.hub import SourceHub
+from spotdrain.agent.workloads.docker_engine import DockerEngine, DockerUnavailable
+from spotdrain.agent.workloads.inference import WorkerManager
+from spotdrain.agent.workloads.jobs import JOB_KINDS, PlainWorkloads
+from spotdrain.agent.workloads.slot_gate import Interrupted
+from spotdrain.net.security import warn_insecure
+from spotdrain.runtime import systemd
+from spotdrain.runtime.background import Background
+from spotdrain.runtime.cli import UsageError, fail_usage
+from spotdrain.runtime.metrics import CollectorRegistry, GaugeCollector, ReclamationMetrics
+from spotdrain.runtime.metrics import serve as metrics_serve
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 PROG = "spotdrain-agent"
@@ -48,7 +48,7 @@ DRAIN_LOOP_STUCK_S = 2.0
 class Agent:
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
-        # A disk that refuses writes never stops the agent (agent/state.py): what it could not
+        # A disk that refuses writes never stops the agent (agent/drain/state.py): what it could not
         # write is held in memory and recorded as state_write_failed once the drains record.
         self.state_health = WriteHealth()
         try:
@@ -96,7 +96,7 @@ class Agent:
             on_interrupted=self.stream_interrupted,
             metrics=self.metrics,
         )
-        # Rentals and batch/render jobs: plain containers, no gate (agent/rentals.py).
+        # Rentals and batch/render jobs: plain containers, no gate (agent/workloads/jobs.py).
         self.plain = PlainWorkloads(
             cfg.node_id,
             self.docker,

@@ -12,24 +12,25 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from spotdrain import limits, systemd
-from spotdrain.cli import ArgumentParser, UsageError, fail_usage, host_port, seconds
-from spotdrain.coordinator import replica as replicas
-from spotdrain.coordinator.acquirer import acquirers_from_config, avoid_s_from_config
-from spotdrain.coordinator.admin_api import AdminServicer
-from spotdrain.coordinator.contracts import DEFAULT_BUDGET, DEFAULT_MIN, ContractPolicy
+from spotdrain.coordinator.api.admin import AdminServicer
+from spotdrain.coordinator.api.agent_link import AgentLinkServicer, Coordinator
+from spotdrain.coordinator.api.public import RentalsServicer, RoutesServicer
+from spotdrain.coordinator.api.rejections import RejectionGuard
+from spotdrain.coordinator.capacity.acquirer import acquirers_from_config, avoid_s_from_config
 from spotdrain.coordinator.dashboard import Dashboard, DashboardConfig
 from spotdrain.coordinator.dashboard.app import is_loopback
 from spotdrain.coordinator.dashboard.auth import TokenError, load_token
+from spotdrain.coordinator.fleet.contracts import DEFAULT_BUDGET, DEFAULT_MIN, ContractPolicy
+from spotdrain.coordinator.gc_pauses import Pauses
 from spotdrain.coordinator.health_service import HealthServicer
-from spotdrain.coordinator.pauses import Pauses
-from spotdrain.coordinator.public_api import RentalsServicer, RoutesServicer
-from spotdrain.coordinator.rejections import RejectionGuard
-from spotdrain.coordinator.service import AgentLinkServicer, Coordinator
+from spotdrain.coordinator.replicas import leadership as replicas
 from spotdrain.coordinator.store import StoreError, open_store
-from spotdrain.coordinator.supervisor import supervise
-from spotdrain.metrics import serve as metrics_serve
-from spotdrain.security import server_credentials, warn_insecure
+from spotdrain.net.security import server_credentials, warn_insecure
+from spotdrain.protocol import limits
+from spotdrain.runtime import systemd
+from spotdrain.runtime.cli import ArgumentParser, UsageError, fail_usage, host_port, seconds
+from spotdrain.runtime.metrics import serve as metrics_serve
+from spotdrain.runtime.supervisor import supervise
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
@@ -119,8 +120,8 @@ def parser() -> ArgumentParser:
 
 MAX_FLEET = 10_000  # nodes one coordinator is sized for (the fleet benchmark's largest size)
 SERVER_OPTIONS = [
-    # Set on purpose (spotdrain.limits): an agent's message is at most this big, an operator's
-    # reply (ListNodes of a large fleet) may be bigger.
+    # Set on purpose (spotdrain.protocol.limits): an agent's message is at most this big, an
+    # operator's reply (ListNodes of a large fleet) may be bigger.
     ("grpc.max_receive_message_length", limits.MAX_AGENT_MESSAGE_BYTES),
     ("grpc.max_send_message_length", limits.MAX_ADMIN_MESSAGE_BYTES),
     # Agents ping every 10 s to notice a dead coordinator; the default policy (5 minutes
@@ -181,10 +182,11 @@ async def _serve(args, host, port, creds, store, acquirers, avoid_s, contracts, 
     pauses = Pauses(coord.registry)
     pauses.install()
     # In front of every service: undecodable bodies answered INVALID_ARGUMENT, never UNKNOWN;
-    # each rejection counted, and logged at most once per peer a minute (rejections.py).
+    # each rejection counted, and logged at most once per peer a minute
+    # (coordinator/api/rejections.py).
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RejectionGuard(coord.registry)])
     # Several replicas (--advertise): the lease decides which one serves; the others send
-    # callers to it (coordinator/replica.py). Without it, one coordinator as before.
+    # callers to it (coordinator/replicas/leadership.py). Without it, one coordinator as before.
     replica = None
     if args.advertise:
         replica = replicas.Replica(store, args.advertise, args.lease_ttl_s, args.lease_renew_s)

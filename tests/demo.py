@@ -72,8 +72,8 @@ from images.checkpoint_job import ensure_checkpoint_job_image  # noqa: E402
 from images.fake_model import ensure_model_image  # noqa: E402
 from pgserver import fresh_database, start_postgres  # noqa: E402
 from pki import Pki  # noqa: E402
-from spotdrain.agent.rentals import CONTAINER_DEADLINE_DIR  # noqa: E402
-from spotdrain.agent.status_dirs import CONTAINER_STATUS_DIR  # noqa: E402
+from spotdrain.agent.workloads.jobs import CONTAINER_DEADLINE_DIR  # noqa: E402
+from spotdrain.agent.workloads.status_dirs import CONTAINER_STATUS_DIR  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2 as pb  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc  # noqa: E402
 from spotdrain.workload import (  # noqa: E402
@@ -151,7 +151,8 @@ class Coordinators:
 
 
 def leading(coordinator: Coordinator) -> bool:
-    """Its AgentLink SERVING: a replica that leads and has rebuilt (coordinator/replica.py)."""
+    """Its AgentLink SERVING: a replica that leads and has rebuilt
+    (coordinator/replicas/leadership.py)."""
     with coordinator.channel() as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(

@@ -1,5 +1,5 @@
 """A private dbus-daemon and a fake logind on it, for the shutdown source
-(agent/sources/shutdown.py): its tests (tests/test_source_shutdown.py) and the benchmark
+(agent/notices/shutdown.py): its tests (tests/test_source_shutdown.py) and the benchmark
 tests/bench/source_to_sigterm.py.
 
 `start_bus(dir)` runs Debian's dbus-daemon on a unix socket in `dir`; `FakeLogind.start(address)`
@@ -33,7 +33,7 @@ from typing import Any
 from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
-from spotdrain.agent.sources import shutdown
+from spotdrain.agent.notices import shutdown
 
 DELAY_S = 30.0  # the fake logind's InhibitDelayMaxUSec unless told
 

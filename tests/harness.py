@@ -26,7 +26,7 @@ import grpc
 
 from fakenvml import FakeGpus
 from pki import CertFiles, Pki
-from spotdrain.events import stored_event_to_dict
+from spotdrain.protocol.events import stored_event_to_dict
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
@@ -166,7 +166,7 @@ class Agent:
     def status_dir(self, container_name: str) -> Path:
         """Made as the agent makes it for the containers it starts (a test starting its own
         container bind-mounts this at SPOTDRAIN_STATUS_DIR)."""
-        from spotdrain.agent.status_dirs import make_status_dir  # noqa: PLC0415
+        from spotdrain.agent.workloads.status_dirs import make_status_dir  # noqa: PLC0415
 
         return make_status_dir(self.status_root, container_name)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from spotdrain.coordinator.acquirer import (
+from spotdrain.coordinator.capacity.acquirer import (
     DEFAULT_AVOID_S,
     AcquisitionRequest,
     AvoidanceWindow,

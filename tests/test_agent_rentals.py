@@ -1,5 +1,5 @@
 """Rentals and batch/render jobs on a real Docker engine: the plain containers the coordinator
-asks the agent for (agent/rentals.py). docs/design.md "Four drain paths": a rental runs until
+asks the agent for (agent/workloads/jobs.py). docs/design.md "Four drain paths": a rental runs until
 reclaim_at (the grace deadline G) and reads it from the deadline file, bind-mounted read-only.
 """
 
@@ -20,10 +20,10 @@ import docker.errors
 import pytest
 
 from dockerenv import run_workload
-from spotdrain.agent.docker_engine import DockerEngine
-from spotdrain.agent.reclamation import SIGKILL, SIGTERM, SignalContainers
-from spotdrain.agent.rentals import CONTAINER_DEADLINE_DIR, PlainWorkloads
-from spotdrain.agent.state import write_deadline_file
+from spotdrain.agent.core.reclamation import SIGKILL, SIGTERM, SignalContainers
+from spotdrain.agent.drain.state import write_deadline_file
+from spotdrain.agent.workloads.docker_engine import DockerEngine
+from spotdrain.agent.workloads.jobs import CONTAINER_DEADLINE_DIR, PlainWorkloads
 
 pytestmark = pytest.mark.docker
 

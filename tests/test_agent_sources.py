@@ -10,10 +10,10 @@ import pytest
 
 from harness import BIN
 from spotdrain.agent import config
-from spotdrain.agent.advisories import AdvisoryBook, Drain, Record
-from spotdrain.agent.sources.base import Advisory
-from spotdrain.agent.sources.settings import AdvisoryPolicy, detect_cloud
-from spotdrain.cli import UsageError
+from spotdrain.agent.core.advisories import AdvisoryBook, Drain, Record
+from spotdrain.agent.notices.base import Advisory
+from spotdrain.agent.notices.settings import AdvisoryPolicy, detect_cloud
+from spotdrain.runtime.cli import UsageError
 
 BASE = {"coordinator": "c:1", "node_id": "n", "insecure": True}
 
@@ -186,8 +186,8 @@ async def test_settled_waits_for_the_outbox_but_never_past_o(tmp_path):
     reclamation's events must have left the outbox, or O must have come."""
     import asyncio
 
-    from spotdrain.agent.reclamation import reclaim_id_for
-    from spotdrain.agent.source_hub import SourceHub
+    from spotdrain.agent.core.reclamation import reclaim_id_for
+    from spotdrain.agent.notices.hub import SourceHub
 
     class Drains:
         live: dict = {}

@@ -17,11 +17,11 @@ from typing import Any
 from test_one_machine_two_notices import one_machine
 
 from cloudmeta import AwsImds, iso_utc
-from spotdrain.agent.drain_runner import DrainRunner
-from spotdrain.agent.outbox import Outbox
-from spotdrain.agent.source_hub import SourceHub
-from spotdrain.agent.sources import aws
-from spotdrain.agent.sources.settings import AdvisoryPolicy
+from spotdrain.agent.drain.outbox import Outbox
+from spotdrain.agent.drain.runner import DrainRunner
+from spotdrain.agent.notices import aws
+from spotdrain.agent.notices.hub import SourceHub
+from spotdrain.agent.notices.settings import AdvisoryPolicy
 
 BOOT = "5b1f3c9e-2d47-4e8a-b6f1-0a9c7e3d2b14"
 INSTANCE_ACTION = "/latest/meta-data/spot/instance-action"

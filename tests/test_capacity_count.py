@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from spotdrain.coordinator import workers as wm
-from spotdrain.coordinator.capacity_keeper import CapacityKeeper
-from spotdrain.coordinator.nodes import NodeIndex
-from spotdrain.coordinator.registry import WorkerRegistry
+from spotdrain.coordinator.capacity.keeper import CapacityKeeper
+from spotdrain.coordinator.core import worker_machine as wm
+from spotdrain.coordinator.fleet.nodes import NodeIndex
+from spotdrain.coordinator.fleet.registry import WorkerRegistry
 
 NOW = 1_000.0
 

@@ -14,7 +14,7 @@ import pytest
 
 from harness import BIN
 from spotdrain.agent import config
-from spotdrain.cli import UsageError
+from spotdrain.runtime.cli import UsageError
 
 BASE = ["--coordinator", "127.0.0.1:7000", "--node-id", "n1", "--notice-file", "/tmp/n.json",
         "--state-dir", "/tmp/s", "--docker-host", "unix:///var/run/docker.sock", "--insecure"]
@@ -248,7 +248,7 @@ def test_every_table_spotctl_prints_escapes_every_field():
     """Whatever field of a coordinator's answer a tenant or a node can fill (a name, a reason,
     an image, a detail), every plain table and status line shows it escaped: each line of
     output printable, and no value starts a line of its own."""
-    from spotdrain.agent import spotctl
+    from spotdrain.agent.spotctl import main as spotctl
     from spotdrain.v1 import spotdrain_pb2 as pb
 
     tl = hostile(pb.Timeline())
@@ -346,7 +346,7 @@ def test_spotctl_status_without_an_agent_says_so(tmp_path):
 
 
 def test_spotctl_status_shows_rentals_and_jobs():
-    from spotdrain.agent.spotctl import render_status
+    from spotdrain.agent.spotctl.main import render_status
 
     text = render_status({
         "node": "node-a", "state": "draining", "paused": True,
@@ -361,7 +361,7 @@ def test_spotctl_status_shows_rentals_and_jobs():
 
 
 def test_spotctl_status_names_a_broken_source_and_an_advisory():
-    from spotdrain.agent.spotctl import render_status
+    from spotdrain.agent.spotctl.main import render_status
 
     text = render_status({
         "node": "node-a", "state": "available", "paused": False, "drain": None,

@@ -8,11 +8,11 @@ import sqlite3
 import grpc
 import pytest
 
-from spotdrain.coordinator.drains import LIFTED_KEEP_S, LIFTED_PER_NODE
-from spotdrain.coordinator.service import AgentLinkServicer, Coordinator
+from spotdrain.coordinator.api.agent_link import AgentLinkServicer, Coordinator
+from spotdrain.coordinator.core.timeline import fold, new_record
+from spotdrain.coordinator.fleet.drains import LIFTED_KEEP_S, LIFTED_PER_NODE
 from spotdrain.coordinator.store import SCHEMA_VERSION, StoreError, StoreUnavailable, open_store
 from spotdrain.coordinator.store.schema import SQLITE_WORDS, steps_from
-from spotdrain.coordinator.timeline import fold, new_record
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 
@@ -204,7 +204,7 @@ async def test_a_command_reaches_its_agent_only_once_what_led_to_it_is_stored(st
     transaction that fails sends nothing (an agent must never run a worker the store lacks)."""
     import asyncio
 
-    from spotdrain.coordinator import messages as msg
+    from spotdrain.coordinator.core import messages as msg
 
     fleet = Coordinator(store, insecure=True, clock=clock).fleet
     stream: asyncio.Queue = asyncio.Queue()
@@ -229,7 +229,7 @@ async def test_a_command_reaches_its_agent_only_once_what_led_to_it_is_stored(st
 async def test_a_failing_reaction_still_acknowledges_the_stored_batch(store, clock):
     """An advisory's reaction that fails (a store error) is logged; the agent's batch, already
     stored, is acknowledged all the same, so its stream is not ended over it."""
-    from spotdrain.coordinator.eventlog import EventLog
+    from spotdrain.coordinator.fleet.eventlog import EventLog
     from spotdrain.coordinator.store import NewEvent
 
     log = EventLog(store, clock)
@@ -255,7 +255,7 @@ async def test_a_node_reconnecting_unchanged_costs_one_blind_write(store, clock)
     takes the full registration, and what it claims is stored."""
     import asyncio
 
-    from spotdrain.coordinator import messages as msg
+    from spotdrain.coordinator.core import messages as msg
 
     fleet = Coordinator(store, insecure=True, clock=clock).fleet
     gpus = ({"index": 0, "uuid": "GPU-1", "name": "H200", "memory_mib": 143771},)
@@ -293,7 +293,7 @@ async def test_a_node_reconnecting_with_no_rental_reads_no_rentals(store, clock)
     store's threads in the reconnect storm); a node holding a rental is still reconciled."""
     import asyncio
 
-    from spotdrain.coordinator import messages as msg
+    from spotdrain.coordinator.core import messages as msg
 
     fleet = Coordinator(store, insecure=True, clock=clock).fleet
     gpus = ({"index": 0, "uuid": "GPU-1", "name": "H200", "memory_mib": 143771},)

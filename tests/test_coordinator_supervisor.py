@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from spotdrain.coordinator.supervisor import supervise
+from spotdrain.runtime.supervisor import supervise
 
 
 async def forever(started: list[str], name: str, cancelled: list[str]) -> None:

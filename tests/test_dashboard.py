@@ -12,7 +12,7 @@ import pytest
 
 from dockerenv import run_workload
 from harness import BIN, AgentOptions, start_agent, start_coordinator, wait_until
-from spotdrain import timeline_svg
+from spotdrain.timeline import svg as timeline_svg
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import threading
 
-from spotdrain.agent.docker_engine import ContainerInfo, DockerEngine, DockerUnavailable
+from spotdrain.agent.workloads.docker_engine import ContainerInfo, DockerEngine, DockerUnavailable
 
 
 class HungEngine:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from fakenode import FakeNode, Ops
-from spotdrain import limits
+from spotdrain.protocol import limits
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 
@@ -158,7 +158,7 @@ async def test_a_node_cannot_rewrite_another_nodes_reclamation(coordinator, pki)
 def test_details_never_pass_for_the_stored_fields():
     """An event whose details claim another kind, node, id and uid is printed as what was
     stored; the claims are kept beside it, named as details."""
-    from spotdrain.events import stored_event_to_dict
+    from spotdrain.protocol.events import stored_event_to_dict
 
     stored = pb.StoredEvent(id=7, event=pb.Event(
         uid="u-1", kind="tainted", node_id="node-a", wall_time=1.0,

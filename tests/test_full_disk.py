@@ -21,14 +21,19 @@ from typing import Any
 
 import pytest
 
-from spotdrain.agent import drain_runner as runner_module
 from spotdrain.agent.config import AgentConfig
-from spotdrain.agent.docker_engine import ContainerInfo
-from spotdrain.agent.drain_runner import DrainRunner
-from spotdrain.agent.notice import Notice
-from spotdrain.agent.outbox import DROPPED_KIND, Outbox
-from spotdrain.agent.reclamation import ContainerExited, ContainerSignalled, Margins, Reclamation
-from spotdrain.agent.state import BundleStore, LocalTaints, WriteHealth, write_atomic
+from spotdrain.agent.core.notice import Notice
+from spotdrain.agent.core.reclamation import (
+    ContainerExited,
+    ContainerSignalled,
+    Margins,
+    Reclamation,
+)
+from spotdrain.agent.drain import runner as runner_module
+from spotdrain.agent.drain.outbox import DROPPED_KIND, Outbox
+from spotdrain.agent.drain.runner import DrainRunner
+from spotdrain.agent.drain.state import BundleStore, LocalTaints, WriteHealth, write_atomic
+from spotdrain.agent.workloads.docker_engine import ContainerInfo
 
 NODE = "node-full"
 

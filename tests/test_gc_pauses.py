@@ -1,4 +1,4 @@
-"""The coordinator's garbage-collector pauses (coordinator/pauses.py): young collections come
+"""The coordinator's garbage-collector pauses (coordinator/gc_pauses.py): young collections come
 every tick whatever the allocation count says, the periodic freeze frees garbage before it
 moves the live heap out of the collector's view, the frozen heap is collected once memory has
 grown, and a long pause is logged with how much of it was the collector's own work."""
@@ -12,8 +12,8 @@ import weakref
 import pytest
 from prometheus_client import CollectorRegistry
 
-from spotdrain.coordinator import pauses as pauses_module
-from spotdrain.coordinator.pauses import Pauses
+from spotdrain.coordinator import gc_pauses as pauses_module
+from spotdrain.coordinator.gc_pauses import Pauses
 
 GIB = 2**30
 

@@ -1,4 +1,4 @@
-"""One node's event batches get a fair share of the coordinator's loop (coordinator/intake.py):
+"""One node's event batches get a fair share of the coordinator's loop (coordinator/api/intake.py):
 the budget on a fake clock, and the stream reader waiting out a flood before it takes a batch
 in, whole, a slice at a time."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from spotdrain.coordinator import service as service_module
-from spotdrain.coordinator.intake import EVENT_MIN_COST, Intake, batch_cost
-from spotdrain.coordinator.service import AgentLinkServicer, Coordinator
+from spotdrain.coordinator.api import agent_link as service_module
+from spotdrain.coordinator.api.agent_link import AgentLinkServicer, Coordinator
+from spotdrain.coordinator.api.intake import EVENT_MIN_COST, Intake, batch_cost
 from spotdrain.coordinator.store import open_store
 from spotdrain.v1 import spotdrain_pb2 as pb
 

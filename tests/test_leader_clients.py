@@ -1,4 +1,4 @@
-"""Clients with several coordinator addresses (spotdrain.leader), against fake replicas: real
+"""Clients with several coordinator addresses (spotdrain.net.leader), against fake replicas: real
 gRPC servers on loopback that lead, follow (UNAVAILABLE naming the leader in `spotdrain-leader`)
 or are gone. And the router's table, which never goes back to an older version."""
 
@@ -12,9 +12,9 @@ from typing import Any
 import grpc
 import pytest
 
-from spotdrain.agent import spotctl
-from spotdrain.coordinator.router import ModelWatch, Route, RouteTable
-from spotdrain.leader import LEADER_KEY, Replicas, addresses
+from spotdrain.agent.spotctl import main as spotctl
+from spotdrain.coordinator.router.app import ModelWatch, Route, RouteTable
+from spotdrain.net.leader import LEADER_KEY, Replicas, addresses
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
@@ -161,7 +161,7 @@ def down_address() -> str:
 
 def test_a_coordinator_list_is_parsed_once_each_and_checked():
     assert addresses("a:1, b:2,a:1") == ("a:1", "b:2")
-    from spotdrain.cli import UsageError  # noqa: PLC0415
+    from spotdrain.runtime.cli import UsageError  # noqa: PLC0415
 
     for bad in ("", " , ", "a:1,b", "a:x"):
         with pytest.raises(UsageError):

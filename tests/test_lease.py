@@ -1,11 +1,11 @@
-"""The leader lease as a pure state machine (coordinator/lease.py): events and a fake clock in,
-commands out. No database, no asyncio."""
+"""The leader lease as a pure state machine (coordinator/replicas/lease.py): events and a fake clock
+in, commands out. No database, no asyncio."""
 
 from __future__ import annotations
 
 import pytest
 
-from spotdrain.coordinator import lease as lm
+from spotdrain.coordinator.replicas import lease as lm
 
 TTL, RENEW = 2.0, 0.5
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spotdrain.agent.notice import ACTIONS, Notice, NoticeInvalid, parse_notice
+from spotdrain.agent.core.notice import ACTIONS, Notice, NoticeInvalid, parse_notice
 
 # The provider's deadline in the docs/design.md example: 2026-11-29T18:44:00Z.
 D_2026 = datetime(2026, 11, 29, 18, 44, tzinfo=UTC).timestamp()

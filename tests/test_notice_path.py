@@ -18,12 +18,12 @@ from typing import Any
 from test_full_disk import NODE, Engine, Gpus, Link, Workers
 
 from spotdrain.agent.config import AgentConfig
-from spotdrain.agent.docker_engine import ContainerInfo
-from spotdrain.agent.drain_runner import DrainRunner
-from spotdrain.agent.notice import Notice
-from spotdrain.agent.outbox import Outbox
-from spotdrain.agent.reclamation import Margins, reclaim_id_for
-from spotdrain.agent.state import STEP_EVENTS, BundleStore
+from spotdrain.agent.core.notice import Notice
+from spotdrain.agent.core.reclamation import Margins, reclaim_id_for
+from spotdrain.agent.drain.outbox import Outbox
+from spotdrain.agent.drain.runner import DrainRunner
+from spotdrain.agent.drain.state import STEP_EVENTS, BundleStore
+from spotdrain.agent.workloads.docker_engine import ContainerInfo
 
 
 class HeldLink(Link):
@@ -63,7 +63,7 @@ class CountingEngine(Engine):
             self.gone.set()
 
     def _signalled(self, t: ContainerInfo, signal: str) -> Any:
-        from spotdrain.agent.docker_engine import ContainerSignalled
+        from spotdrain.agent.workloads.docker_engine import ContainerSignalled
 
         return ContainerSignalled(time.time(), t.id, t.name, signal, "api", image=t.image,
                                   kind=t.kind)  # fmt: skip

@@ -10,8 +10,8 @@ import sys
 
 from asyncinotify import Inotify, Mask
 
-from spotdrain.agent.notice import Notice, NoticeInvalid
-from spotdrain.agent.notice_watcher import read_notice, watch
+from spotdrain.agent.core.notice import Notice, NoticeInvalid
+from spotdrain.agent.notices.file_watcher import read_notice, watch
 
 
 def write(path, doc) -> None:

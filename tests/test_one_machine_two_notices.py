@@ -15,11 +15,11 @@ from typing import Any
 from test_full_disk import NODE, Engine, Gpus, Link, Workers
 
 from spotdrain.agent.config import AgentConfig
-from spotdrain.agent.docker_engine import ContainerSignalled
-from spotdrain.agent.drain_runner import DrainRunner
-from spotdrain.agent.notice import Notice
-from spotdrain.agent.outbox import Outbox
-from spotdrain.agent.reclamation import Margins
+from spotdrain.agent.core.notice import Notice
+from spotdrain.agent.core.reclamation import Margins
+from spotdrain.agent.drain.outbox import Outbox
+from spotdrain.agent.drain.runner import DrainRunner
+from spotdrain.agent.workloads.docker_engine import ContainerSignalled
 
 
 class StubbornEngine(Engine):

@@ -1,6 +1,6 @@
-"""The agent's outbox batches fit the coordinator's bounds (spotdrain.limits): the coordinator
-refuses a larger EventBatch with RESOURCE_EXHAUSTED, and a refused batch would be resent, and
-refused, forever. Nothing accepted into the outbox is ever lost on the way."""
+"""The agent's outbox batches fit the coordinator's bounds (spotdrain.protocol.limits): the
+coordinator refuses a larger EventBatch with RESOURCE_EXHAUSTED, and a refused batch would be
+resent, and refused, forever. Nothing accepted into the outbox is ever lost on the way."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from typing import Any
 
 import grpc
 
-from spotdrain.agent import link as link_module
 from spotdrain.agent.config import AgentConfig
-from spotdrain.agent.link import CoordinatorLink, batches, to_pb
-from spotdrain.agent.outbox import Outbox, OutgoingEvent
-from spotdrain.limits import (
+from spotdrain.agent.drain import link as link_module
+from spotdrain.agent.drain.link import CoordinatorLink, batches, to_pb
+from spotdrain.agent.drain.outbox import Outbox, OutgoingEvent
+from spotdrain.protocol.limits import (
     MAX_AGENT_MESSAGE_BYTES,
     MAX_BATCH_BYTES,
     MAX_BATCH_EVENTS,
@@ -129,7 +129,7 @@ def test_an_event_with_oversized_details_is_stored_as_a_summary_and_logged(tmp_p
     outbox = Outbox(tmp_path / "outbox.db")
     details = {"exit_code": 137, "container": "c-9", "oom": True, "log_tail": "e" * 200_000}
     size = len(json.dumps(details, sort_keys=True))
-    with caplog.at_level(logging.WARNING, logger="spotdrain.agent.outbox"):
+    with caplog.at_level(logging.WARNING, logger="spotdrain.agent.drain.outbox"):
         put = outbox.put("container_exited", NODE, "r-1", time.time(), 2.0, details)
     [stored] = outbox.pending()
     assert stored.uid == put.uid
@@ -141,7 +141,7 @@ def test_an_event_with_oversized_details_is_stored_as_a_summary_and_logged(tmp_p
         "oom": True,
     }
     assert len(to_pb(stored).details_json.encode()) <= MAX_DETAILS_BYTES
-    [record] = [r for r in caplog.records if r.name == "spotdrain.agent.outbox"]
+    [record] = [r for r in caplog.records if r.name == "spotdrain.agent.drain.outbox"]
     message = record.getMessage()
     assert record.levelno == logging.WARNING
     assert NODE in message and "container_exited" in message and str(size) in message
@@ -154,10 +154,10 @@ def test_details_at_the_bound_are_kept_as_they_are(tmp_path, caplog):
     empty = len(json.dumps({"log": ""}))
     details = {"log": "k" * (MAX_DETAILS_BYTES - empty)}
     assert len(json.dumps(details, sort_keys=True)) == MAX_DETAILS_BYTES
-    with caplog.at_level(logging.WARNING, logger="spotdrain.agent.outbox"):
+    with caplog.at_level(logging.WARNING, logger="spotdrain.agent.drain.outbox"):
         outbox.put("note", NODE, "", time.time(), None, details)
     assert outbox.pending()[0].details == details
-    assert not [r for r in caplog.records if r.name == "spotdrain.agent.outbox"]
+    assert not [r for r in caplog.records if r.name == "spotdrain.agent.drain.outbox"]
     outbox.close()
 
 
@@ -300,8 +300,8 @@ async def test_a_backlog_of_2000_varied_events_reaches_the_coordinator_once_in_o
 def test_a_long_free_text_report_is_shortened_not_refused():
     """The coordinator refuses any string over limits.MAX_STRING_CHARS (and the stream with it):
     a Docker error of 10,000 characters goes out cut to that length instead."""
-    from spotdrain import limits
-    from spotdrain.agent.link import _short
+    from spotdrain.agent.drain.link import _short
+    from spotdrain.protocol import limits
 
     report = _short({"state": "stopped", "reason": "x" * 10_000, "exit_code": 137})
     assert len(report["reason"]) == limits.MAX_STRING_CHARS and report["reason"].endswith("...")

@@ -86,7 +86,8 @@ def test_pip_install_in_a_clean_venv_needs_no_compiler_and_no_libsystemd(tmp_pat
     assert built_here == [], "compiled at install time, needs a toolchain: " + str(built_here)
     found = subprocess.run(
         [str(venv / "bin" / "python"), "-c",
-         "import importlib.util, spotdrain.systemd; print(importlib.util.find_spec('systemd'))"],
+         "import importlib.util, spotdrain.runtime.systemd; "
+         "print(importlib.util.find_spec('systemd'))"],
         env=env, capture_output=True, text=True, timeout=60, check=True,
     )
     assert found.stdout.strip() == "None", "systemd-python was installed: " + found.stdout

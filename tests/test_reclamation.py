@@ -23,8 +23,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from spotdrain.agent.notice import Notice
-from spotdrain.agent.reclamation import (
+from spotdrain.agent.core.notice import Notice
+from spotdrain.agent.core.reclamation import (
     BY_PREVIOUS_RUN,
     KILL_ANNOUNCED,
     KILL_SENT,
@@ -1492,7 +1492,8 @@ def test_an_agent_killed_right_after_its_first_sigterms_never_sends_a_second() -
         Observe(),
     ]
     first = story.log[-6][1]
-    assert first.details["kind"] == "batch"  # the contract of its image counts it (timeline.py)
+    # the contract of its image counts it (coordinator/core/timeline.py)
+    assert first.details["kind"] == "batch"
     assert "via" not in first.details  # nobody knows which route it took
     assert story.rec.ledger("c1") == TERM_BY_PREVIOUS_RUN
     assert story(Observed(T0 + 2.1, running=("c1", "c2"))) == []  # no stray: both had theirs

@@ -12,11 +12,11 @@ from pathlib import Path
 from test_full_disk import Engine, Gpus, Link, Workers
 from test_notice_path import config, running, until
 
-from spotdrain.agent.docker_engine import ContainerExited
-from spotdrain.agent.drain_runner import DrainRunner
-from spotdrain.agent.notice import Notice
-from spotdrain.agent.outbox import Outbox
-from spotdrain.agent.state import BundleStore
+from spotdrain.agent.core.notice import Notice
+from spotdrain.agent.drain.outbox import Outbox
+from spotdrain.agent.drain.runner import DrainRunner
+from spotdrain.agent.drain.state import BundleStore
+from spotdrain.agent.workloads.docker_engine import ContainerExited
 
 
 class LateWaitEngine(Engine):

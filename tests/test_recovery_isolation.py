@@ -8,8 +8,8 @@ import sqlite3
 
 import pytest
 
-from spotdrain.coordinator import workers as wm
-from spotdrain.coordinator.service import Coordinator
+from spotdrain.coordinator.api.agent_link import Coordinator
+from spotdrain.coordinator.core import worker_machine as wm
 from spotdrain.coordinator.store import open_store
 
 T0 = 1_796_237_800.0

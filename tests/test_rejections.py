@@ -12,8 +12,8 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from spotdrain.coordinator.errors import BadRequest, grpc_errors
-from spotdrain.coordinator.rejections import (
+from spotdrain.coordinator.api.errors import BadRequest, grpc_errors
+from spotdrain.coordinator.api.rejections import (
     OTHER_PEERS,
     LogLimiter,
     RejectionGuard,
@@ -223,9 +223,9 @@ async def test_an_unknown_method_is_still_unimplemented(served):
 
 
 def test_a_string_too_long_anywhere_in_a_request_is_named():
-    from spotdrain import limits
-    from spotdrain.coordinator.convert import check_request
-    from spotdrain.coordinator.errors import TooLarge
+    from spotdrain.coordinator.api.convert import check_request
+    from spotdrain.coordinator.api.errors import TooLarge
+    from spotdrain.protocol import limits
 
     long = "x" * (limits.MAX_STRING_CHARS + 1)
     check_request(pb.AgentMessage(register=pb.Register(node_id="n" * limits.MAX_STRING_CHARS)))
@@ -254,8 +254,8 @@ async def test_a_request_out_of_bounds_never_reaches_the_servicer(served):
 
 async def test_a_status_message_quoting_the_caller_is_bounded(caplog):
     """A refusal that quotes a 4,000-character id stays within a client's metadata limit."""
-    from spotdrain import limits
-    from spotdrain.coordinator.errors import NotFound, end_with
+    from spotdrain.coordinator.api.errors import NotFound, end_with
+    from spotdrain.protocol import limits
 
     class Context:
         def set_code(self, code):
@@ -278,7 +278,8 @@ async def test_a_refused_call_is_freed_without_the_cycle_collector(served):
     """Refused calls of every kind (a domain error, a body that does not decode, a bug out of
     a stream) leave no reference cycle: their request and the handler's frames are freed by
     reference counting. The coordinator runs full collections only when memory has grown
-    (pauses.py): an abort's exception, kept on the call's state with the handler frames in its
+    (coordinator/gc_pauses.py): an abort's exception, kept on the call's state with the handler
+    frames in its
     traceback, made a cycle of each refusal, and the fuzz test saw +100 MiB of them."""
     channel, _, _ = served
     request = pb.TaintRequest(node_id="n" * 300).SerializeToString()

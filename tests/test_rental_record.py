@@ -1,11 +1,11 @@
-"""The rental record (coordinator/rentals.py), pure: who ended a rental, and when the renter
+"""The rental record (coordinator/core/rental.py), pure: who ended a rental, and when the renter
 is told it ends. Times are explicit numbers; nothing sleeps."""
 
 from __future__ import annotations
 
 import pytest
 
-from spotdrain.coordinator.rentals import Rental
+from spotdrain.coordinator.core.rental import Rental
 
 
 def rental(spot: bool = False, running: bool = True) -> Rental:

@@ -289,7 +289,7 @@ async def test_a_deposed_leader_resumed_and_told_to_stop_exits_cleanly_writing_n
     told to stop (SIGTERM), as systemd stops a unit it had frozen: at once, or once it has
     found itself deposed and is stepping down. Either way it ends through its own orderly
     shutdown, never the forced exit a deposed leader falls back on when its shutdown hangs
-    (coordinator/replica.py, STEP_DOWN_EXIT_S), and the store holds exactly what it held
+    (coordinator/replicas/leadership.py, STEP_DOWN_EXIT_S), and the store holds exactly what it held
     before."""
     a, b = replicas
     node = FakeNode(a, pki, "node-a")

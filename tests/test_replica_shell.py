@@ -1,5 +1,5 @@
-"""The replica's lease shell (coordinator/replica.py) over a backend that misbehaves: a rebuild
-that fails, a lease statement that raises something the store did not expect. Either way the
+"""The replica's lease shell (coordinator/replicas/leadership.py) over a backend that misbehaves: a
+rebuild that fails, a lease statement that raises something the store did not expect. Either way the
 replica must not hold on to a broken state: it steps down (and exits) or tries again."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from spotdrain.coordinator import replica as replica_module
-from spotdrain.coordinator.replica import Replica
+from spotdrain.coordinator.replicas import leadership as replica_module
+from spotdrain.coordinator.replicas.leadership import Replica
 
 
 class Backend:

@@ -1,6 +1,7 @@
 """Two coordinator replicas on one real PostgreSQL (tests/pgserver.py), as processes that can be
 SIGKILLed and SIGSTOPped: one leads through the lease, the other sends callers to it, and a
-leader that is gone or deposed is replaced within the lease's TTL (coordinator/replica.py)."""
+leader that is gone or deposed is replaced within the lease's TTL
+(coordinator/replicas/leadership.py)."""
 
 from __future__ import annotations
 

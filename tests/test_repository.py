@@ -20,8 +20,8 @@ import pytest
 
 from harness import BIN
 from spotdrain.agent import config as agent_config
-from spotdrain.agent import spotctl
-from spotdrain.agent.sources import MODULES, module
+from spotdrain.agent.notices import MODULES, module
+from spotdrain.agent.spotctl import main as spotctl
 from spotdrain.coordinator import main as coordinator_main
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spotdrain.coordinator.reputation import (
+from spotdrain.coordinator.core.reputation import (
     ENDED_BY,
     RentalOutcome,
     Score,

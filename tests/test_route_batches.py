@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from spotdrain.coordinator.routes import RouteChange, RouteEntry, RouteTable, merged
+from spotdrain.coordinator.fleet.route_table import RouteChange, RouteEntry, RouteTable, merged
 
 
 def entry(worker_id: str, slots: int = 0) -> RouteEntry:

@@ -33,7 +33,7 @@ from multidict import CIMultiDict
 
 from harness import Coordinator, Proc, start_coordinator
 from pki import CertFiles, Pki
-from spotdrain.coordinator.router import main as router_main
+from spotdrain.coordinator.router.app import main as router_main
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
@@ -76,7 +76,7 @@ def chunk_event(i: int) -> bytes:
 
 
 def gate_interrupted_event(request_id: str) -> bytes:
-    """What agent/slot_gate.py writes when it cuts a stream (invariant 7)."""
+    """What agent/workloads/slot_gate.py writes when it cuts a stream (invariant 7)."""
     error = {
         "type": "interrupted",
         "message": "the worker was stopped (node reclaimed or paused); the answer is incomplete",
@@ -379,7 +379,7 @@ def router_argv(coordinator: Coordinator, identity: CertFiles, *extra: str) -> l
     return [
         sys.executable,
         "-m",
-        "spotdrain.coordinator.router",
+        "spotdrain.coordinator.router.app",
         "--listen",
         "127.0.0.1:0",
         "--coordinator",

@@ -179,7 +179,7 @@ def test_an_agent_killed_after_its_sigterm_reached_the_engine_never_sends_a_seco
         sigterms = [e for e in events if e["kind"] == "sigterm_sent"]
         assert len(sigterms) == 1
         assert sigterms[0]["by"] == "previous run" and sigterms[0]["container"] == stubborn.id
-        assert sigterms[0]["image"]  # its image's contract counts it (coordinator/timeline.py)
+        assert sigterms[0]["image"]  # its image's contract counts it (coordinator/core/timeline.py)
         kills = [e for e in events if e["kind"] == "sigkill_sent"]
         assert [k["container"] for k in kills] == [stubborn.id]
         assert kills[0]["wall_time"] >= notice["grace_deadline"]  # at G, not before

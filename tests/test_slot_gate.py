@@ -25,7 +25,7 @@ from aiohttp import web
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from spotdrain.agent.slot_gate import Interrupted, SlotGate
+from spotdrain.agent.workloads.slot_gate import Interrupted, SlotGate
 
 WORKER = "w-1"
 

@@ -1,4 +1,4 @@
-"""The shutdown source (agent/sources/shutdown.py) against a real, private dbus-daemon and a fake
+"""The shutdown source (agent/notices/shutdown.py) against a real, private dbus-daemon and a fake
 logind of the test's own on that bus (tests/fakelogind.py): Inhibit hands out the write end of a
 pipe whose read end the test watches, so "the lock is released" is the kernel's end-of-file, not
 a flag; the fake sends PrepareForShutdown and answers the properties the source reads.
@@ -19,10 +19,10 @@ from dbus_fast import Message
 from dbus_fast.aio import MessageBus
 from fakelogind import DELAY_S, FakeLogind, PrivateBus, start_bus
 
-from spotdrain.agent.notice import Notice
-from spotdrain.agent.sources import shutdown
-from spotdrain.agent.sources.base import DOWN_AFTER, Advisory, Health
-from spotdrain.cli import UsageError
+from spotdrain.agent.core.notice import Notice
+from spotdrain.agent.notices import shutdown
+from spotdrain.agent.notices.base import DOWN_AFTER, Advisory, Health
+from spotdrain.runtime.cli import UsageError
 
 T0 = 1_900_000_000.0  # the fake clock's now
 

@@ -22,9 +22,9 @@ from cloudmeta import (
     iso_utc,
     unreadable_event,
 )
-from spotdrain.agent.notice import Notice, NoticeInvalid
-from spotdrain.agent.sources import aws, azure, gcp
-from spotdrain.agent.sources.base import Advisory, Health
+from spotdrain.agent.core.notice import Notice, NoticeInvalid
+from spotdrain.agent.notices import aws, azure, gcp
+from spotdrain.agent.notices.base import Advisory, Health
 
 NOW = 1_800_000_000.0  # the injected clock: deadlines computed from it are exact
 
@@ -534,7 +534,7 @@ async def test_azure_refused_then_back():
     (azure, {"acknowledge": "yes"}, "sources.azure.acknowledge must be true or false"),
 ])
 def test_a_bad_source_setting_is_one_clear_error(module, table, message):
-    from spotdrain.cli import UsageError
+    from spotdrain.runtime.cli import UsageError
 
     with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("]", r"\]")):
         module.Config.from_table(table, "")

@@ -18,7 +18,7 @@ import grpc
 import pytest
 from google.protobuf.message import Message
 
-from spotdrain.agent import spotctl as ctl
+from spotdrain.agent.spotctl import main as ctl
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 

@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from spotdrain.coordinator import timeline
+from spotdrain.coordinator.core import timeline
 from spotdrain.coordinator.store import (
     SCHEMA_VERSION,
     DrainRow,

@@ -27,7 +27,7 @@ import pytest
 
 from dockerenv import run_workload
 from harness import AgentOptions, start_agent, start_coordinator, wait_until
-from spotdrain import systemd
+from spotdrain.runtime import systemd
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The reclamation diagram (spotdrain.timeline_svg): what the dashboard and `spotctl timeline
+"""The reclamation diagram (spotdrain.timeline.svg): what the dashboard and `spotctl timeline
 --svg` draw. Pure: a Timeline in, SVG text out, read back here with an XML parser."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from spotdrain import timeline_svg as svg
+from spotdrain.timeline import svg
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 NS = {"s": "http://www.w3.org/2000/svg"}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from spotdrain.agent.reclamation import Margins
+from spotdrain.agent.core.reclamation import Margins
 
 UNITS = Path(__file__).resolve().parent.parent / "packaging" / "systemd"
 AGENT = UNITS / "spotdrain-agent.service"

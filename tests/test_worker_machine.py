@@ -15,7 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from spotdrain.coordinator.placement import (
+from spotdrain.coordinator.core.admission import (
     GROUP_AVOIDED,
     KINDS,
     NOT_CONNECTED,
@@ -28,7 +28,7 @@ from spotdrain.coordinator.placement import (
     PlacementRequest,
     admit,
 )
-from spotdrain.coordinator.workers import (
+from spotdrain.coordinator.core.worker_machine import (
     DRAINING,
     READY,
     STARTING,

@@ -1,5 +1,5 @@
-"""Workload contracts (coordinator/contracts.py): per image, how its reclamations ended, from the
-agents' own events, stored on each backend; an image that keeps failing is flagged once and,
+"""Workload contracts (coordinator/fleet/contracts.py): per image, how its reclamations ended, from
+the agents' own events, stored on each backend; an image that keeps failing is flagged once and,
 with --no-spot-for-flagged, kept off spot nodes by the one placement gate.
 
 The in-process stories use a real store and a fake clock; each reclamation is the events an
@@ -17,9 +17,9 @@ import pytest
 
 from fakenode import FakeNode, Ops, eventually
 from harness import BIN, start_coordinator
-from spotdrain.coordinator.contracts import ContractPolicy
-from spotdrain.coordinator.placement import CONTRACT_FLAGGED, NodeView, PlacementRequest, admit
-from spotdrain.coordinator.service import Coordinator
+from spotdrain.coordinator.api.agent_link import Coordinator
+from spotdrain.coordinator.core.admission import CONTRACT_FLAGGED, NodeView, PlacementRequest, admit
+from spotdrain.coordinator.fleet.contracts import ContractPolicy
 from spotdrain.coordinator.store import NewEvent, open_store
 from spotdrain.v1 import spotdrain_pb2 as pb
 

@@ -1,7 +1,7 @@
 """Workload reports on the agent's side: the reclamation machine puts them in the timeline between
-the container's SIGTERM and its exit (agent/reclamation.py), and the status directories are
-watched and read as hostile input (agent/status_dirs.py). Machine stories run on a fake clock:
-T0 = 1000, D = T0 + 30, G = D - 10, O = D - 2."""
+the container's SIGTERM and its exit (agent/core/reclamation.py), and the status directories are
+watched and read as hostile input (agent/workloads/status_dirs.py). Machine stories run on a fake
+clock: T0 = 1000, D = T0 + 30, G = D - 10, O = D - 2."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import sys
 import pytest
 from asyncinotify import Inotify, Mask
 
-from spotdrain import systemd, workload
-from spotdrain.agent.notice import Notice
-from spotdrain.agent.reclamation import (
+from spotdrain import workload
+from spotdrain.agent.core.notice import Notice
+from spotdrain.agent.core.reclamation import (
     PENDING_REPORTS_KEPT,
     SIGKILL,
     SIGTERM,
@@ -35,13 +35,14 @@ from spotdrain.agent.reclamation import (
     Tick,
     WorkloadReported,
 )
-from spotdrain.agent.status_dirs import (
+from spotdrain.agent.workloads.status_dirs import (
     IGNORED_INTERVAL_S,
     IGNORED_LINES_PER_INTERVAL,
     INVALID_EVENTS_PER_CONTAINER,
     StatusDirs,
     make_status_dir,
 )
+from spotdrain.runtime import systemd
 
 T0 = 1000.0
 D = T0 + 30

@@ -19,7 +19,7 @@ import pytest
 
 from harness import wait_until
 from spotdrain import workload
-from spotdrain.agent.state import write_deadline_file
+from spotdrain.agent.drain.state import write_deadline_file
 from spotdrain.workload import Deadline, DeadlineInvalid, Reclaim, ReportInvalid, parse_report
 
 MODULE = Path(workload.__file__)

@@ -14,8 +14,8 @@ import pytest
 
 from harness import BIN, AgentOptions, start_agent, wait_until
 from images.checkpoint_job import ensure_checkpoint_job_image
-from spotdrain.agent.rentals import CONTAINER_DEADLINE_DIR
-from spotdrain.agent.status_dirs import CONTAINER_STATUS_DIR
+from spotdrain.agent.workloads.jobs import CONTAINER_DEADLINE_DIR
+from spotdrain.agent.workloads.status_dirs import CONTAINER_STATUS_DIR
 from spotdrain.workload import DEADLINE_FILE_ENV, KIND_LABEL, NODE_LABEL, STATUS_DIR_ENV
 
 pytestmark = pytest.mark.docker

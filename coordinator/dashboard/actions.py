@@ -15,10 +15,10 @@ from typing import Any
 
 import grpc
 
-from spotdrain.coordinator import convert
-from spotdrain.coordinator.admin_api import AdminServicer
-from spotdrain.coordinator.drains import DEFAULT_NOTICE_S, GRACE_MARGIN_S
-from spotdrain.coordinator.service import Coordinator
+from spotdrain.coordinator.api import convert
+from spotdrain.coordinator.api.admin import AdminServicer
+from spotdrain.coordinator.api.agent_link import Coordinator
+from spotdrain.coordinator.fleet.drains import DEFAULT_NOTICE_S, GRACE_MARGIN_S
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 # Reclamation ids of the pauses the dashboard starts: its resume ends these and no other (a

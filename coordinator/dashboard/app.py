@@ -20,14 +20,14 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from spotdrain import timeline_svg
-from spotdrain.coordinator import convert
+from spotdrain.coordinator.api import convert
+from spotdrain.coordinator.api.agent_link import Coordinator
+from spotdrain.coordinator.api.errors import status_for
 from spotdrain.coordinator.dashboard import pages, static
 from spotdrain.coordinator.dashboard.actions import HTTP_STATUS, Api, ApiRefused
 from spotdrain.coordinator.dashboard.auth import TOKEN_HEADER, token_matches
 from spotdrain.coordinator.dashboard.live import LiveTimelines, TooManyWatchers
-from spotdrain.coordinator.errors import status_for
-from spotdrain.coordinator.service import Coordinator
+from spotdrain.timeline import svg as timeline_svg
 
 log = logging.getLogger("spotdrain.coordinator.dashboard")
 

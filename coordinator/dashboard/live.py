@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from spotdrain.coordinator.eventlog import EventLog
+from spotdrain.coordinator.fleet.eventlog import EventLog
 from spotdrain.coordinator.store import Store
 
 log = logging.getLogger("spotdrain.coordinator.dashboard")

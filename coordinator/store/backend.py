@@ -27,7 +27,7 @@ class StoreUnavailable(StoreError):
 class Fenced(StoreError):
     """A write refused because this process does not hold the leader lease at its term (a
     follower, or a leader deposed while it was stopped): nothing was written. UNAVAILABLE to
-    the caller, who is sent to the leader (coordinator/replica.py)."""
+    the caller, who is sent to the leader (coordinator/replicas/leadership.py)."""
 
 
 @dataclass(frozen=True)

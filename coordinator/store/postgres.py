@@ -4,9 +4,9 @@ The URL is a libpq URI, so a multi-host URI with `target_session_attrs=read-writ
 primary after a failover. Two pools: a small one kept for the critical path (Taint, the
 workload flag), so a queue of event batches can never hold every connection a Taint needs.
 
-Replicas (coordinator/replica.py): the leader lease is one row, `leader_lease`, whose expiry is
-the database's clock, so replicas' clocks never matter. Once `fence_to(term, holder)` is set,
-every write transaction first runs FENCE, in the same pipeline trip as its first statement: it
+Replicas (coordinator/replicas/leadership.py): the leader lease is one row, `leader_lease`, whose
+expiry is the database's clock, so replicas' clocks never matter. Once `fence_to(term, holder)` is
+set, every write transaction first runs FENCE, in the same pipeline trip as its first statement: it
 takes a share lock on the lease row at that term or fails the transaction. A deposed leader's
 writes fail; a takeover (an UPDATE of that row) waits for the writes in flight to commit, so the
 new leader's rebuild reads every write its predecessor was told succeeded. `fence_off()` (a

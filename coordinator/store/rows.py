@@ -92,7 +92,7 @@ class StartBackoff:
 
 @dataclass(frozen=True)
 class ContractRow:
-    """How one workload image's (and kind's) reclamations ended (coordinator/contracts.py)."""
+    """How one workload image's (and kind's) reclamations ended (coordinator/fleet/contracts.py)."""
 
     image: str
     kind: str

@@ -138,7 +138,7 @@ CREATE TABLE node_risks (
 );
 """,
     5: """
--- Per workload image and kind: how its reclamations ended (coordinator/contracts.py). Counted
+-- Per workload image and kind: how its reclamations ended (coordinator/fleet/contracts.py). Counted
 -- in the transaction that stores the event deciding each end, so each is counted once.
 CREATE TABLE workload_contracts (
     image TEXT NOT NULL,
@@ -151,9 +151,9 @@ CREATE TABLE workload_contracts (
 );
 """,
     6: """
--- The leader lease of coordinator replicas on PostgreSQL (coordinator/replica.py): one row, the
--- term growing with each new leader, the expiry on the database's clock (epoch seconds). Every
--- write of a leader is fenced by its term. Unused with one coordinator and on SQLite.
+-- The leader lease of coordinator replicas on PostgreSQL (coordinator/replicas/leadership.py): one
+-- row, the term growing with each new leader, the expiry on the database's clock (epoch seconds).
+-- Every write of a leader is fenced by its term. Unused with one coordinator and on SQLite.
 CREATE TABLE leader_lease (
     id INTEGER PRIMARY KEY CHECK (id = 1),
     holder TEXT NOT NULL,

@@ -20,7 +20,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from spotdrain.coordinator import timeline
+from spotdrain.coordinator.core import timeline
 from spotdrain.coordinator.store.backend import Backend, Conn, Result
 from spotdrain.coordinator.store.rows import (
     ContractRow,

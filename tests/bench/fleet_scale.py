@@ -46,7 +46,7 @@ from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
 
 from pki import CertFiles, Pki, _name, _write_key  # noqa: E402
-from spotdrain.limits import MAX_ADMIN_MESSAGE_BYTES  # noqa: E402
+from spotdrain.protocol.limits import MAX_ADMIN_MESSAGE_BYTES  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2 as pb  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc  # noqa: E402
 

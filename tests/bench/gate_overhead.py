@@ -51,7 +51,7 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
-from spotdrain.agent.slot_gate import SlotGate  # noqa: E402
+from spotdrain.agent.workloads.slot_gate import SlotGate  # noqa: E402
 
 _STAMP = re.compile(rb'"t":(\d+),"i":(\d+)')
 # An OpenAI chat.completion.chunk is ~200 bytes; pad the fake to that size.

@@ -14,7 +14,8 @@ What runs, all on this host:
              container): /health, and POST /v1/chat/completions streaming OpenAI-style SSE.
              Its last write is one event carrying its time.monotonic_ns() taken just before
              the write, then `data: [DONE]`, in the same write; then the end of the response.
-  agent side the real spotdrain.agent.workers.WorkerManager in this process, with the real
+  agent side the real spotdrain.agent.workloads.inference.WorkerManager in this process, with the
+  real
              SlotGate it puts in front of each worker, over a stub Docker adapter: starting a
              container returns at once; `kill()` stamps time.monotonic() as its first act and
              makes the container "exit". CLOCK_MONOTONIC is one clock for every process.
@@ -58,9 +59,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from benchutil import base_environment, print_environment, say, summary, table, verdict  # noqa: E402
 
-from spotdrain.agent.reclamation import ContainerExited, ContainerSignalled  # noqa: E402
-from spotdrain.agent.slot_gate import Interrupted  # noqa: E402
-from spotdrain.agent.workers import WorkerManager  # noqa: E402
+from spotdrain.agent.core.reclamation import ContainerExited, ContainerSignalled  # noqa: E402
+from spotdrain.agent.workloads.inference import WorkerManager  # noqa: E402
+from spotdrain.agent.workloads.slot_gate import Interrupted  # noqa: E402
 
 TARGET_P99_MS = 50.0
 POLL_S = 2.0

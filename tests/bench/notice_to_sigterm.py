@@ -61,7 +61,7 @@ from benchutil import (  # noqa: E402
 from fakenvml import FakeGpus, build  # noqa: E402
 from harness import AgentOptions, start_agent, start_coordinator, wait_until  # noqa: E402
 from pki import Pki  # noqa: E402
-from spotdrain.agent.reclamation import reclaim_id_for  # noqa: E402
+from spotdrain.agent.core.reclamation import reclaim_id_for  # noqa: E402
 
 SCENARIOS = ("floor", "poll-2s", "spotdrain", "spotdrain-frozen")
 PREFIX = CONTAINER_PREFIX

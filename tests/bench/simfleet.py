@@ -32,14 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
 
-from spotdrain.agent.link import BACKOFF_S, HEARTBEAT_S  # noqa: E402
-from spotdrain.agent.link import CHANNEL_OPTIONS as AGENT_CHANNEL_OPTIONS  # noqa: E402
-from spotdrain.leader import Replicas  # noqa: E402
-from spotdrain.limits import MAX_BATCH_BYTES, MAX_BATCH_EVENTS  # noqa: E402
+from spotdrain.agent.drain.link import BACKOFF_S, HEARTBEAT_S  # noqa: E402
+from spotdrain.agent.drain.link import CHANNEL_OPTIONS as AGENT_CHANNEL_OPTIONS  # noqa: E402
+from spotdrain.net.leader import Replicas  # noqa: E402
+from spotdrain.protocol.limits import MAX_BATCH_BYTES, MAX_BATCH_EVENTS  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2 as pb  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc  # noqa: E402
 
-# The real agent's (agent/link.py), copied so a refactor of the agent cannot change the load.
+# The real agent's (agent/drain/link.py), copied so a refactor of the agent cannot change the load.
 TAINT_DEADLINE_S = 0.8
 DRAIN_STOP_S = 1.0  # drain_worker -> "stopped": the gate empties, the container exits
 # The real agent's channel and timings, so the simulated fleet behaves like one; each node is
@@ -59,7 +59,7 @@ class SimNode:
         self.node_id = node_id
         self.group = group
         # Several replicas ("a,b"): the stream and the Taint find the leader as the agent's do
-        # (spotdrain.leader); one address is one channel, as before.
+        # (spotdrain.net.leader); one address is one channel, as before.
         self.replicas = Replicas(
             shard.address.split(","),
             lambda a: grpc.aio.secure_channel(a, creds, options=CHANNEL_OPTIONS),

@@ -101,8 +101,8 @@ from harness import (  # noqa: E402
     wait_until,
 )
 from pki import Pki  # noqa: E402
-from spotdrain.agent.reclamation import reclaim_id_for  # noqa: E402
-from spotdrain.agent.sources.base import boot_id  # noqa: E402
+from spotdrain.agent.core.reclamation import reclaim_id_for  # noqa: E402
+from spotdrain.agent.notices.base import boot_id  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent.parent
 SCENARIOS = ("floor", "aws", "poll-5s", "poll-2s", "azure", "gcp", "shutdown")

@@ -26,8 +26,8 @@ from typing import Any
 import docker
 import grpc
 
-from spotdrain.agent.outbox import Outbox
-from spotdrain.events import stored_event_to_dict
+from spotdrain.agent.drain.outbox import Outbox
+from spotdrain.protocol.events import stored_event_to_dict
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 

@@ -39,9 +39,9 @@ import docker.errors
 
 from dockerenv import remove_test_containers
 from harness import AgentOptions, wait_until
-from spotdrain.agent import control_socket
-from spotdrain.agent.reclamation import Reclamation, reclaim_id_for
-from spotdrain.agent.state import STEP_EVENTS
+from spotdrain.agent.core.reclamation import Reclamation, reclaim_id_for
+from spotdrain.agent.drain.state import STEP_EVENTS
+from spotdrain.agent.host import control_socket
 
 from .faults import Fault, FaultInjector
 from .observe import EngineSignals, EventMirror, outbox_rows, read_ledger

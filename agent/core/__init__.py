@@ -1,0 +1,1 @@
+"""The node's rules, pure: the reclamation machine, notices and advisories."""

@@ -1,0 +1,1 @@
+"""The host itself: GPUs through NVML, the local control socket."""

@@ -1,0 +1,152 @@
+"""Google Cloud: the metadata server, read as hanging GETs (no polling delay at all).
+
+- `instance/preempted`: `TRUE` is a notice with D = T0 + `notice_s` (30 s, the Spot VM's
+  shutdown window; the server gives no time), keyed by this boot.
+- `instance/maintenance-event`: `TERMINATE_ON_HOST_MAINTENANCE` is a notice with D = T0 +
+  `maintenance_notice_s` (the value changes 60 s before the maintenance);
+  `MIGRATE_ON_HOST_MAINTENANCE` is an advisory; `NONE` withdraws it.
+
+Each key is read with `?wait_for_change=true&last_etag=E&timeout_sec=N`: the server answers at
+once when the value's ETag is no longer E, else when it changes, else after N seconds with the
+same ETag. The GET is re-armed after every answer; after an error (with backoff) the next read
+is a plain GET, answered at once, so the source is known to be back without waiting for a
+change.
+
+Every answer must carry `Metadata-Flavor: Google`, as Google's own client libraries demand: one
+without it is not from the metadata server (a proxy, a captive portal, something else on the
+address), so it is a failed read, never a value: the source goes down, nothing is noticed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from spotdrain.agent.core.notice import Notice, NoticeInvalid, content_hash
+from spotdrain.agent.notices.base import Advisory, Health, Sink, boot_id
+from spotdrain.agent.notices.metadata_http import ReadFailed, fetch, session
+from spotdrain.agent.notices.settings import check_keys, endpoint, number
+
+PREEMPTED = "/computeMetadata/v1/instance/preempted"
+MAINTENANCE = "/computeMetadata/v1/instance/maintenance-event"
+HEADERS = {"Metadata-Flavor": "Google"}
+FLAVOR = ("metadata-flavor", "Google")  # what proves an answer is the metadata server's
+MAINTENANCE_VALUES = ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_MAINTENANCE")
+
+
+@dataclass(frozen=True)
+class Config:
+    endpoint: str = "http://metadata.google.internal"
+    notice_s: float = 30.0
+    maintenance_notice_s: float = 60.0
+    hang_s: float = 60.0  # timeout_sec of each hanging GET; the server answers by then
+    timeout_s: float = 2.0  # a plain read (the first, to learn the ETag)
+
+    @classmethod
+    def from_table(cls, table: dict[str, Any], where: str) -> Config:
+        keys = {"endpoint", "notice_s", "maintenance_notice_s", "hang_s", "timeout_s"}
+        check_keys(table, keys, where, "gcp")
+
+        def num(name: str, low: float, high: float) -> float:
+            return number(table.get(name, getattr(cls, name)), f"{where}sources.gcp.{name}",
+                          low, high)  # fmt: skip
+
+        return cls(
+            endpoint=endpoint(table.get("endpoint"), f"{where}sources.gcp.endpoint",
+                              cls.endpoint),  # fmt: skip
+            notice_s=num("notice_s", 1, 3600),
+            maintenance_notice_s=num("maintenance_notice_s", 1, 3600),
+            hang_s=num("hang_s", 1, 3600),
+            timeout_s=num("timeout_s", 0.05, 30),
+        )
+
+
+class Source:
+    name = "gcp"
+
+    def __init__(self, cfg: Config, sink: Sink, clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.sink = sink
+        self.clock = clock
+        self.health = Health(self.name, sink, clock)
+        self.boot = boot_id()
+        self._migrating: str | None = None  # the advisory key of a migration announced now
+
+    async def run(self) -> None:
+        async with session() as http:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._follow(http, PREEMPTED, self.preempted))
+                group.create_task(self._follow(http, MAINTENANCE, self.maintenance))
+
+    async def _follow(
+        self, http: aiohttp.ClientSession, path: str, seen: Callable[[str, str], None]
+    ) -> None:
+        """One key as a chain of hanging GETs; `seen(value, etag)` at the first answer and at
+        every answer whose ETag moved."""
+        etag = ""
+        plain = True  # the first read, and the first after an error: answered at once
+        while True:
+            if not plain:
+                url = (f"{self.cfg.endpoint}{path}?wait_for_change=true&last_etag={etag}"
+                       f"&timeout_sec={int(self.cfg.hang_s)}")  # fmt: skip
+                timeout = self.cfg.hang_s + 5.0
+            else:
+                url, timeout = self.cfg.endpoint + path, self.cfg.timeout_s
+            try:
+                reply = await fetch(http, "GET", url, HEADERS, timeout)
+                if reply.headers.get(FLAVOR[0]) != FLAVOR[1]:
+                    why = "without Metadata-Flavor: Google, not the metadata server"
+                    raise ReadFailed(f"GET {path}: HTTP {reply.status} {why}")
+                if reply.status != 200:
+                    raise ReadFailed(f"GET {path}: HTTP {reply.status}")
+                new_etag = reply.headers.get("etag", "")
+                if not new_etag or len(new_etag) > 128 or not new_etag.isprintable():
+                    raise ReadFailed(f"GET {path}: no usable ETag in the answer")
+            except ReadFailed as e:
+                await asyncio.sleep(self.health.failed(str(e)))
+                plain = True  # a hanging GET would only say "up" at the next change
+                continue
+            plain = False
+            self.health.ok()
+            if new_etag != etag:
+                etag = new_etag
+                seen(reply.body.decode("utf-8", "replace").strip()[:200], etag)
+
+    def preempted(self, value: str, etag: str) -> None:
+        if value == "FALSE":
+            return
+        if value != "TRUE":
+            self.sink.notice(NoticeInvalid(f"instance/preempted: unexpected value {value!r}",
+                                           content_hash(value.encode())))  # fmt: skip
+            return
+        self.sink.notice(Notice(
+            key=f"gcp:preempted:{self.boot}", notice_id=f"gcp-preempted-{self.boot[:8]}",
+            action="terminate", terminate_at=self.clock() + self.cfg.notice_s, source="gcp",
+        ))  # fmt: skip
+
+    def maintenance(self, value: str, etag: str) -> None:
+        if value not in MAINTENANCE_VALUES:
+            self.sink.notice(NoticeInvalid(
+                f"instance/maintenance-event: unexpected value {value!r}",
+                content_hash(value.encode()),
+            ))  # fmt: skip
+            return
+        if self._migrating and value != "MIGRATE_ON_HOST_MAINTENANCE":
+            self.sink.advisory(Advisory(self._migrating, "gcp", "migrate", withdrawn=True))
+            self._migrating = None
+        if value == "MIGRATE_ON_HOST_MAINTENANCE" and not self._migrating:
+            self._migrating = f"gcp:migrate:{self.boot}:{etag}"
+            self.sink.advisory(Advisory(self._migrating, "gcp", "migrate",
+                                        not_before=self.clock() + self.cfg.maintenance_notice_s,
+                                        detail="live migration announced"))  # fmt: skip
+        elif value == "TERMINATE_ON_HOST_MAINTENANCE":
+            self.sink.notice(Notice(
+                key=f"gcp:maintenance:{self.boot}:{etag}",
+                notice_id=f"gcp-maintenance-{etag[:16]}", action="terminate",
+                terminate_at=self.clock() + self.cfg.maintenance_notice_s, source="gcp",
+            ))  # fmt: skip

@@ -1,0 +1,1 @@
+"""spotctl, the operator's command line."""

@@ -1,0 +1,729 @@
+"""spotctl: the owner's switch on a host, and operators' view of the coordinator.
+
+On the host, through the agent's unix socket:
+  spotctl [--socket PATH] pause | resume | status [--json]
+
+Against the coordinator; [...] stands for --coordinator HOST:PORT (or every replica's,
+A:PORT,B:PORT) and either --insecure or --tls-cert F --tls-key F --ca F:
+  spotctl [...] events --json [--from ID] [--follow]
+  spotctl [...] timeline [RECLAIM_ID] [--json] [--svg FILE]
+  spotctl [...] workers start NODE --model M --image IMAGE [--slots N] [--port P]
+                [--kind inference|batch|render] [--json]
+  spotctl [...] workers list [--node NODE] [--json]
+  spotctl [...] nodes [--json]
+  spotctl [...] node set-spot NODE true|false [--json]
+  spotctl [...] rentals [list] [--node NODE] [--active] [--json]
+  spotctl [...] rentals create NODE --image IMAGE [--gpus N] [--renter NAME] [--json]
+  spotctl [...] rentals get | watch RENTAL_ID [--json]
+  spotctl [...] rentals end RENTAL_ID [--ended-by renter|provider|platform] [--json]
+  spotctl [...] reputation NODE | --provider PROVIDER [--json]
+  spotctl [...] models list [--json]
+  spotctl [...] models set-replicas MODEL N [--image IMAGE] [--slots S] [--json]
+  spotctl [...] workloads [--json]
+
+--json prints one JSON object a line, with the proto's field names (optional fields absent when
+unset); `workers list --json` keeps printing one array, as it always has.
+
+Several replicas: each call goes to the leader (spotdrain.net.leader: a follower's refusal names it,
+else the next address), and waits up to --leader-wait-s for one while the leader changes;
+`events --follow` and `rentals watch` carry on at another replica from where they were.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from spotdrain.agent.host import control_socket
+from spotdrain.net.leader import Replicas, addresses
+from spotdrain.net.security import channel_credentials
+from spotdrain.printable import printable
+from spotdrain.protocol.events import stored_event_to_dict
+from spotdrain.protocol.limits import MAX_ADMIN_MESSAGE_BYTES
+from spotdrain.runtime.cli import ArgumentParser, UsageError, fail_usage
+from spotdrain.timeline import svg as timeline_svg
+from spotdrain.v1 import spotdrain_pb2 as pb
+from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
+
+PROG = "spotctl"
+WORKER_KINDS = ("inference", "batch", "render")
+ENDED_BY = ("renter", "provider", "platform")
+REPUTATION_FORMULA = "score = (successes + 4) / (successes + failures + 5)"
+# Replicas: a leader's failover is its lease's TTL and a renewal (about 2.5 s by default) and a
+# rebuild; the wait is that with room to spare.
+LEADER_WAIT_S = 10.0
+# Calls that must not take effect twice: retried only when no leader can have run them.
+ONCE_ONLY = frozenset({"StartWorker", "CreateRental"})
+
+
+def count(text: str) -> int:
+    """A whole number >= 0 (replicas, GPUs, slots: uint32 on the wire)."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return int(text)
+
+
+def _json_flag(p: argparse.ArgumentParser, default: Any = False) -> None:
+    p.add_argument("--json", action="store_true", default=default, help="JSON lines")
+
+
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog=PROG, description="spotdrain operator CLI")
+    p.add_argument("--coordinator", help="coordinator HOST:PORT, or replicas' A:PORT,B:PORT")
+    p.add_argument(
+        "--leader-wait-s",
+        type=float,
+        default=LEADER_WAIT_S,
+        help=f"replicas: how long to wait for a leader (default {LEADER_WAIT_S:g})",
+    )
+    p.add_argument("--insecure", action="store_true", help="plaintext gRPC")
+    p.add_argument("--tls-cert", help="operator certificate (CN operator:<name>)")
+    p.add_argument("--tls-key")
+    p.add_argument("--ca", help="CA of the coordinator's certificate")
+    p.add_argument(
+        "--socket",
+        type=Path,
+        default=Path("/run/spotdrain/agent.sock"),
+        help="the agent's unix socket (pause, resume, status)",
+    )
+    sub = p.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    for name, text in (
+        ("pause", "take the machine back: drain it, free by the deadline"),
+        ("resume", "make the machine available again"),
+        ("status", "this node's state, workers and drain in progress"),
+    ):
+        local = sub.add_parser(name, help=text)
+        local.add_argument("--json", action="store_true")
+    wk = sub.add_parser("workers", help="inference workers")
+    wsub = wk.add_subparsers(dest="workers_command", required=True, parser_class=ArgumentParser)
+    ws = wsub.add_parser("start", help="place a worker on a node, through the placement gate")
+    ws.add_argument("node")
+    ws.add_argument("--model", required=True)
+    ws.add_argument("--image", required=True)
+    ws.add_argument("--slots", type=int, default=4)
+    ws.add_argument("--port", type=int, default=0, help="worker port (default: picked)")
+    ws.add_argument("--kind", choices=WORKER_KINDS, default="inference")
+    ws.add_argument("--json", action="store_true")
+    wl = wsub.add_parser("list", help="workers and their state")
+    wl.add_argument("--node", default="")
+    wl.add_argument("--json", action="store_true")
+    ev = sub.add_parser("events", help="lifecycle events, one JSON object a line")
+    ev.add_argument("--json", action="store_true", help="JSON lines (the only format)")
+    ev.add_argument("--from", dest="from_id", type=int, default=0, help="after this event id")
+    ev.add_argument("--follow", action="store_true", help="keep printing new events")
+    tl = sub.add_parser("timeline", help="a reclamation as a table of steps")
+    tl.add_argument("reclaim_id", nargs="?", default="", help="default: the latest")
+    tl.add_argument("--json", action="store_true")
+    tl.add_argument(
+        "--svg", metavar="FILE", default="", help="also write it as an SVG sequence diagram"
+    )
+    _json_flag(sub.add_parser("nodes", help="nodes: flags, taints, workers, rentals"))
+    nd = sub.add_parser("node", help="change a node's flags")
+    nsub = nd.add_subparsers(dest="node_command", required=True, parser_class=ArgumentParser)
+    spot = nsub.add_parser("set-spot", help="spot (true) or on-demand (false)")
+    spot.add_argument("node")
+    spot.add_argument("spot", choices=("true", "false"))
+    _json_flag(spot)
+    add_rentals(sub)
+    rp = sub.add_parser("reputation", help="a node's or a provider's reputation")
+    subject = rp.add_mutually_exclusive_group(required=True)
+    subject.add_argument("node", nargs="?", help="node id")
+    subject.add_argument("--provider")
+    _json_flag(rp)
+    md = sub.add_parser("models", help="desired capacity: workers kept placed per model")
+    msub = md.add_subparsers(dest="models_command", required=True, parser_class=ArgumentParser)
+    _json_flag(msub.add_parser("list", help="models, desired and actual workers"))
+    mr = msub.add_parser("set-replicas", help="how many workers of a model to keep placed")
+    mr.add_argument("model")
+    mr.add_argument("replicas", type=count)
+    mr.add_argument("--image", default="", help="needed the first time a model is set")
+    mr.add_argument("--slots", type=count, default=0, help="per worker (default: 4)")
+    _json_flag(mr)
+    _json_flag(
+        sub.add_parser(
+            "workloads", help="workload images: how their reclamations ended, which are flagged"
+        )
+    )
+    return p
+
+
+def add_rentals(sub: Any) -> None:
+    rt = sub.add_parser("rentals", help="rentals: list (the default), create, get, end, watch")
+    # `rentals --active` lists too. The list flags live on both parsers; the sub-command's copies
+    # default to SUPPRESS so they never overwrite what was given before the sub-command's name.
+    rt.add_argument("--node", default="", help="only this node's")
+    rt.add_argument("--active", action="store_true", help="only rentals not ended")
+    _json_flag(rt)
+    rsub = rt.add_subparsers(dest="rentals_command", parser_class=ArgumentParser)
+    ls = rsub.add_parser("list", help="rentals, newest state")
+    ls.add_argument("--node", default=argparse.SUPPRESS, help="only this node's")
+    ls.add_argument("--active", action="store_true", default=argparse.SUPPRESS)
+    _json_flag(ls, argparse.SUPPRESS)
+    cr = rsub.add_parser("create", help="rent GPUs on a node, through the placement gate")
+    cr.add_argument("node_id", metavar="NODE")
+    cr.add_argument("--image", required=True)
+    cr.add_argument("--gpus", type=count, default=1)
+    cr.add_argument("--renter", default="", help="the renter's name (an operator's call)")
+    _json_flag(cr, argparse.SUPPRESS)
+    for name, text in (
+        ("get", "one rental"),
+        ("watch", "one rental, then every change until it has ended"),
+        ("end", "end a rental: its container is stopped"),
+    ):
+        one = rsub.add_parser(name, help=text)
+        one.add_argument("rental_id")
+        _json_flag(one, argparse.SUPPRESS)
+        if name == "end":
+            one.add_argument("--ended-by", choices=ENDED_BY, default="", help="default: platform")
+
+
+# A coordinator at 10,000 nodes answers ListNodes (and status, events) with several MB: above
+# gRPC's 4 MiB default receive limit, which would fail the call with RESOURCE_EXHAUSTED.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_ADMIN_MESSAGE_BYTES)]
+
+
+def replicas(args: Any) -> Replicas:
+    """The coordinator's address, or every replica's."""
+    if not args.coordinator:
+        raise UsageError("--coordinator HOST:PORT is required")
+    found = addresses(args.coordinator, "--coordinator")
+    if not (math.isfinite(args.leader_wait_s) and args.leader_wait_s >= 0):
+        raise UsageError(f"--leader-wait-s must be a number >= 0, got {args.leader_wait_s}")
+    tls = (args.tls_cert, args.tls_key, args.ca)
+    if args.insecure:
+        if any(tls):
+            raise UsageError("--insecure and TLS flags exclude each other")
+        return Replicas(found, lambda a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS))
+    if not all(tls):
+        raise UsageError("give --tls-cert, --tls-key and --ca, or --insecure")
+    creds = channel_credentials(*tls)
+    return Replicas(found, lambda a: grpc.aio.secure_channel(a, creds, options=CHANNEL_OPTIONS))
+
+
+class LeaderStub:
+    """A generated stub's calls, each answered by the leader (spotdrain.net.leader): a unary call
+    waits up to `wait_s` for one; a server stream is opened again elsewhere when it breaks."""
+
+    def __init__(self, replicas: Replicas, stub_class: type, service: str, wait_s: float):
+        for method in pb.DESCRIPTOR.services_by_name[service].methods:
+            name = method.name
+            if method.server_streaming:
+
+                def stream(request: Any, name: str = name) -> Any:  # noqa: ANN401
+                    return replicas.stream_from_leader(stub_class, name, lambda: request, wait_s)
+
+                setattr(self, name, stream)
+            else:
+
+                def unary(request: Any, name: str = name, **kw: Any) -> Any:  # noqa: ANN401
+                    return replicas.until_leader(
+                        stub_class, name, request, wait_s, kw.get("timeout"),
+                        once_only=name in ONCE_ONLY,
+                    )  # fmt: skip
+
+                setattr(self, name, unary)
+
+
+def message_doc(msg: Message) -> dict[str, Any]:
+    """The proto's field names; every plain field, optional ones only when set."""
+    return json_format.MessageToDict(
+        msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+
+
+def shown(lines: Iterable[str]) -> str:
+    """Lines for a person: each escaped whole (spotdrain.printable), so no value in it, a
+    tenant's file name or a node's reason, can move the cursor, ring, or start a line."""
+    return "\n".join(printable(line) for line in lines)
+
+
+def say(text: str) -> None:
+    """A message for a person on stderr; what it quotes (a coordinator's details, an error)
+    escaped as every other human-readable output."""
+    print(printable(text), file=sys.stderr)
+
+
+def emit(args: Any, messages: Iterable[Message], text: str) -> int:
+    """One JSON object a line with --json, else the rendered text (built with `shown`)."""
+    if args.json:
+        for msg in messages:
+            print(json.dumps(message_doc(msg), sort_keys=True), flush=True)
+    else:
+        print(text, flush=True)
+    return 0
+
+
+async def events(stub: Any, args: Any) -> int:  # noqa: ANN401
+    last_id = args.from_id
+    # Opened again from the last id printed, on another replica if need be (any replica serves
+    # events from the store): each event printed once.
+    async for stored in args.coordinators.stream_from_leader(
+        pb_grpc.AdminStub,
+        "WatchEvents",
+        lambda: pb.WatchEventsRequest(from_id=last_id, follow=args.follow),  # noqa: B023 (late: the latest id)
+        args.leader_wait_s,
+    ):
+        if stored.id <= last_id:
+            continue
+        last_id = stored.id
+        print(json.dumps(stored_event_to_dict(stored), sort_keys=True), flush=True)
+    return 0
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _offset(t: float, t0: float) -> str:
+    return f"T{t - t0:+.3f}s"
+
+
+def _when(t: float, now: float) -> str:
+    """An absolute time and how far it is from now: `...Z (in 87.3 s)` or `...Z (2.0 s ago)`."""
+    delta = t - now
+    return f"{_iso(t)} ({f'in {delta:.1f} s' if delta >= 0 else f'{-delta:.1f} s ago'})"
+
+
+def _mode(spot: bool) -> str:
+    return "spot" if spot else "on-demand"
+
+
+def render_timeline(tl: pb.Timeline) -> str:
+    rec = tl.reclamation
+    t0 = rec.t0
+    lines = [
+        f"reclamation {rec.reclaim_id}  node {rec.node_id}  reason {rec.reason}  "
+        f"notice {rec.notice_id} ({rec.source})",
+        f"T0 {_iso(t0)}   G {_offset(rec.grace_deadline, t0)}   "
+        f"O {_offset(rec.overrun_at, t0)}   D {_offset(rec.terminate_at, t0)}",
+        "",
+        f"{'T+':>10}  {'step':<22} detail",
+    ]
+    for stored in tl.events:
+        d = stored_event_to_dict(stored)
+        detail = {k: v for k, v in d.items() if k not in _COMMON}
+        text = "  ".join(f"{k}={_short(v)}" for k, v in sorted(detail.items()))
+        lines.append(f"{_offset(stored.event.wall_time, t0):>10}  {d['kind']:<22} {text}")
+    lines.append("")
+    if rec.outcome == "drained":
+        lines.append(f"outcome: drained, verified empty with {rec.spare_s:.3f} s to spare before D")
+    elif rec.outcome == "overrun":
+        lines.append("outcome: OVERRUN: work was still there at O")
+    elif rec.outcome:
+        lines.append(f"outcome: {rec.outcome}")
+    else:
+        lines.append("outcome: in progress")
+    return shown(lines)
+
+
+_COMMON = {"id", "kind", "node", "reclaim_id", "wall_time", "t_offset_s", "uid"}
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    if isinstance(value, float):
+        text = f"{value:.3f}"
+    if len(text) > 24 and isinstance(value, str) and len(value) == 64:
+        text = value[:12]  # container ids
+    return text
+
+
+async def timeline(stub: pb_grpc.AdminStub, args: Any) -> int:
+    try:
+        tl = await stub.GetTimeline(pb.GetTimelineRequest(reclaim_id=args.reclaim_id))
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.NOT_FOUND:
+            say(f"{PROG}: {e.details()}")
+            return 1
+        raise
+    if args.svg:
+        # The dashboard's drawing (spotdrain.timeline.svg), of the record GetTimeline answered.
+        try:
+            await asyncio.to_thread(
+                Path(args.svg).write_text, timeline_svg.render(tl), encoding="utf-8"
+            )
+        except OSError as e:
+            say(f"{PROG}: --svg {args.svg}: {e.strerror}")
+            return 1
+    if args.json:
+        rec = tl.reclamation
+        doc = {
+            "reclaim_id": rec.reclaim_id,
+            "node": rec.node_id,
+            "notice_id": rec.notice_id,
+            "reason": rec.reason,
+            "source": rec.source,
+            "t0": rec.t0,
+            "terminate_at": rec.terminate_at,
+            "grace_deadline": rec.grace_deadline,
+            "overrun_at": rec.overrun_at,
+            "outcome": rec.outcome,
+            "spare_s": rec.spare_s if rec.HasField("spare_s") else None,
+            "steps": dict(rec.steps),
+            "events": [stored_event_to_dict(e) for e in tl.events],
+        }
+        print(json.dumps(doc, sort_keys=True))
+    else:
+        print(render_timeline(tl))
+    return 0
+
+
+def _worker_doc(w: pb.WorkerInfo) -> dict[str, Any]:
+    return {
+        "worker_id": w.worker_id,
+        "node": w.node_id,
+        "model": w.model,
+        "kind": w.kind,
+        "image": w.image,
+        "port": w.port,
+        "capacity": w.capacity,
+        "state": w.state,
+        "gate_address": w.gate_address,
+        "slots_in_use": w.slots_in_use,
+        "drain_reason": w.drain_reason or None,
+        "grace_deadline": w.grace_deadline if w.HasField("grace_deadline") else None,
+    }
+
+
+async def workers(stub: pb_grpc.AdminStub, args: Any) -> int:
+    if args.workers_command == "start":
+        info = await stub.StartWorker(
+            pb.StartWorkerRequest(
+                node_id=args.node,
+                model=args.model,
+                image=args.image,
+                slots=args.slots,
+                port=args.port,
+                kind=args.kind,
+            )
+        )
+        doc = _worker_doc(info)
+        print(
+            json.dumps(doc, sort_keys=True)
+            if args.json
+            else shown([f"worker {doc['worker_id']} on {doc['node']}: {doc['state']}"])
+        )
+        return 0
+    reply = await stub.ListWorkers(pb.ListWorkersRequest(node_id=args.node))
+    docs = [_worker_doc(w) for w in reply.workers]
+    if args.json:
+        print(json.dumps(docs, sort_keys=True))
+        return 0
+    lines = [f"{'worker':<24} {'node':<14} {'model':<14} {'state':<9} {'slots':>7}  gate"]
+    for d in docs:
+        lines.append(
+            f"{d['worker_id']:<24} {d['node']:<14} {d['model']:<14} {d['state']:<9} "
+            f"{d['slots_in_use']:>3}/{d['capacity']:<3}  {d['gate_address']}"
+        )
+    print(shown(lines))
+    return 0
+
+
+def render_nodes(nodes: Iterable[pb.Node], now: float) -> str:
+    header = ("node", "mode", "group", "provider", "workload", "workers", "rentals", "connected")
+    rows, tails = [], []
+    for n in nodes:
+        rows.append(
+            tuple(map(printable, (
+                n.node_id,
+                _mode(n.spot),
+                n.node_group or "-",
+                n.provider or "-",
+                "enabled" if n.workload_enabled else "disabled",
+                str(n.live_workers),
+                str(n.active_rentals),
+                "yes" if n.connected else "no",
+            )))  # escaped before the columns are measured
+        )  # fmt: skip
+        taints = ",".join(t.reason or t.key for t in n.taints) or "-"
+        avoided = (
+            f"  group avoided until {_when(n.group_avoided_until, now)}"
+            if n.group_avoided_until
+            else ""
+        )
+        tails.append(taints + avoided)
+    # Columns as wide as their longest value (ids and group names vary by fleet).
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: tuple[str, ...], tail: str) -> str:
+        return " ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " " + tail
+
+    return shown([line(header, "taints"), *map(line, rows, tails)])
+
+
+async def nodes(stub: pb_grpc.AdminStub, args: Any) -> int:
+    reply = await stub.ListNodes(pb.ListNodesRequest())
+    return emit(args, reply.nodes, render_nodes(reply.nodes, time.time()))
+
+
+async def node(stub: pb_grpc.AdminStub, args: Any) -> int:
+    # The only node sub-command today: set-spot. The coordinator refuses it mid-rental.
+    n = await stub.SetNodeSpot(pb.SetNodeSpotRequest(node_id=args.node, spot=args.spot == "true"))
+    return emit(args, [n], render_nodes([n], time.time()))
+
+
+def _reclaim(r: pb.Rental, now: float) -> str:
+    if not r.HasField("reclaim_at"):
+        return ""
+    cause = " ".join(x for x in (r.reclaim_reason, r.reclaim_id) if x)
+    return f"RECLAIM at {_when(r.reclaim_at, now)}{f': {cause}' if cause else ''}"
+
+
+def _ended(r: pb.Rental) -> str:
+    if not r.HasField("ended_at"):
+        return ""
+    code = f", exit code {r.exit_code}" if r.HasField("exit_code") else ""
+    return f"ended {_iso(r.ended_at)} by {r.ended_by or '?'}{code}"
+
+
+def render_rental(r: pb.Rental, now: float) -> str:
+    lines = [
+        f"rental {r.rental_id} on {r.node_id} (provider {r.provider or '-'}, "
+        f"{_mode(r.started_on_spot)} at start): {r.state}",
+        f"  renter {r.renter or '-'}  image {r.image}  gpus {r.gpus}  "
+        f"started {_iso(r.started_at) if r.started_at else '-'}",
+    ]
+    lines += [f"  {part}" for part in (_reclaim(r, now), _ended(r)) if part]
+    if r.detail:
+        lines.append(f"  detail: {r.detail}")
+    return shown(lines)
+
+
+def render_rentals(rentals: Iterable[pb.Rental], now: float) -> str:
+    lines = [
+        f"{'rental':<20} {'node':<14} {'state':<8} {'renter':<12} {'gpus':>4} {'at start':<9} "
+        f"{'started':<24} reclaim / end"
+    ]
+    for r in rentals:
+        started = _iso(r.started_at) if r.started_at else "-"
+        note = "; ".join(part for part in (_reclaim(r, now), _ended(r)) if part)
+        lines.append(
+            f"{r.rental_id:<20} {r.node_id:<14} {r.state:<8} {r.renter or '-':<12} {r.gpus:>4} "
+            f"{_mode(r.started_on_spot):<9} {started:<24} {note or '-'}"
+        )
+    return shown(lines)
+
+
+async def rentals(stub: pb_grpc.RentalsStub, args: Any) -> int:
+    command = args.rentals_command or "list"
+    if command == "list":
+        reply = await stub.ListRentals(
+            pb.ListRentalsRequest(node_id=args.node, active_only=args.active)
+        )
+        return emit(args, reply.rentals, render_rentals(reply.rentals, time.time()))
+    if command == "watch":
+        last = b""
+        async for r in stub.WatchRental(pb.GetRentalRequest(rental_id=args.rental_id)):
+            # A watch opened again at a new leader starts with the rental as it is: printed
+            # only if it changed.
+            if (now := r.SerializeToString(deterministic=True)) != last:
+                last = now
+                emit(args, [r], render_rental(r, time.time()))
+        return 0
+    if command == "create":
+        r = await stub.CreateRental(
+            pb.CreateRentalRequest(
+                node_id=args.node_id, image=args.image, gpus=args.gpus, renter=args.renter
+            )
+        )
+    elif command == "get":
+        r = await stub.GetRental(pb.GetRentalRequest(rental_id=args.rental_id))
+    else:
+        r = await stub.EndRental(
+            pb.EndRentalRequest(rental_id=args.rental_id, ended_by=args.ended_by)
+        )
+    return emit(args, [r], render_rental(r, time.time()))
+
+
+def render_reputation(rep: pb.Reputation) -> str:
+    if rep.node_id:
+        subject = f"node {rep.node_id}" + (f" (provider {rep.provider})" if rep.provider else "")
+    else:
+        subject = f"provider {rep.provider}"
+    s, f = rep.successes, rep.failures
+    return shown(
+        [
+            f"{subject}: score {rep.score:.3f}",
+            f"  successes {s}  failures {f}  (counted {rep.counted})",
+            f"  left out: excluded spot rentals {rep.excluded_spot}  "
+            f"neutral reclaims {rep.neutral_reclaims}",
+            f"  {REPUTATION_FORMULA} = ({s} + 4) / ({s} + {f} + 5)",
+        ]
+    )
+
+
+async def reputation(stub: pb_grpc.AdminStub, args: Any) -> int:
+    request = (
+        pb.GetReputationRequest(provider=args.provider)
+        if args.provider is not None
+        else pb.GetReputationRequest(node_id=args.node)
+    )
+    rep = await stub.GetReputation(request)
+    return emit(args, [rep], render_reputation(rep))
+
+
+def render_models(models: Iterable[pb.Model]) -> str:
+    lines = [
+        f"{'model':<20} {'replicas':>8} {'ready':>5} {'starting':>8} {'draining':>8} "
+        f"{'slots':>5}  image"
+    ]
+    for m in models:
+        lines.append(
+            f"{m.model:<20} {m.replicas:>8} {m.ready:>5} {m.starting:>8} {m.draining:>8} "
+            f"{m.slots:>5}  {m.image}"
+        )
+    return shown(lines)
+
+
+async def models(stub: pb_grpc.AdminStub, args: Any) -> int:
+    if args.models_command == "list":
+        reply = await stub.ListModels(pb.ListModelsRequest())
+        return emit(args, reply.models, render_models(reply.models))
+    m = await stub.SetModelReplicas(
+        pb.SetModelReplicasRequest(
+            model=args.model, replicas=args.replicas, image=args.image, slots=args.slots
+        )
+    )
+    return emit(args, [m], render_models([m]))
+
+
+async def workloads(stub: pb_grpc.AdminStub, args: Any) -> int:
+    reply = await stub.ListWorkloadContracts(pb.ListWorkloadContractsRequest())
+    rows = [
+        {"image": c.image, "kind": c.kind, "exited": c.exited, "killed": c.killed,
+         "overrun": c.overrun, "reclamations": c.reclamations, "share": c.share,
+         "flagged": c.flagged, "flagged_at": c.flagged_at if c.HasField("flagged_at") else None}
+        for c in reply.contracts
+    ]  # fmt: skip
+    if args.json:
+        print(json.dumps({"budget": reply.budget, "min_reclamations": reply.min_reclamations,
+                          "no_spot_for_flagged": reply.no_spot_for_flagged,
+                          "workloads": rows}, sort_keys=True))  # fmt: skip
+        return 0
+    lines = [f"{'image':<40} {'kind':<9} {'reclaimed':>9} {'exited':>7} {'killed':>7} "
+             f"{'overrun':>7} {'share':>7}  flagged"]  # fmt: skip
+    for r in rows:
+        lines.append(
+            f"{r['image']:<40} {r['kind']:<9} {r['reclamations']:>9} {r['exited']:>7} "
+            f"{r['killed']:>7} {r['overrun']:>7} {r['share']:>7.2%}  "
+            f"{'FLAGGED' if r['flagged'] else '-'}"
+        )
+    lines.append(
+        f"budget {reply.budget:.2%} of at least {reply.min_reclamations} reclamations; flagged "
+        f"images {'kept off' if reply.no_spot_for_flagged else 'allowed on'} spot nodes"
+    )
+    print(shown(lines))
+    return 0
+
+
+async def local(args: Any) -> int:
+    try:
+        answer = await control_socket.request(args.socket, args.command)
+    except PermissionError:
+        say(f"{PROG}: {args.socket}: permission denied (root or group spotdrain only)")
+        return 1
+    except (OSError, TimeoutError) as e:
+        say(f"{PROG}: cannot reach the agent at {args.socket}: {e}")
+        return 1
+    if args.json:
+        print(json.dumps(answer, sort_keys=True))
+        return 0 if answer.get("ok") else 1
+    if not answer.get("ok"):
+        say(f"{PROG}: refused: {answer.get('error')}")
+        return 1
+    print(render_status(answer))
+    return 0
+
+
+def render_status(doc: dict[str, Any]) -> str:
+    lines = [
+        f"node {doc.get('node')}: {doc.get('state')}"
+        f"{' (paused by its owner)' if doc.get('paused') else ''}"
+    ]
+    drain = doc.get("drain")
+    if drain:
+        lines.append(
+            f"drain {drain['reclaim_id']} ({drain['reason']}): {drain['phase']}, "
+            f"grace deadline in {drain['grace_in_s']:.1f} s, "
+            f"deadline in {drain['deadline_in_s']:.1f} s"
+        )
+    for src in doc.get("sources", []):
+        if src["up"]:
+            seen = f", last read {_iso(src['last_ok'])}" if src.get("last_ok") else ""
+            lines.append(f"  notice source {src['source']}: up{seen}")
+        else:
+            lines.append(f"  notice source {src['source']}: DOWN ({src['error']})")
+    for adv in doc.get("at_risk", []):
+        lines.append(
+            f"  at risk: {adv['reason']} from {adv['source']} until {_iso(adv['expires_at'])}"
+        )
+    for w in doc.get("workers", []):
+        lines.append(
+            f"  worker {w['worker_id']}: {w['state']}, slots {w['slots_in_use']}/{w['capacity']}"
+        )
+    for r in doc.get("rentals", []):
+        until = f", reclaim at {_iso(r['reclaim_at'])}" if r.get("reclaim_at") else ""
+        lines.append(f"  rental {r['rental_id']}: running{until}")
+    for j in doc.get("jobs", []):
+        lines.append(
+            f"  {j['kind']} job {j['worker_id']}: {'draining' if j['draining'] else 'running'}"
+        )
+    return shown(lines)
+
+
+ADMIN_COMMANDS = {
+    "events": events,
+    "timeline": timeline,
+    "workers": workers,
+    "nodes": nodes,
+    "node": node,
+    "reputation": reputation,
+    "models": models,
+    "workloads": workloads,
+}
+
+
+async def run(args: Any) -> int:
+    if args.command in ("pause", "resume", "status"):
+        return await local(args)
+    args.coordinators = replicas(args)
+    wait = args.leader_wait_s
+    try:
+        if args.command == "rentals":
+            return await rentals(
+                LeaderStub(args.coordinators, pb_grpc.RentalsStub, "Rentals", wait), args
+            )
+        return await ADMIN_COMMANDS[args.command](
+            LeaderStub(args.coordinators, pb_grpc.AdminStub, "Admin", wait), args
+        )
+    except grpc.aio.AioRpcError as e:
+        say(f"{PROG}: coordinator {args.coordinator}: {e.code().name}: {e.details()}")
+        return 1
+    finally:
+        await args.coordinators.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return asyncio.run(run(args))
+    except UsageError as e:
+        return fail_usage(PROG, str(e))
+    except KeyboardInterrupt:
+        return 130
+
+
+def entry() -> None:
+    sys.exit(main())

@@ -1,0 +1,2 @@
+"""What runs on the node: Docker, inference workers behind their slot gates, jobs and rentals, their
+status directories."""

@@ -1,0 +1,1 @@
+"""Capacity: desired counts, the keeper, acquirers and replacements."""

@@ -1,0 +1,108 @@
+"""Replacement capacity for a hard notice: the reclaimed node's group is avoided for a while,
+and another group's acquirer is asked for capacity.
+
+Recorded at once; the whole request runs in the background, so nothing on the node (and not
+the Taint answer) waits for it (docs/design.md step 6). What it reads is in memory (the fleet's
+groups), never a scan of the store.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from spotdrain.coordinator.capacity.acquirer import (
+    Acquirer,
+    AcquisitionRequest,
+    choose_target_group,
+)
+
+if TYPE_CHECKING:
+    from spotdrain.coordinator.fleet.wiring import Fleet
+
+log = logging.getLogger("spotdrain.coordinator.capacity.replacement")
+
+
+class Replacement:
+    def __init__(self, fleet: Fleet, acquirers: dict[str, Acquirer], avoid_s: float) -> None:
+        self.fleet = fleet
+        # Replacement capacity per node group, in the operator's order of preference.
+        self.acquirers = dict(acquirers)
+        self.avoid_s = avoid_s
+
+    async def request(
+        self, node_id: str, reclaim_id: str, terminate_at: float, models: Sequence[str]
+    ) -> None:
+        """The node's group avoided now (one write: the next placement must already see it);
+        the acquirer asked in the background."""
+        fleet = self.fleet
+        now = fleet.clock()
+        node = fleet.nodes.rows.get(node_id)
+        group = node.node_group if node is not None else ""
+        elsewhere = (fleet.nodes.group_names() | set(self.acquirers)) - {group}
+        # Avoiding the only group there is would stop every placement, replacements included.
+        until = None
+        if elsewhere:
+            # Never shortened: the later of the window it has and this one.
+            until = max(fleet.nodes.avoided.get(group, 0.0), now + self.avoid_s)
+            await fleet.store.avoid_group_later(group, until)
+            fleet.nodes.avoided[group] = until
+        fleet.spawn(self._acquire(node_id, reclaim_id, terminate_at, tuple(models), until))
+
+    async def _acquire(
+        self,
+        node_id: str,
+        reclaim_id: str,
+        terminate_at: float,
+        models: tuple[str, ...],
+        until: float | None,
+    ) -> None:
+        fleet = self.fleet
+        now = fleet.clock()
+        node = fleet.nodes.rows.get(node_id)
+        group = node.node_group if node is not None else ""
+        target = choose_target_group(group, list(self.acquirers), fleet.nodes.avoided_now(), now)
+        request = AcquisitionRequest(
+            request_id=f"acq-{reclaim_id}",
+            reclaimed_node=node_id,
+            reclaimed_group=group,
+            target_group=target or "",
+            gpus=len(node.gpus) if node is not None else 0,
+            models=models,
+            reason="notice",
+            deadline=terminate_at,
+        )
+        details = {**request.to_dict(), "avoided_until": until}
+        if target is None:
+            details["detail"] = "no other node group has an acquirer that is not avoided"
+            fleet.events.record_soon("replacement_unavailable", node_id, details, reclaim_id)
+            return
+        fleet.events.record_soon("replacement_requested", node_id, details, reclaim_id)
+        result = await self.acquirers[target].request(request)
+        fleet.events.record_soon(
+            "replacement_result",
+            node_id,
+            {
+                "request_id": result.request_id,
+                "target_group": request.target_group,
+                "ok": result.ok,
+                "detail": result.detail,
+                "duration_s": round(result.duration_s, 3),
+                "response": result.response,
+            },
+            reclaim_id,
+        )
+
+    async def unasked(self, now: float) -> list[tuple[str, str, float]]:
+        """Hard notices still in progress with no replacement request recorded: a coordinator
+        that died between storing the drain and asking. (node, reclaim id, D) to ask for now."""
+        handled = {"replacement_requested", "replacement_unavailable"}
+        out = []
+        for d in await self.fleet.store.active_drains():
+            if d.reason != "notice" or now >= d.terminate_at:
+                continue
+            kinds = {e.kind for e in await self.fleet.store.events_of(d.reclaim_id)}
+            if not handled & kinds:
+                out.append((d.node_id, d.reclaim_id, d.terminate_at))
+        return out

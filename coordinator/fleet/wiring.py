@@ -1,0 +1,179 @@
+"""The coordinator's live fleet: the parts, wired together, and the one executor of the worker
+machine's effects.
+
+Each concern is a module of its own (gate, drains, rental_book, capacity_keeper, replacement,
+agent_reports, recovery); `Fleet` holds what they share: the store, the event log, the clock,
+the in-memory indexes (coordinator/fleet/registry.py, coordinator/fleet/nodes.py), the routing table
+and the queues to connected agents. The worker machine (coordinator/core/worker_machine.py) decides;
+`apply` carries out what it returns. Nothing here lives only in memory that `recovery.rebuild`
+cannot read back from the store (docs/design.md invariant 8).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from spotdrain.coordinator.capacity.acquirer import DEFAULT_AVOID_S, Acquirer
+from spotdrain.coordinator.capacity.keeper import CapacityKeeper
+from spotdrain.coordinator.capacity.replacement import Replacement
+from spotdrain.coordinator.core import messages as msg
+from spotdrain.coordinator.core import worker_machine as wm
+from spotdrain.coordinator.fleet.agent_reports import AgentReports
+from spotdrain.coordinator.fleet.contracts import ContractPolicy, Contracts
+from spotdrain.coordinator.fleet.drains import Drains
+from spotdrain.coordinator.fleet.eventlog import EventLog
+from spotdrain.coordinator.fleet.nodes import NodeIndex
+from spotdrain.coordinator.fleet.placer import Gate
+from spotdrain.coordinator.fleet.recovery import Recovery
+from spotdrain.coordinator.fleet.registry import WorkerRegistry
+from spotdrain.coordinator.fleet.rentals import RentalBook
+from spotdrain.coordinator.fleet.risks import Risks
+from spotdrain.coordinator.fleet.route_table import RouteEntry, RouteTable
+from spotdrain.coordinator.store import Store
+from spotdrain.runtime.background import Background
+
+log = logging.getLogger("spotdrain.coordinator.fleet.wiring")
+
+HEARTBEAT_TTL_S = 15.0  # three missed heartbeats
+START_TIMEOUT_S = 300.0  # image pull and model load included
+# A node gone (no stream) this long has lost its rentals for good: they end as `platform`, so
+# the renter is not told "running" about a machine that is not coming back.
+NODE_GONE_S = 600.0
+
+
+class Fleet:
+    def __init__(
+        self,
+        store: Store,
+        events: EventLog,
+        clock: Callable[[], float] = time.time,
+        heartbeat_ttl_s: float = HEARTBEAT_TTL_S,
+        start_timeout_s: float = START_TIMEOUT_S,
+        acquirers: dict[str, Acquirer] | None = None,
+        avoid_s: float = DEFAULT_AVOID_S,
+        node_gone_s: float = NODE_GONE_S,
+        contract_policy: ContractPolicy | None = None,
+    ) -> None:
+        self.store = store
+        self.events = events
+        self.clock = clock
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.start_timeout_s = start_timeout_s
+        self.registry = WorkerRegistry()
+        self.nodes = NodeIndex(clock, self.registry.count)
+        self.routes = RouteTable()
+        # Work nothing waits for (acquisitions, capacity passes after a Taint's answer).
+        self.background = Background()
+        self.gate = Gate(self)
+        self.drains = Drains(self)
+        self.rentals = RentalBook(self)
+        self.capacity = CapacityKeeper(self)
+        self.replacement = Replacement(self, acquirers or {}, avoid_s)
+        self.risks = Risks(self)
+        events.react({"advisory_received": self.risks.received,
+                      "advisory_lifted": self.risks.lifted})  # fmt: skip
+        self.contracts = Contracts(self, contract_policy)
+        events.react({"container_exited": self.contracts.ended,
+                      "overrun": self.contracts.ended})  # fmt: skip
+        self.reports = AgentReports(self)
+        self.recovery = Recovery(self, node_gone_s)
+
+    async def record(
+        self, kind: str, node_id: str, details: dict[str, Any], reclaim_id: str = ""
+    ) -> None:
+        await self.events.record(kind, node_id, details, reclaim_id)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        self.background.spawn(coro)
+
+    def send(self, node_id: str, command: msg.Command) -> None:
+        """To the node's stream once what led to it is stored. Not connected: registration
+        reconciles, and recovery re-sends drains."""
+
+        def put() -> None:
+            queue = self.nodes.streams.get(node_id)
+            if queue is not None:
+                queue.put_nowait(command)
+
+        self.store.after_commit(put)
+
+    # --- the worker machine's effects ----------------------------------------------------------
+
+    async def apply(self, worker: wm.Worker, event: wm.Event, save: bool = False) -> None:
+        """One event into the worker's machine, and its effects carried out. Stored when the
+        state changed or an effect came out; a heartbeat that only moved the expiry is not a
+        write (liveness lives in memory)."""
+        before = worker.state
+        effects = worker.handle(event)
+        self.registry.changed(worker)
+        changed = worker.state != before
+        if changed:
+            self.nodes.load_changed(worker.node_id)
+        if save or effects or changed:
+            await self.save(worker)
+        for effect in effects:
+            match effect:
+                case wm.RouteAdded(route):
+                    self.publish(worker, route)
+                case wm.RouteRemoved(worker_id):
+                    self.routes.remove(worker_id)
+                case wm.DrainOnNode():
+                    await self.send_drain(worker)
+                case wm.WorkerEvent(kind, details):
+                    await self.record(kind, worker.node_id, dict(details), "")
+                case _:
+                    raise TypeError(effect)
+        if changed and worker.state == wm.READY:
+            await self.capacity.started(worker.model)
+        if changed and worker.state == wm.STOPPED:
+            if worker.story and worker.story[-1][2:] == (wm.STARTING, wm.STOPPED):
+                await self.capacity.start_failed(worker)
+            await self.drains.stopped(worker)
+
+    def publish(self, worker: wm.Worker, route: wm.Route | None = None) -> None:
+        r = route or worker.route()
+        self.routes.upsert(
+            RouteEntry(
+                r.worker_id, r.node_id, r.model, r.gate_address, worker.slots_in_use, r.capacity
+            )
+        )
+
+    async def send_drain(self, worker: wm.Worker) -> None:
+        # The node's reclamation, so what the drain cuts lands in that reclamation's timeline.
+        current = self.drains.current(worker.node_id)
+        reclaim_id = current.reclaim_id if current is not None else ""
+        self.send(
+            worker.node_id,
+            msg.DrainWorker(
+                worker_id=worker.worker_id,
+                reason=worker.drain_reason,
+                reclaim_id=reclaim_id,
+                grace_deadline=worker.grace_deadline or 0.0,
+                terminate_at=worker.terminate_at or 0.0,
+            ),
+        )
+
+    async def save(self, worker: wm.Worker) -> None:
+        await self.store.save_worker(
+            worker.worker_id,
+            worker.node_id,
+            worker.model,
+            worker.state,
+            worker.created_at,
+            worker.to_json(),
+        )
+
+    def live_workers(self, node_id: str | None = None) -> list[wm.Worker]:
+        return self.registry.live(node_id)
+
+    async def all_workers(self, node_id: str = "") -> list[wm.Worker]:
+        """Every worker the store knows (stopped ones too), the live ones as they are now."""
+        docs = await self.store.worker_docs(node_id=node_id or None)
+        return [self.registry.get(d["worker_id"]) or wm.Worker.from_json(d) for d in docs]
+
+    async def close(self) -> None:
+        await self.background.close()
+        await self.events.flush()

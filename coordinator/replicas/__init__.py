@@ -1,0 +1,1 @@
+"""Coordinator replicas: the leader lease and leadership."""

@@ -1,0 +1,1 @@
+"""spotdrain-router, a separate program: routes requests to inference workers."""

@@ -1,0 +1,1 @@
+"""HTTP helpers: server-sent events."""

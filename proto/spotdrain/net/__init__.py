@@ -1,0 +1,1 @@
+"""Network helpers: the leader-following client, TLS."""

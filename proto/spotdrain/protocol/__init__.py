@@ -1,0 +1,1 @@
+"""What agent and coordinator agree on: event kinds, limits."""

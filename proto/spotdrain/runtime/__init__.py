@@ -1,0 +1,1 @@
+"""Process runtime: systemd, background tasks, the CLI helpers, metrics, the supervisor."""

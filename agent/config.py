@@ -20,6 +20,7 @@ from spotdrain.agent.notices.settings import (
     parse_advisory,
     parse_sources,
 )
+from spotdrain.protocol import timing
 from spotdrain.runtime.cli import ArgumentParser, UsageError, host_port
 
 PROG = "spotdrain-agent"
@@ -61,7 +62,7 @@ class AgentConfig:
     # root and this group; callers are checked with SO_PEERCRED).
     socket: Path = Path("/run/spotdrain/agent.sock")
     socket_group: str = "spotdrain"
-    pause_notice_s: float = 120.0  # the owner's promise: D = pause + this
+    pause_notice_s: float = timing.NOTICE_S  # the owner's promise: D = pause + this
     # Slot gates: where they listen, the host routers reach them at, and the gate port of a
     # worker (its port + this offset).
     gate_host: str = "0.0.0.0"

@@ -27,9 +27,10 @@ from spotdrain.agent.host.gpu import GpuError, Nvml
 from spotdrain.agent.notices.hub import SourceHub
 from spotdrain.agent.workloads.docker_engine import DockerEngine, DockerUnavailable
 from spotdrain.agent.workloads.inference import WorkerManager
-from spotdrain.agent.workloads.jobs import JOB_KINDS, PlainWorkloads
+from spotdrain.agent.workloads.jobs import PlainWorkloads
 from spotdrain.agent.workloads.slot_gate import Interrupted
 from spotdrain.net.security import warn_insecure
+from spotdrain.protocol import kinds
 from spotdrain.runtime import systemd
 from spotdrain.runtime.background import Background
 from spotdrain.runtime.cli import UsageError, fail_usage
@@ -193,7 +194,7 @@ class Agent:
         which = msg.WhichOneof("body")
         if which == "start_worker":
             c = msg.start_worker
-            if c.kind in JOB_KINDS:
+            if c.kind in kinds.JOBS:
                 self._spawn(self.plain.start_job(c.worker_id, c.kind, c.image, c.model, c.port))
             elif c.kind in ("", "inference"):
                 gate_port = c.port + int(self.cfg.gate_port_offset)

@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from spotdrain.coordinator.api.admin import AdminServicer
 from spotdrain.coordinator.api.agent_link import AgentLinkServicer, Coordinator
+from spotdrain.coordinator.api.health import HealthServicer
 from spotdrain.coordinator.api.public import RentalsServicer, RoutesServicer
 from spotdrain.coordinator.api.rejections import RejectionGuard
 from spotdrain.coordinator.capacity.acquirer import acquirers_from_config, avoid_s_from_config
@@ -22,11 +23,10 @@ from spotdrain.coordinator.dashboard.app import is_loopback
 from spotdrain.coordinator.dashboard.auth import TokenError, load_token
 from spotdrain.coordinator.fleet.contracts import DEFAULT_BUDGET, DEFAULT_MIN, ContractPolicy
 from spotdrain.coordinator.gc_pauses import Pauses
-from spotdrain.coordinator.health_service import HealthServicer
 from spotdrain.coordinator.replicas import leadership as replicas
 from spotdrain.coordinator.store import StoreError, open_store
 from spotdrain.net.security import server_credentials, warn_insecure
-from spotdrain.protocol import limits
+from spotdrain.protocol import limits, timing
 from spotdrain.runtime import systemd
 from spotdrain.runtime.cli import ArgumentParser, UsageError, fail_usage, host_port, seconds
 from spotdrain.runtime.metrics import serve as metrics_serve
@@ -54,8 +54,8 @@ def parser() -> ArgumentParser:
     p.add_argument(
         "--start-timeout-s",
         type=seconds(0.1, 86400),
-        default=300.0,
-        help="a worker not started this long after it was placed is given up (default 300)",
+        default=timing.START_TIMEOUT_S,
+        help="a worker not started this long after it was placed is given up (default %(default)g)",
     )
     p.add_argument(
         "--metrics-listen", default="", help="serve Prometheus /metrics on HOST:PORT (default: off)"
@@ -63,14 +63,14 @@ def parser() -> ArgumentParser:
     p.add_argument(
         "--heartbeat-ttl-s",
         type=seconds(0.1, 3600),
-        default=15.0,
-        help="a ready worker without a heartbeat this long is missing (default 15)",
+        default=timing.HEARTBEAT_TTL_S,
+        help="a ready worker without a heartbeat this long is missing (default %(default)g)",
     )
     p.add_argument(
         "--node-gone-s",
         type=seconds(0.1, 30 * 86400),
-        default=600.0,
-        help="rentals on a node gone (disconnected) this long end as platform (default 600)",
+        default=timing.NODE_GONE_S,
+        help="rentals on a node disconnected this long end as platform (default %(default)g)",
     )
     p.add_argument(
         "--acquirers",

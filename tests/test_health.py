@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from spotdrain.coordinator.health_service import HealthServicer
+from spotdrain.coordinator.api.health import HealthServicer
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

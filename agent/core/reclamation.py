@@ -24,11 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spotdrain.agent.core.notice import Notice
+from spotdrain.protocol import kinds, timing
 
 SIGTERM = "SIGTERM"
 SIGKILL = "SIGKILL"
-# Drain kinds the SIGTERM round leaves alone (see SignalContainers).
-SIGTERM_SKIPS_KINDS = frozenset({"inference", "rental"})
 # Reports held for a container the reclamation has not signalled yet (a job that saw the
 # deadline file before its SIGTERM): at most this many each, so a chatty one cannot grow the
 # bundle without bound.
@@ -85,9 +84,9 @@ class InvalidState(Exception):
 class Margins:
     """Where G and O sit before D. Configurable so tests run whole timelines in seconds."""
 
-    default_notice_s: float = 120.0  # D = T0 + this when the notice names no time
-    grace_s: float = 10.0  # G = D - grace_s
-    overrun_s: float = 2.0  # O = D - overrun_s
+    default_notice_s: float = timing.NOTICE_S  # D = T0 + this when the notice names no time
+    grace_s: float = timing.GRACE_S  # G = D - grace_s
+    overrun_s: float = timing.OVERRUN_S  # O = D - overrun_s
     taint_answer_s: float = 0.8  # the remote Taint call's deadline
     observe_every_s: float = 0.5  # re-observe while work remains
 
@@ -313,7 +312,7 @@ class SignalContainers:
 
     @property
     def skip_kinds(self) -> frozenset[str]:
-        return SIGTERM_SKIPS_KINDS if self.signal == SIGTERM else frozenset()
+        return kinds.NOT_SIGTERMED if self.signal == SIGTERM else frozenset()
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,14 @@ from spotdrain.agent.config import AgentConfig
 from spotdrain.agent.drain.outbox import Outbox, OutgoingEvent, bounded_details, details_json
 from spotdrain.net.leader import Replicas, leader_hint
 from spotdrain.net.security import channel_credentials
-from spotdrain.protocol import limits
+from spotdrain.protocol import limits, timing
 from spotdrain.protocol.limits import MAX_AGENT_MESSAGE_BYTES, MAX_BATCH_BYTES, MAX_BATCH_EVENTS
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
 log = logging.getLogger("spotdrain.agent.drain.link")
 
-HEARTBEAT_S = 5.0
+HEARTBEAT_S = timing.HEARTBEAT_S
 # The longest a drain may hold the stream's events back (hold_events): its SIGTERM round's
 # kills each have their own timeout; a hold never released (a round wedged on a hung engine)
 # still ends here.

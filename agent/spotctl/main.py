@@ -50,6 +50,7 @@ from spotdrain.agent.host import control_socket
 from spotdrain.net.leader import Replicas, addresses
 from spotdrain.net.security import channel_credentials
 from spotdrain.printable import printable
+from spotdrain.protocol import kinds
 from spotdrain.protocol.events import stored_event_to_dict
 from spotdrain.protocol.limits import MAX_ADMIN_MESSAGE_BYTES
 from spotdrain.runtime.cli import ArgumentParser, UsageError, fail_usage
@@ -58,7 +59,6 @@ from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
 PROG = "spotctl"
-WORKER_KINDS = ("inference", "batch", "render")
 ENDED_BY = ("renter", "provider", "platform")
 REPUTATION_FORMULA = "score = (successes + 4) / (successes + failures + 5)"
 # Replicas: a leader's failover is its lease's TTL and a renewal (about 2.5 s by default) and a
@@ -114,7 +114,7 @@ def parser() -> ArgumentParser:
     ws.add_argument("--image", required=True)
     ws.add_argument("--slots", type=int, default=4)
     ws.add_argument("--port", type=int, default=0, help="worker port (default: picked)")
-    ws.add_argument("--kind", choices=WORKER_KINDS, default="inference")
+    ws.add_argument("--kind", choices=kinds.WORKERS, default="inference")
     ws.add_argument("--json", action="store_true")
     wl = wsub.add_parser("list", help="workers and their state")
     wl.add_argument("--node", default="")

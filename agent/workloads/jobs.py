@@ -29,6 +29,7 @@ from spotdrain.agent.core.reclamation import SIGKILL, SIGTERM
 from spotdrain.agent.workloads.docker_engine import RENTAL_KIND, DockerEngine, DockerUnavailable
 from spotdrain.agent.workloads.inference import MODEL_LABEL, WORKER_LABEL
 from spotdrain.agent.workloads.status_dirs import CONTAINER_STATUS_DIR, make_status_dir
+from spotdrain.protocol import kinds
 from spotdrain.runtime.background import Background
 from spotdrain.workload import DEADLINE_FILE_ENV, KIND_LABEL, NODE_LABEL, STATUS_DIR_ENV
 
@@ -37,7 +38,6 @@ log = logging.getLogger("spotdrain.agent.workloads.jobs")
 RENTAL_LABEL = "spotdrain.rental"
 RENTER_LABEL = "spotdrain.renter"
 GPUS_LABEL = "spotdrain.gpus"
-JOB_KINDS = frozenset({"batch", "render"})
 # Where the deadline file's directory appears inside every plain container.
 CONTAINER_DEADLINE_DIR = "/run/spotdrain/workload"
 # A StopRental: SIGTERM, then SIGKILL if the container is still there after this long.
@@ -153,7 +153,7 @@ class PlainWorkloads:
         self, worker_id: str, kind: str, image: str, model: str = "", port: int = 0
     ) -> None:
         """StartWorker of kind batch or render: a plain container, no gate, never routed."""
-        if kind not in JOB_KINDS:
+        if kind not in kinds.JOBS:
             raise ValueError(f"not a plain job kind: {kind!r}")
         labels = {
             NODE_LABEL: self.node_id,
@@ -319,7 +319,7 @@ class PlainWorkloads:
             kind = labels.get(KIND_LABEL, "")
             if kind == RENTAL_KIND and labels.get(RENTAL_LABEL):
                 key = labels[RENTAL_LABEL]
-            elif kind in JOB_KINDS and labels.get(WORKER_LABEL):
+            elif kind in kinds.JOBS and labels.get(WORKER_LABEL):
                 key = labels[WORKER_LABEL]
             else:
                 continue  # inference workers (WorkerManager), or started by hand

@@ -13,8 +13,8 @@ from spotdrain.coordinator.api.agent_link import Coordinator
 from spotdrain.coordinator.api.errors import BadRequest, NotFound, grpc_errors, grpc_stream_errors
 from spotdrain.coordinator.core import reputation
 from spotdrain.coordinator.core import worker_machine as wm
-from spotdrain.coordinator.fleet.placer import WORKER_KINDS
 from spotdrain.coordinator.store import NodeRow
+from spotdrain.protocol import kinds
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
@@ -208,8 +208,8 @@ class AdminServicer(pb_grpc.AdminServicer):
         if not request.node_id or not request.model or not request.image:
             raise BadRequest("node, model and image needed")
         kind = request.kind or "inference"
-        if kind not in WORKER_KINDS:
-            raise BadRequest(f"kind must be one of {WORKER_KINDS}")
+        if kind not in kinds.WORKERS:
+            raise BadRequest(f"kind must be one of {kinds.WORKERS}")
         worker = await self.coord.fleet.gate.place_worker(
             request.node_id,
             request.model,

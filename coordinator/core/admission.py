@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("inference", "batch", "rental", "render")
+from spotdrain.protocol import kinds
+
 PATHS = ("operator", "rental", "rental_end_restart", "recovery", "reregistration", "resume")
 
 # Refusal reasons, checked in this order: the node's switches first (the owner's pause and a
@@ -53,8 +54,8 @@ class PlacementRequest:
     off_spot: bool = False  # policy keeps this workload off spot nodes (a flagged contract)
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"workload kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind not in kinds.ALL:
+            raise ValueError(f"workload kind must be one of {kinds.ALL}, got {self.kind!r}")
         if self.path not in PATHS:
             raise ValueError(f"placement path must be one of {PATHS}, got {self.path!r}")
         if self.gpus < 0:

@@ -18,7 +18,7 @@ import grpc
 from spotdrain.coordinator.api import convert
 from spotdrain.coordinator.api.admin import AdminServicer
 from spotdrain.coordinator.api.agent_link import Coordinator
-from spotdrain.coordinator.fleet.drains import DEFAULT_NOTICE_S, GRACE_MARGIN_S
+from spotdrain.protocol import timing
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 # Reclamation ids of the pauses the dashboard starts: its resume ends these and no other (a
@@ -129,9 +129,9 @@ class Api:
                 f"node {node_id} is paused from the dashboard already ({held[0]})",
             )
         reclaim_id = f"{DASHBOARD_PAUSE}{uuid.uuid4().hex[:12]}"
-        terminate_at = self.coord.clock() + DEFAULT_NOTICE_S
+        terminate_at = self.coord.clock() + timing.NOTICE_S
         await fleet.drains.taint(
-            node_id, reclaim_id, "pause", terminate_at, terminate_at - GRACE_MARGIN_S
+            node_id, reclaim_id, "pause", terminate_at, terminate_at - timing.GRACE_S
         )
         return reclaim_id
 

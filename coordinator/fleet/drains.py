@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from spotdrain.coordinator.core import worker_machine as wm
 from spotdrain.coordinator.fleet.placer import PlacementRefused
 from spotdrain.coordinator.store import DrainRow, NodeRow, TaintRow
+from spotdrain.protocol import timing
 
 if TYPE_CHECKING:
     from spotdrain.coordinator.fleet.wiring import Fleet
@@ -26,8 +27,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("spotdrain.coordinator.fleet.drains")
 
 PAUSE_TAINT_KEY = "spotdrain.io/paused"
-DEFAULT_NOTICE_S = 120.0
-GRACE_MARGIN_S = 10.0
 # A lifted drain (a resumed pause, a cancelled notice) is remembered until this long after its
 # deadline D (or its lift, if later). A Taint for a reclamation the coordinator has neither in
 # progress nor remembered, whose D is later than this long ago, is then new without asking the
@@ -216,7 +215,7 @@ class Drains:
                 # beyond the default owner's promise.
                 now = self.fleet.clock()
                 return wm.NodeDrain(
-                    "pause", now + DEFAULT_NOTICE_S - GRACE_MARGIN_S, now + DEFAULT_NOTICE_S
+                    "pause", now + timing.NOTICE_S - timing.GRACE_S, now + timing.NOTICE_S
                 )
             return None
         first = min(drains, key=lambda d: d.grace_deadline)
@@ -242,8 +241,8 @@ class Drains:
             await self._refresh(node_id)
             await fleet.record("workload_disabled", node_id, {"reclaim_id": reclaim_id}, "")
         if terminate_at <= 0:  # an agent that sent no deadlines: the defaults from now
-            terminate_at = fleet.clock() + DEFAULT_NOTICE_S
-            grace = terminate_at - GRACE_MARGIN_S
+            terminate_at = fleet.clock() + timing.NOTICE_S
+            grace = terminate_at - timing.GRACE_S
         first = known is None
         drain = known or DrainRow(
             node_id, reclaim_id, reason, terminate_at, grace, fleet.clock(), None

@@ -14,11 +14,11 @@ from spotdrain.coordinator.core import messages as msg
 from spotdrain.coordinator.core import worker_machine as wm
 from spotdrain.coordinator.core.admission import PlacementRequest, admit
 from spotdrain.coordinator.fleet.registry import NoFreePort
+from spotdrain.protocol import kinds
 
 if TYPE_CHECKING:
     from spotdrain.coordinator.fleet.wiring import Fleet
 
-WORKER_KINDS = ("inference", "batch", "render")
 
 
 class PlacementRefused(Exception):
@@ -64,8 +64,8 @@ class Gate:
     ) -> wm.Worker:
         """Every path that puts a worker on a node comes through here (docs/design.md,
         invariant 4)."""
-        if kind not in WORKER_KINDS:
-            raise ValueError(f"worker kind must be one of {WORKER_KINDS}, got {kind!r}")
+        if kind not in kinds.WORKERS:
+            raise ValueError(f"worker kind must be one of {kinds.WORKERS}, got {kind!r}")
         fleet = self.fleet
         request = self.request_for(image, kind, path)
         await self.admit(node_id, request, {"model": model, "image": image})

@@ -33,15 +33,13 @@ from spotdrain.coordinator.fleet.rentals import RentalBook
 from spotdrain.coordinator.fleet.risks import Risks
 from spotdrain.coordinator.fleet.route_table import RouteEntry, RouteTable
 from spotdrain.coordinator.store import Store
+from spotdrain.protocol import timing
 from spotdrain.runtime.background import Background
 
 log = logging.getLogger("spotdrain.coordinator.fleet.wiring")
 
-HEARTBEAT_TTL_S = 15.0  # three missed heartbeats
-START_TIMEOUT_S = 300.0  # image pull and model load included
 # A node gone (no stream) this long has lost its rentals for good: they end as `platform`, so
 # the renter is not told "running" about a machine that is not coming back.
-NODE_GONE_S = 600.0
 
 
 class Fleet:
@@ -50,11 +48,11 @@ class Fleet:
         store: Store,
         events: EventLog,
         clock: Callable[[], float] = time.time,
-        heartbeat_ttl_s: float = HEARTBEAT_TTL_S,
-        start_timeout_s: float = START_TIMEOUT_S,
+        heartbeat_ttl_s: float = timing.HEARTBEAT_TTL_S,
+        start_timeout_s: float = timing.START_TIMEOUT_S,
         acquirers: dict[str, Acquirer] | None = None,
         avoid_s: float = DEFAULT_AVOID_S,
-        node_gone_s: float = NODE_GONE_S,
+        node_gone_s: float = timing.NODE_GONE_S,
         contract_policy: ContractPolicy | None = None,
     ) -> None:
         self.store = store

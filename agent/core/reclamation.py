@@ -737,17 +737,18 @@ class Reclamation:
         if self.phase != "tainting" or self.lifted:
             return []
         self.taint_mode = "local"
-        return [
+        commands: list[Command] = [
             ApplyLocalTaint(self.reclaim_id),
             Emit("tainted", {"mode": "local", "remote_error": error}),
             RetryRemoteTaint(self.reclaim_id),
-        ] + self._evict(now, listed)
+        ]
+        return commands + self._evict(now, listed)
 
     def _evict(self, now: float, listed: tuple[RoundTarget, ...] | None = None) -> list[Command]:
         # Invariant 1: only reached once a taint (remote or local) is in force.
         self.phase = "draining"
         self.sigterm_round = True
-        return [
+        commands: list[Command] = [
             self._deadline_file(),
             Emit(
                 "deadline_file_written",
@@ -756,7 +757,8 @@ class Reclamation:
             # Unrouted, then signalled (docs/design.md "Hard notice timeline", step 4).
             DrainWorkers(self.reclaim_id, self.grace_deadline),
             self._signal(SIGTERM, listed=listed, now=now),
-        ] + self._tick(now)
+        ]
+        return commands + self._tick(now)
 
     def _deadline_file(self) -> WriteDeadlineFile:
         return WriteDeadlineFile(

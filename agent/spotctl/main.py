@@ -49,11 +49,11 @@ from google.protobuf.message import Message
 from spotdrain.agent.host import control_socket
 from spotdrain.net.leader import Replicas, addresses
 from spotdrain.net.security import channel_credentials
-from spotdrain.printable import printable
 from spotdrain.protocol import kinds
 from spotdrain.protocol.events import stored_event_to_dict
 from spotdrain.protocol.limits import MAX_ADMIN_MESSAGE_BYTES
 from spotdrain.runtime.cli import ArgumentParser, UsageError, fail_usage
+from spotdrain.runtime.printable import printable
 from spotdrain.timeline import svg as timeline_svg
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
@@ -244,7 +244,7 @@ def message_doc(msg: Message) -> dict[str, Any]:
 
 
 def shown(lines: Iterable[str]) -> str:
-    """Lines for a person: each escaped whole (spotdrain.printable), so no value in it, a
+    """Lines for a person: each escaped whole (spotdrain.runtime.printable), so no value in it, a
     tenant's file name or a node's reason, can move the cursor, ring, or start a line."""
     return "\n".join(printable(line) for line in lines)
 

@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from spotdrain.printable import printable
+from spotdrain.runtime.printable import printable
 
 log = logging.getLogger("spotdrain.runtime.systemd")
 
@@ -134,7 +134,7 @@ async def keep_status(
 
 
 class PrintableFormatter(logging.Formatter):
-    """Every daemon's log line with what it quotes escaped (spotdrain.printable): a report's
+    """Every daemon's log line with what it quotes escaped (spotdrain.runtime.printable): a report's
     file name, a container's name, what a job wrote may hold ESC sequences, a newline that
     would start a forged line, or bytes that are not UTF-8. The traceback that may follow the
     line is the daemon's own and keeps its lines."""

@@ -20,7 +20,7 @@ import docker.errors
 import pytest
 
 from dockerenv import run_workload
-from spotdrain.agent.core.reclamation import SIGKILL, SIGTERM, SignalContainers
+from spotdrain.agent.core.reclamation_commands import SIGKILL, SIGTERM, SignalContainers
 from spotdrain.agent.drain.state import write_deadline_file
 from spotdrain.agent.workloads.docker_engine import DockerEngine
 from spotdrain.agent.workloads.jobs import CONTAINER_DEADLINE_DIR, PlainWorkloads

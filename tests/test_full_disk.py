@@ -23,12 +23,8 @@ import pytest
 
 from spotdrain.agent.config import AgentConfig
 from spotdrain.agent.core.notice import Notice
-from spotdrain.agent.core.reclamation import (
-    ContainerExited,
-    ContainerSignalled,
-    Margins,
-    Reclamation,
-)
+from spotdrain.agent.core.reclamation import Margins, Reclamation
+from spotdrain.agent.core.reclamation_events import ContainerExited, ContainerSignalled
 from spotdrain.agent.drain import runner as runner_module
 from spotdrain.agent.drain.outbox import DROPPED_KIND, Outbox
 from spotdrain.agent.drain.runner import DrainRunner

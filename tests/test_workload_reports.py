@@ -18,16 +18,12 @@ from asyncinotify import Inotify, Mask
 
 from spotdrain import workload
 from spotdrain.agent.core.notice import Notice
-from spotdrain.agent.core.reclamation import (
-    PENDING_REPORTS_KEPT,
-    SIGKILL,
-    SIGTERM,
+from spotdrain.agent.core.reclamation import PENDING_REPORTS_KEPT, Margins, Reclamation
+from spotdrain.agent.core.reclamation_commands import SIGKILL, SIGTERM, Emit
+from spotdrain.agent.core.reclamation_events import (
     ContainerExited,
     ContainerSignalled,
-    Emit,
-    Margins,
     Observed,
-    Reclamation,
     RoundListed,
     RoundTarget,
     SignalRoundDone,

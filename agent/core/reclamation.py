@@ -24,10 +24,43 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spotdrain.agent.core.notice import Notice
-from spotdrain.protocol import kinds, timing
+from spotdrain.agent.core.reclamation_commands import (
+    SIGKILL,
+    SIGTERM,
+    ApplyLocalTaint,
+    Command,
+    CutWorkers,
+    DeliverSignals,
+    DrainWorkers,
+    Emit,
+    LiftTaints,
+    Observe,
+    RequestTaint,
+    RetryRemoteTaint,
+    SignalContainers,
+    WatchExits,
+    WriteDeadlineFile,
+)
+from spotdrain.agent.core.reclamation_events import (
+    Cancelled,
+    ContainerExited,
+    ContainerSignalled,
+    Event,
+    NoticeHeard,
+    Observed,
+    Resumed,
+    RoundListed,
+    RoundTarget,
+    SignalRoundDone,
+    TaintAnswered,
+    TaintsLifted,
+    TaintUnanswered,
+    Tick,
+    WorkersDraining,
+    WorkloadReported,
+)
+from spotdrain.protocol import timing
 
-SIGTERM = "SIGTERM"
-SIGKILL = "SIGKILL"
 # Reports held for a container the reclamation has not signalled yet (a job that saw the
 # deadline file before its SIGTERM): at most this many each, so a chatty one cannot grow the
 # bundle without bound.
@@ -95,281 +128,6 @@ class Margins:
             raise ValueError(f"need 0 <= overrun margin <= grace margin, got {self}")
         if self.taint_answer_s <= 0 or self.observe_every_s <= 0 or self.default_notice_s <= 0:
             raise ValueError(f"margins must be positive, got {self}")
-
-
-# --- events: what the shell learned -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RoundTarget:
-    """A container a signal round found running, as the engine listed it."""
-
-    container: str
-    name: str
-    kind: str = ""
-    image: str = ""
-
-
-@dataclass(frozen=True)
-class TaintAnswered:
-    """The coordinator stored the taint (the 800 ms call, or a later background retry).
-
-    `listed`: the node's containers as the shell listed them while the call was in flight
-    (None: that listing is not back yet). The first SIGTERM round then announces them in this
-    same step, one bundle save, instead of listing again and saving once more."""
-
-    now: float
-    listed: tuple[RoundTarget, ...] | None = None
-
-
-@dataclass(frozen=True)
-class TaintUnanswered:
-    """The Taint call did not answer by its deadline, or failed (`listed` as TaintAnswered's)."""
-
-    now: float
-    error: str
-    listed: tuple[RoundTarget, ...] | None = None
-
-
-@dataclass(frozen=True)
-class ContainerSignalled:
-    now: float
-    container: str
-    name: str
-    signal: str
-    via: str  # "api" or "pid" (the engine hung; docs/design.md step 4)
-    error: str = ""  # non-empty: neither route delivered it
-    # What the coordinator tracks the workload's contract by (coordinator/fleet/contracts.py).
-    image: str = ""
-    kind: str = ""
-
-
-@dataclass(frozen=True)
-class RoundListed:
-    """A signal round has listed its targets and sends nothing until the machine has recorded
-    them (answered with DeliverSignals, after the shell saved the bundle)."""
-
-    now: float
-    signal: str
-    targets: tuple[RoundTarget, ...] = ()
-
-
-@dataclass(frozen=True)
-class SignalRoundDone:
-    """Every container the round found has been tried (results came as ContainerSignalled)."""
-
-    now: float
-    signal: str
-
-
-@dataclass(frozen=True)
-class ContainerExited:
-    now: float
-    container: str
-    name: str
-    exit_code: int
-
-
-@dataclass(frozen=True)
-class Observed:
-    """One verification observation. `error` set: the observation failed, which is not empty."""
-
-    now: float
-    running: tuple[str, ...] = ()  # ids of running containers labelled with this node
-    gpu_processes: tuple[int, ...] = ()  # pids NVML lists on any GPU
-    error: str = ""
-    # The rentals among `running`: they run until G (reclaim_at), so before the SIGKILL round
-    # they are work still there, not strays to signal.
-    rentals: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class WorkersDraining:
-    """The node's inference workers now refuse new requests at their slot gates; each is
-    stopped when its last slot is released, or at G."""
-
-    now: float
-    containers: tuple[str, ...] = ()
-    names: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Resumed:
-    """The owner resumed the node (a pause only): the machine is theirs no longer."""
-
-    now: float
-
-
-@dataclass(frozen=True)
-class TaintsLifted:
-    """The coordinator acknowledged the lift of a cancel or a resume."""
-
-    now: float
-
-
-@dataclass(frozen=True)
-class Tick:
-    now: float
-    # The listing made during the Taint call, for a tick that may pass its deadline (the local
-    # fallback then announces it, as TaintUnanswered.listed).
-    listed: tuple[RoundTarget, ...] | None = None
-
-
-@dataclass(frozen=True)
-class Cancelled:
-    now: float
-
-
-@dataclass(frozen=True)
-class NoticeHeard:
-    """The provider's notice for this reclamation, heard again: re-read, re-stamped or
-    rewritten. D is the earliest ever heard (DESIGN "one interruption is one reclamation"):
-    an earlier D moves D, G and O earlier; a later one is recorded and moves nothing."""
-
-    now: float
-    action: str
-    terminate_at: float | None  # None: the notice names no time, so it says nothing of D
-
-
-@dataclass(frozen=True)
-class WorkloadReported:
-    """A report a container wrote into its status directory (spotdrain.workload), as the agent
-    read it at `now`. Information only: it never moves a deadline and never counts towards
-    verification (docs/design.md "Workload status directory")."""
-
-    now: float
-    name: str  # the container's name (its status directory's)
-    report: str  # "checkpoint_started" or "checkpoint_committed"
-    generation: int
-    nbytes: int | None = None
-    reported_at: float = 0.0  # the workload's own clock
-
-
-Event = (
-    TaintAnswered
-    | TaintUnanswered
-    | ContainerSignalled
-    | RoundListed
-    | SignalRoundDone
-    | ContainerExited
-    | Observed
-    | WorkersDraining
-    | Resumed
-    | TaintsLifted
-    | Tick
-    | Cancelled
-    | WorkloadReported
-    | NoticeHeard
-)
-
-# --- commands: what the shell must do ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RequestTaint:
-    reclaim_id: str
-    answer_by: float  # absolute; no answer by then is TaintUnanswered
-
-
-@dataclass(frozen=True)
-class ApplyLocalTaint:
-    reclaim_id: str
-
-
-@dataclass(frozen=True)
-class RetryRemoteTaint:
-    """Keep calling Taint in the background until it answers (then TaintAnswered)."""
-
-    reclaim_id: str
-
-
-@dataclass(frozen=True)
-class LiftTaints:
-    reclaim_id: str
-
-
-@dataclass(frozen=True)
-class WriteDeadlineFile:
-    reclaim_id: str
-    terminate_at: float
-    grace_deadline: float
-    reason: str
-
-
-@dataclass(frozen=True)
-class SignalContainers:
-    """Signal every running container with this node's label, concurrently, except `skip`.
-
-    SIGTERM rounds leave inference workers alone (they drain through their slot gates) and
-    rentals (the renter keeps the machine until reclaim_at = G, docs/design.md "Four drain paths");
-    the SIGKILL round at G takes every kind."""
-
-    signal: str
-    skip: frozenset[str] = frozenset()
-    # Announced already, in the step that asked for the round (a listing made ahead): send
-    # exactly these, once the bundle is saved, without listing or announcing again.
-    announced: tuple[str, ...] | None = None
-
-    @property
-    def skip_kinds(self) -> frozenset[str]:
-        return kinds.NOT_SIGTERMED if self.signal == SIGTERM else frozenset()
-
-
-@dataclass(frozen=True)
-class DeliverSignals:
-    """Send `signal` to exactly these containers, now announced in the bundle (the answer to a
-    round's RoundListed; empty when nothing may be signalled). Save the bundle first."""
-
-    signal: str
-    containers: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class DrainWorkers:
-    """Mark every inference worker draining at its gate; stop each when its slots reach zero."""
-
-    reclaim_id: str
-    grace_deadline: float
-
-
-@dataclass(frozen=True)
-class CutWorkers:
-    """The grace deadline: gates end every open stream with an `interrupted` error."""
-
-    reclaim_id: str
-
-
-@dataclass(frozen=True)
-class WatchExits:
-    containers: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Observe:
-    pass
-
-
-@dataclass(frozen=True)
-class Emit:
-    kind: str
-    details: dict[str, Any] = field(default_factory=dict)
-    at: float | None = None  # when the fact happened: the time of the event that caused it
-
-
-Command = (
-    RequestTaint
-    | ApplyLocalTaint
-    | RetryRemoteTaint
-    | LiftTaints
-    | WriteDeadlineFile
-    | SignalContainers
-    | DeliverSignals
-    | DrainWorkers
-    | CutWorkers
-    | WatchExits
-    | Observe
-    | Emit
-)
 
 
 def _stamp(commands: list[Command], now: float) -> list[Command]:

@@ -31,6 +31,39 @@ from typing import Any
 from spotdrain.agent.config import AgentConfig
 from spotdrain.agent.core import reclamation as r
 from spotdrain.agent.core.notice import Notice, NoticeInvalid
+from spotdrain.agent.core.reclamation_commands import (
+    SIGTERM,
+    ApplyLocalTaint,
+    Command,
+    CutWorkers,
+    DeliverSignals,
+    DrainWorkers,
+    Emit,
+    LiftTaints,
+    Observe,
+    RequestTaint,
+    RetryRemoteTaint,
+    SignalContainers,
+    WatchExits,
+    WriteDeadlineFile,
+)
+from spotdrain.agent.core.reclamation_events import (
+    Cancelled,
+    ContainerExited,
+    Event,
+    NoticeHeard,
+    Observed,
+    Resumed,
+    RoundListed,
+    RoundTarget,
+    SignalRoundDone,
+    TaintAnswered,
+    TaintsLifted,
+    TaintUnanswered,
+    Tick,
+    WorkersDraining,
+    WorkloadReported,
+)
 from spotdrain.agent.drain.link import CoordinatorLink, TaintError
 from spotdrain.agent.drain.outbox import Outbox, OutgoingEvent
 from spotdrain.agent.drain.state import BundleStore, LocalTaints, WriteHealth, write_deadline_file
@@ -119,7 +152,7 @@ class DrainRunner:
     def notice(self, parsed: Notice | NoticeInvalid) -> None:
         self._queue.put_nowait(("notice", parsed))
 
-    def feed(self, reclaim_id: str, event: r.Event) -> None:
+    def feed(self, reclaim_id: str, event: Event) -> None:
         self._queue.put_nowait((reclaim_id, event))
 
     def record(self, kind: str, details: dict[str, Any]) -> None:
@@ -187,7 +220,7 @@ class DrainRunner:
             if stored.reason != "pause" or stored.lifted:
                 continue
             rec = self.live.setdefault(stored.reclaim_id, stored)
-            self._step(rec, r.Resumed(now))
+            self._step(rec, Resumed(now))
             resumed.append(rec.reclaim_id)
         if not resumed:
             # Nothing paused here, but the coordinator may still hold the flag off (a pause
@@ -227,7 +260,7 @@ class DrainRunner:
                 # Deadlines first, even while reports keep arriving (SIGKILL at G, O).
                 now = self.clock()
                 for rec in list(self.live.values()):
-                    self._step(rec, self._with_listing(rec.reclaim_id, r.Tick(now)))
+                    self._step(rec, self._with_listing(rec.reclaim_id, Tick(now)))
                 timeout = self._until_next_deadline()
             try:
                 key, item = self._queue.get_nowait()
@@ -252,7 +285,7 @@ class DrainRunner:
                 self._on_listed(*item)
             elif key in self.live:
                 self._step(self.live[key], self._with_listing(key, item))
-            elif key in self.recent and isinstance(item, r.ContainerExited):
+            elif key in self.recent and isinstance(item, ContainerExited):
                 # Verified empty (and finished) before the engine's wait came back: the exit
                 # still belongs in the timeline.
                 self._step(self.recent[key], item)
@@ -299,7 +332,7 @@ class DrainRunner:
         self.health.wrote(path)
         return True
 
-    def _apply(self, rec: r.Reclamation, commands: list[r.Command]) -> None:
+    def _apply(self, rec: r.Reclamation, commands: list[Command]) -> None:
         """Carry out one step: the bundle is written before any command runs (write before
         act), and it holds every event of the reclamation the outbox has not stored yet (this
         step's, and an earlier step's still waiting for STORE_EVENTS_AFTER_S), so a SIGKILL
@@ -308,14 +341,14 @@ class DrainRunner:
         # The deadline file first (whether it could be written is in its event); writing it
         # before the bundle is harmless: a restarted agent writes it again, or removes it.
         for cmd in commands:
-            if isinstance(cmd, r.WriteDeadlineFile):
+            if isinstance(cmd, WriteDeadlineFile):
                 self._write_deadline(rec, cmd)
-        rest = [c for c in commands if not isinstance(c, r.WriteDeadlineFile)]
-        events = [self._event(rec, c) for c in rest if isinstance(c, r.Emit)]
+        rest = [c for c in commands if not isinstance(c, WriteDeadlineFile)]
+        events = [self._event(rec, c) for c in rest if isinstance(c, Emit)]
         self._save(rec, events)
         self._execute(rec, rest, events)
 
-    def _event(self, rec: r.Reclamation, emit: r.Emit) -> OutgoingEvent:
+    def _event(self, rec: r.Reclamation, emit: Emit) -> OutgoingEvent:
         now = self.clock() if emit.at is None else emit.at
         details = emit.details
         if emit.kind == "deadline_file_written" and self._deadline_unwritten is not None:
@@ -359,7 +392,7 @@ class DrainRunner:
     async def _delivered(self, recs: list[r.Reclamation], now: float) -> set[str] | None:
         """Of the SIGTERMs the old process announced, those the engine was asked to send."""
         announced = [
-            e["at"] for rec in recs for e in rec.announced.values() if e["signal"] == r.SIGTERM
+            e["at"] for rec in recs for e in rec.announced.values() if e["signal"] == SIGTERM
         ]
         if not announced:
             return None
@@ -400,11 +433,11 @@ class DrainRunner:
                     {"notice_id": parsed.notice_id, "lifted": False, "known": False},
                 )
                 return
-            self._step(rec, r.Cancelled(now))
+            self._step(rec, Cancelled(now))
             return
         if rec is not None:
             # Heard again: the machine decides what, if anything, it changes (D only earlier).
-            self._step(rec, r.NoticeHeard(now, parsed.action, parsed.terminate_at))
+            self._step(rec, NoticeHeard(now, parsed.action, parsed.terminate_at))
             return
         rec, commands = r.Reclamation.begin(parsed, self.cfg.node_id, now, self.cfg.margins)
         log.info(
@@ -417,12 +450,12 @@ class DrainRunner:
         self.live[rec.reclaim_id] = rec
         self._apply(rec, commands)  # the bundle is on disk before anything is done
 
-    def _with_listing(self, rid: str, event: r.Event) -> r.Event:
+    def _with_listing(self, rid: str, event: Event) -> Event:
         """The taint's answer (or its failure, or the tick past its deadline) with the listing
         made while the call was in flight, when it is back: the machine announces the first
         SIGTERM round in the same step, and the round sends at once. Otherwise the round lists
         and announces itself."""
-        if not isinstance(event, r.TaintAnswered | r.TaintUnanswered | r.Tick):
+        if not isinstance(event, TaintAnswered | TaintUnanswered | Tick):
             return event
         rec = self.live.get(rid)
         if event.listed is not None or rec is None or rec.phase != "tainting":
@@ -431,12 +464,12 @@ class DrainRunner:
         if ahead is None or not ahead.done() or ahead.cancelled() or ahead.exception():
             return event
         already = self._sigtermed_elsewhere(rid)
-        listed = tuple(r.RoundTarget(t.id, t.name, t.kind, t.image)
+        listed = tuple(RoundTarget(t.id, t.name, t.kind, t.image)
                        for t in ahead.result() if t.id not in already)  # fmt: skip
         return dataclasses.replace(event, listed=listed)
 
     def _on_listed(
-        self, rid: str, event: r.RoundListed, answer: asyncio.Future[tuple[str, ...]]
+        self, rid: str, event: RoundListed, answer: asyncio.Future[tuple[str, ...]]
     ) -> None:
         """A round's targets: the machine announces what it may signal, the bundle is saved,
         and the answer (DeliverSignals, in _execute) releases the round."""
@@ -450,7 +483,7 @@ class DrainRunner:
             if not answer.done():
                 answer.set_result(())  # a reclamation already finished: nothing to send
 
-    def _step(self, rec: r.Reclamation, event: r.Event) -> None:
+    def _step(self, rec: r.Reclamation, event: Event) -> None:
         self._apply(rec, rec.handle(event))
         if rec.lifted or rec.phase == "done":
             self.link.release_events(rec.reclaim_id)  # no SIGTERM round to wait for
@@ -482,7 +515,7 @@ class DrainRunner:
     # --- commands ----------------------------------------------------------------------------
 
     def _execute(
-        self, rec: r.Reclamation, commands: list[r.Command], events: list[OutgoingEvent]
+        self, rec: r.Reclamation, commands: list[Command], events: list[OutgoingEvent]
     ) -> None:
         # The step's events wait in memory (and go out to the coordinator) while the calls it
         # started get under way; its bundle holds them meanwhile.
@@ -504,28 +537,28 @@ class DrainRunner:
         self.outbox.store_held()
 
     def _execute_each(
-        self, rec: r.Reclamation, commands: list[r.Command], events: Iterator[OutgoingEvent]
+        self, rec: r.Reclamation, commands: list[Command], events: Iterator[OutgoingEvent]
     ) -> None:
         """Every command but WriteDeadlineFile (_apply writes the file before the bundle)."""
         rid = rec.reclaim_id
         for cmd in commands:
             match cmd:
-                case r.Emit():
+                case Emit():
                     self._put(next(events))
-                case r.RequestTaint(_, answer_by):
+                case RequestTaint(_, answer_by):
                     self._taint_calls[rid] = self._spawn(self._request_taint(rec, answer_by))
                     if rid not in self._listed_ahead:
                         self._listed_ahead[rid] = asyncio.ensure_future(
                             self.docker.targets(frozenset(), frozenset())
                         )
-                case r.ApplyLocalTaint():
+                case ApplyLocalTaint():
                     self.local_taints.apply(rid)  # held in memory if the disk refuses it
                     if self.local_taints.dirty:
                         self._next_write_retry = self.clock() + RETRY_WRITES_S
-                case r.RetryRemoteTaint():
+                case RetryRemoteTaint():
                     if rid not in self._taint_retries or self._taint_retries[rid].done():
                         self._taint_retries[rid] = self._spawn(self._retry_taint(rec))
-                case r.LiftTaints():
+                case LiftTaints():
                     ahead = self._listed_ahead.pop(rid, None)
                     if ahead is not None:
                         ahead.cancel()
@@ -536,8 +569,8 @@ class DrainRunner:
                     ):
                         self._next_write_retry = self.clock() + RETRY_WRITES_S
                     self._spawn(self._lift_remote_taint(rec))
-                case r.SignalContainers(signal, skip, announced):
-                    if signal == r.SIGTERM and not rec.sigterm_round_done:
+                case SignalContainers(signal, skip, announced):
+                    if signal == SIGTERM and not rec.sigterm_round_done:
                         # The first round only (a stray one may be asked at every look while a
                         # rental runs on: holding for each would starve the stream). This
                         # step's events (tainted, ...) and later ones wait on the stream
@@ -547,11 +580,11 @@ class DrainRunner:
                         # stores the notice before its reactions to the taint.
                         self.link.hold_events(rid)
                     self._spawn(self._signal_round(rid, signal, skip, cmd.skip_kinds, announced))
-                case r.DeliverSignals(_, containers):
+                case DeliverSignals(_, containers):
                     # After the save above: the announcement is on disk before any signal.
                     if self._round_answer is not None and not self._round_answer.done():
                         self._round_answer.set_result(containers)
-                case r.DrainWorkers(_, grace_deadline):
+                case DrainWorkers(_, grace_deadline):
                     containers = self.workers.drain(None, grace_deadline, rid)
                     names = tuple(
                         w.name
@@ -559,13 +592,13 @@ class DrainRunner:
                         if w.container_id in containers
                     )
                     if containers:
-                        self.feed(rid, r.WorkersDraining(self.clock(), tuple(containers), names))
-                case r.CutWorkers():
+                        self.feed(rid, WorkersDraining(self.clock(), tuple(containers), names))
+                case CutWorkers():
                     self.workers.cut_all()
-                case r.WatchExits(containers):
+                case WatchExits(containers):
                     for cid in containers:
                         self._spawn(self._watch_exit(rid, cid, rec.names.get(cid, cid[:12])))
-                case r.Observe():
+                case Observe():
                     self._spawn(self._observe(rid))
                 case _:
                     raise TypeError(cmd)
@@ -584,7 +617,7 @@ class DrainRunner:
         except OSError as e:
             self.health.failed(self.cfg.deadline_file, e)
 
-    def _write_deadline(self, rec: r.Reclamation, cmd: r.WriteDeadlineFile) -> None:
+    def _write_deadline(self, rec: r.Reclamation, cmd: WriteDeadlineFile) -> None:
         # The file is the node's: with two reclamations in force (one preemption heard by two
         # sources) it keeps the earlier G; a later one never moves it.
         rid, terminate_at, grace_deadline, reason = (
@@ -643,9 +676,9 @@ class DrainRunner:
                 grace_deadline=rec.grace_deadline,
             )
         except TaintError as e:
-            self.feed(rec.reclaim_id, r.TaintUnanswered(self.clock(), str(e)))
+            self.feed(rec.reclaim_id, TaintUnanswered(self.clock(), str(e)))
             return
-        self.feed(rec.reclaim_id, r.TaintAnswered(self.clock()))
+        self.feed(rec.reclaim_id, TaintAnswered(self.clock()))
 
     async def _lift_remote_taint(self, rec: r.Reclamation) -> None:
         # A background retry of the taint must stop, or it could land after the lift and taint
@@ -661,7 +694,7 @@ class DrainRunner:
             await self.link.resume_until_answered(rec.reclaim_id)
         else:
             await self.link.taint_until_answered(rec.reclaim_id, rec.reason, remove=True)
-        self.feed(rec.reclaim_id, r.TaintsLifted(self.clock()))
+        self.feed(rec.reclaim_id, TaintsLifted(self.clock()))
 
     async def _retry_taint(self, rec: r.Reclamation) -> None:
         # After the SIGTERMs the same step asked for: the coordinator has had its 800 ms, and a
@@ -675,7 +708,7 @@ class DrainRunner:
             terminate_at=rec.terminate_at,
             grace_deadline=rec.grace_deadline,
         )
-        self.feed(rec.reclaim_id, r.TaintAnswered(self.clock()))
+        self.feed(rec.reclaim_id, TaintAnswered(self.clock()))
 
     async def _signal_round(
         self,
@@ -694,20 +727,20 @@ class DrainRunner:
                 found = await ahead if ahead is not None else []
                 await self._send(rid, signal, [t for t in found if t.id in chosen])
                 return
-            if ahead is not None and signal != r.SIGTERM:
+            if ahead is not None and signal != SIGTERM:
                 ahead.cancel()  # no SIGTERM round came first (a notice past G): list afresh
                 ahead = None
             if ahead is not None:
                 found = [t for t in await ahead if t.id not in skip and t.kind not in skip_kinds]
             else:
                 found = await self.docker.targets(skip, skip_kinds)
-            if signal == r.SIGTERM:  # at most once per container, whichever reclamation sent it
+            if signal == SIGTERM:  # at most once per container, whichever reclamation sent it
                 already = self._sigtermed_elsewhere(rid)
                 found = [t for t in found if t.id not in already]
-            listed = r.RoundListed(
+            listed = RoundListed(
                 self.clock(),
                 signal,
-                tuple(r.RoundTarget(t.id, t.name, t.kind, t.image) for t in found),
+                tuple(RoundTarget(t.id, t.name, t.kind, t.image) for t in found),
             )
             answer: asyncio.Future[tuple[str, ...]] = asyncio.get_running_loop().create_future()
             self._queue.put_nowait(("listed", (rid, listed, answer)))
@@ -718,7 +751,7 @@ class DrainRunner:
         async for result in self.docker.signal_each(targets, signal):
             self.feed(rid, result)
         self.link.release_events(rid)  # the notice path is done: its events may go
-        self.feed(rid, r.SignalRoundDone(self.clock(), signal))
+        self.feed(rid, SignalRoundDone(self.clock(), signal))
 
     def _others(self, rid: str) -> list[r.Reclamation]:
         return [o for o in (*self.live.values(), *self.recent.values()) if o.reclaim_id != rid]
@@ -763,7 +796,7 @@ class DrainRunner:
             return
         self.feed(
             rec.reclaim_id,
-            r.WorkloadReported(
+            WorkloadReported(
                 self.clock(), name, report.kind, report.generation, report.nbytes, report.at
             ),
         )
@@ -809,4 +842,4 @@ class DrainRunner:
             pids,
             errors,
         )
-        self.feed(rid, r.Observed(self.clock(), running, pids, "; ".join(errors), rentals))
+        self.feed(rid, Observed(self.clock(), running, pids, "; ".join(errors), rentals))

@@ -25,7 +25,7 @@ from typing import Any
 import docker
 import docker.errors
 
-from spotdrain.agent.core.reclamation import ContainerExited, ContainerSignalled
+from spotdrain.agent.core.reclamation_events import ContainerExited, ContainerSignalled
 from spotdrain.workload import KIND_LABEL, NODE_LABEL
 
 log = logging.getLogger("spotdrain.agent.docker")

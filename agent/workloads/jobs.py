@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotdrain.agent.core.reclamation import SIGKILL, SIGTERM
+from spotdrain.agent.core.reclamation_commands import SIGKILL, SIGTERM
 from spotdrain.agent.workloads.docker_engine import RENTAL_KIND, DockerEngine, DockerUnavailable
 from spotdrain.agent.workloads.inference import MODEL_LABEL, WORKER_LABEL
 from spotdrain.agent.workloads.status_dirs import CONTAINER_STATUS_DIR, make_status_dir

@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from benchutil import base_environment, print_environment, say, summary, table, verdict  # noqa: E402
 
-from spotdrain.agent.core.reclamation import ContainerExited, ContainerSignalled  # noqa: E402
+from spotdrain.agent.core.reclamation_events import ContainerExited, ContainerSignalled  # noqa: E402
 from spotdrain.agent.workloads.inference import WorkerManager  # noqa: E402
 from spotdrain.agent.workloads.slot_gate import Interrupted  # noqa: E402
 

@@ -1,0 +1,170 @@
+"""What the agent's shell learned, as events for the reclamation machine
+(agent/core/reclamation.py): each carries the time it happened and only plain values, so a test
+can write a whole story as a list of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoundTarget:
+    """A container a signal round found running, as the engine listed it."""
+
+    container: str
+    name: str
+    kind: str = ""
+    image: str = ""
+
+
+@dataclass(frozen=True)
+class TaintAnswered:
+    """The coordinator stored the taint (the 800 ms call, or a later background retry).
+
+    `listed`: the node's containers as the shell listed them while the call was in flight
+    (None: that listing is not back yet). The first SIGTERM round then announces them in this
+    same step, one bundle save, instead of listing again and saving once more."""
+
+    now: float
+    listed: tuple[RoundTarget, ...] | None = None
+
+
+@dataclass(frozen=True)
+class TaintUnanswered:
+    """The Taint call did not answer by its deadline, or failed (`listed` as TaintAnswered's)."""
+
+    now: float
+    error: str
+    listed: tuple[RoundTarget, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ContainerSignalled:
+    now: float
+    container: str
+    name: str
+    signal: str
+    via: str  # "api" or "pid" (the engine hung; docs/design.md step 4)
+    error: str = ""  # non-empty: neither route delivered it
+    # What the coordinator tracks the workload's contract by (coordinator/fleet/contracts.py).
+    image: str = ""
+    kind: str = ""
+
+
+@dataclass(frozen=True)
+class RoundListed:
+    """A signal round has listed its targets and sends nothing until the machine has recorded
+    them (answered with DeliverSignals, after the shell saved the bundle)."""
+
+    now: float
+    signal: str
+    targets: tuple[RoundTarget, ...] = ()
+
+
+@dataclass(frozen=True)
+class SignalRoundDone:
+    """Every container the round found has been tried (results came as ContainerSignalled)."""
+
+    now: float
+    signal: str
+
+
+@dataclass(frozen=True)
+class ContainerExited:
+    now: float
+    container: str
+    name: str
+    exit_code: int
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One verification observation. `error` set: the observation failed, which is not empty."""
+
+    now: float
+    running: tuple[str, ...] = ()  # ids of running containers labelled with this node
+    gpu_processes: tuple[int, ...] = ()  # pids NVML lists on any GPU
+    error: str = ""
+    # The rentals among `running`: they run until G (reclaim_at), so before the SIGKILL round
+    # they are work still there, not strays to signal.
+    rentals: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkersDraining:
+    """The node's inference workers now refuse new requests at their slot gates; each is
+    stopped when its last slot is released, or at G."""
+
+    now: float
+    containers: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The owner resumed the node (a pause only): the machine is theirs no longer."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class TaintsLifted:
+    """The coordinator acknowledged the lift of a cancel or a resume."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class Tick:
+    now: float
+    # The listing made during the Taint call, for a tick that may pass its deadline (the local
+    # fallback then announces it, as TaintUnanswered.listed).
+    listed: tuple[RoundTarget, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    now: float
+
+
+@dataclass(frozen=True)
+class NoticeHeard:
+    """The provider's notice for this reclamation, heard again: re-read, re-stamped or
+    rewritten. D is the earliest ever heard (DESIGN "one interruption is one reclamation"):
+    an earlier D moves D, G and O earlier; a later one is recorded and moves nothing."""
+
+    now: float
+    action: str
+    terminate_at: float | None  # None: the notice names no time, so it says nothing of D
+
+
+@dataclass(frozen=True)
+class WorkloadReported:
+    """A report a container wrote into its status directory (spotdrain.workload), as the agent
+    read it at `now`. Information only: it never moves a deadline and never counts towards
+    verification (docs/design.md "Workload status directory")."""
+
+    now: float
+    name: str  # the container's name (its status directory's)
+    report: str  # "checkpoint_started" or "checkpoint_committed"
+    generation: int
+    nbytes: int | None = None
+    reported_at: float = 0.0  # the workload's own clock
+
+
+Event = (
+    TaintAnswered
+    | TaintUnanswered
+    | ContainerSignalled
+    | RoundListed
+    | SignalRoundDone
+    | ContainerExited
+    | Observed
+    | WorkersDraining
+    | Resumed
+    | TaintsLifted
+    | Tick
+    | Cancelled
+    | WorkloadReported
+    | NoticeHeard
+)

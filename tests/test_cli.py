@@ -346,7 +346,7 @@ def test_spotctl_status_without_an_agent_says_so(tmp_path):
 
 
 def test_spotctl_status_shows_rentals_and_jobs():
-    from spotdrain.agent.spotctl.main import render_status
+    from spotdrain.agent.spotctl.render import render_status
 
     text = render_status({
         "node": "node-a", "state": "draining", "paused": True,
@@ -361,7 +361,7 @@ def test_spotctl_status_shows_rentals_and_jobs():
 
 
 def test_spotctl_status_names_a_broken_source_and_an_advisory():
-    from spotdrain.agent.spotctl.main import render_status
+    from spotdrain.agent.spotctl.render import render_status
 
     text = render_status({
         "node": "node-a", "state": "available", "paused": False, "drain": None,

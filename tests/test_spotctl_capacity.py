@@ -19,6 +19,7 @@ import pytest
 from google.protobuf.message import Message
 
 from spotdrain.agent.spotctl import main as ctl
+from spotdrain.agent.spotctl import render
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
@@ -176,7 +177,7 @@ async def test_nodes_table_shows_flags_taints_load_and_an_avoided_group(coordina
     assert a.split()[:9] == [
         "node-a", "spot", "eu-west-a", "acme", "enabled", "2", "1", "yes", "notice"
     ]  # fmt: skip
-    assert f"group avoided until {ctl._iso(avoided)} (in " in a
+    assert f"group avoided until {render.iso(avoided)} (in " in a
     assert b.split() == ["node-b", "on-demand", "-", "-", "disabled", "0", "0", "no", "-"]
 
 
@@ -266,7 +267,8 @@ async def test_rentals_list_shows_a_coming_reclaim_and_an_end(coordinator, spotc
     _, first, second = result.out.splitlines()
     assert first.split()[:6] == ["rnt-1", "node-a", "running", "bob", "2", "on-demand"]
     assert re.search(
-        rf"RECLAIM at {re.escape(ctl._iso(reclaim_at))} \(in (8\d|90)\.\d s\): notice rcl-7$", first
+        rf"RECLAIM at {re.escape(render.iso(reclaim_at))} \(in (8\d|90)\.\d s\): notice rcl-7$",
+        first,
     )
     assert second.endswith("ended 2023-11-14T22:14:20.000Z by renter, exit code 0")
     as_json = await spotctl("rentals", "--json")
@@ -327,7 +329,7 @@ async def test_get_rental_shows_the_reclaim_prominently(coordinator, spotctl):
     lines = result.out.splitlines()
     assert lines[0] == "rental rnt-1 on node-a (provider acme, spot at start): running"
     assert re.fullmatch(
-        rf"  RECLAIM at {re.escape(ctl._iso(reclaim_at))} \(in (2\d|30)\.\d s\): pause rcl-2",
+        rf"  RECLAIM at {re.escape(render.iso(reclaim_at))} \(in (2\d|30)\.\d s\): pause rcl-2",
         lines[2],
     )
 

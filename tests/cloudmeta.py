@@ -466,6 +466,14 @@ class AwsImds(_Emulator):
             self._rebalance = None
             self._changed("rebalance")
 
+    def resume(self) -> None:
+        """The instance started again after a hibernation, with the same instance id (and boot
+        id): what was pending for the interruption it hibernated for is no longer shown."""
+        with self._lock:
+            self._instance_action = None
+            self._rebalance = None
+            self._changed("resumed")
+
     def set_maintenance(self, events: list[dict]) -> None:
         """events/maintenance/scheduled: [] for none, else dicts such as aws_maintenance_event()."""
         with self._lock:

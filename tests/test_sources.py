@@ -18,13 +18,14 @@ from cloudmeta import (
     AwsImds,
     AzureMetadata,
     GceMetadata,
+    ManualClock,
     aws_maintenance_event,
     iso_utc,
     unreadable_event,
 )
 from spotdrain.agent.notice import Notice, NoticeInvalid
 from spotdrain.agent.sources import aws, azure, gcp
-from spotdrain.agent.sources.base import Advisory, Health
+from spotdrain.agent.sources.base import Advisory, Health, slept_s
 
 NOW = 1_800_000_000.0  # the injected clock: deadlines computed from it are exact
 
@@ -99,9 +100,10 @@ BOOT = "0c9f0d5e-6f43-4a3e-9d0c-2b4c8a1e7f10"
 INSTANCE_ACTION = "/latest/meta-data/spot/instance-action"
 
 
-def aws_source(imds: AwsImds, sink: Recorder) -> aws.Source:
+def aws_source(imds: AwsImds, sink: Recorder, slept=lambda: 0.0) -> aws.Source:
+    """`slept`: the seconds this boot has spent suspended (a host that never slept, unless told)."""
     cfg = aws.Config.from_table({"endpoint": imds.url, "poll_s": 0.1}, "")
-    return aws.Source(cfg, sink, clock=lambda: NOW, boot=lambda: BOOT)
+    return aws.Source(cfg, sink, clock=lambda: NOW, boot=lambda: BOOT, slept=slept)
 
 
 def instance_action_reads(imds: AwsImds) -> int:
@@ -166,6 +168,70 @@ async def test_aws_rebalance_re_stamped_on_every_read_is_one_advisory():
         assert [(a.key, a.withdrawn) for a in sink.of(Advisory)] == [
             (f"aws:rebalance:{BOOT}", False)
         ]
+
+
+async def test_aws_rebalance_survives_two_missing_reads_and_comes_anew_after_a_resume():
+    """A rebalance recommendation missing from two reads in a row is not withdrawn (withdrawn,
+    the agent would never raise it again); after the instance hibernated and resumed, the old
+    one is withdrawn and a new recommendation is a new advisory, not the lifted one again."""
+    slept = ManualClock(0.0)
+    with AwsImds() as imds:
+        imds.set_rebalance(iso_utc(NOW))
+        sink = Recorder()
+        async with running(aws_source(imds, sink, slept)):
+            await sink.until(has(Advisory))
+            path = "/latest/meta-data/events/recommendations/rebalance"
+            imds.fail_next(2, 404, path=path)
+            await imds.await_seen(lambda s: s.path == path and s.status == 404, count=2)
+            back = len([s for s in imds.seen if s.path == path and s.status == 200])
+            # A barrier: a read answered after the two 404s, and a later one, so it was handled.
+            await imds.await_seen(lambda s: s.path == path and s.status == 200, count=back + 2)
+            assert [a.withdrawn for a in sink.of(Advisory)] == [False]
+            imds.resume()
+            slept.advance(3600.0)
+            await sink.until(has(Advisory, withdrawn=True))
+            imds.set_rebalance(iso_utc(NOW + 3600))
+            await sink.until(has(Advisory, 2, withdrawn=False))
+        first, withdrawn, second = sink.of(Advisory)
+        assert first.key == withdrawn.key == f"aws:rebalance:{BOOT}" and withdrawn.withdrawn
+        assert second.key == f"aws:rebalance:{BOOT}:3600s:0" and not second.withdrawn
+
+
+async def test_aws_instance_action_keys_name_each_interruption_of_one_boot():
+    """One boot, three interruptions: the first keyed by the boot alone (as in every earlier
+    version, so a restart mid-drain finds its bundle), one after the notice went away, and one
+    after a hibernation, whose key holds even for an agent that started after the resume."""
+    slept = ManualClock(0.0)
+    with AwsImds() as imds:
+        sink = Recorder()
+        imds.set_instance_action("terminate", iso_utc(NOW + 120))
+        async with running(aws_source(imds, sink, slept)):
+            await sink.until(has(Notice))
+            imds.clear_instance_action()
+            await imds.await_seen(lambda s: s.path == INSTANCE_ACTION and s.status == 404,
+                                  count=aws.GONE_AFTER)  # fmt: skip
+            imds.set_instance_action("stop", iso_utc(NOW + 240))
+            await sink.until(has(Notice, 2))
+            imds.resume()
+            slept.advance(7200.4)
+            imds.set_instance_action("hibernate", iso_utc(NOW + 360))
+            await sink.until(has(Notice, action="hibernate"))
+        after_restart = Recorder()
+        async with running(aws_source(imds, after_restart, slept)):
+            await after_restart.until(has(Notice))
+        assert [n.key for n in sink.of(Notice)] == [
+            f"aws:instance-action:{BOOT}",
+            f"aws:instance-action:{BOOT}:0s:1",
+            f"aws:instance-action:{BOOT}:7200s:0",
+        ]
+        assert [n.key for n in after_restart.of(Notice)] == [f"aws:instance-action:{BOOT}:7200s:0"]
+
+
+def test_the_time_slept_reads_the_same_while_the_host_stays_awake():
+    """CLOCK_BOOTTIME - CLOCK_MONOTONIC moves only by a suspend: read twice, it agrees far
+    inside the second the keys are rounded to."""
+    first, second = slept_s(), slept_s()
+    assert first >= 0.0 and abs(second - first) < 0.001
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ until cancelled and never raises for a provider's fault. What it reads becomes a
 `NoticeInvalid` (agent/notice.py), an `Advisory`, or a health fact; the sink (the agent's source
 hub) dedupes across sources and restarts, and turns them into reclamations and events. A source
 holds no state that matters across a restart: ids are deterministic, so reading the same
-provider document again after a restart is the same reclamation, never a second one.
+provider document again after a restart is the same reclamation, never a second one (AWS's
+count of notices gone within a boot is the one exception, docs/notice-sources.md).
 """
 
 from __future__ import annotations

@@ -122,8 +122,12 @@ class Seen:
     status: int | None = None
 
 
-def _text(body: str | bytes, status: int = 200, content_type: str = "text/plain",
-          headers: dict[str, str] | None = None) -> web.Response:
+def _text(
+    body: str | bytes,
+    status: int = 200,
+    content_type: str = "text/plain",
+    headers: dict[str, str] | None = None,
+) -> web.Response:
     data = body.encode() if isinstance(body, str) else body
     return web.Response(status=status, body=data, content_type=content_type, headers=headers)
 
@@ -151,7 +155,8 @@ class _Emulator:
         self._listening = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
-            target=self._loop.run_forever, name=f"cloudmeta-{self.kind}", daemon=True)
+            target=self._loop.run_forever, name=f"cloudmeta-{self.kind}", daemon=True
+        )
         self._thread.start()
         try:
             self._call(self._setup(port))
@@ -203,7 +208,8 @@ class _Emulator:
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
         self._wake = asyncio.Event()
         self._runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
         await self._runner.setup()
         await self._listen(port)
 
@@ -254,8 +260,9 @@ class _Emulator:
 
     # -- faults --
 
-    def fail_next(self, n: int = 1, status: int = 503, body: bytes = b"",
-                  path: str | None = None) -> None:
+    def fail_next(
+        self, n: int = 1, status: int = 503, body: bytes = b"", path: str | None = None
+    ) -> None:
         """Answer the next n requests (those whose path starts with `path`, if given) with
         `status` instead of their real answer."""
         with self._lock:
@@ -300,26 +307,33 @@ class _Emulator:
         with self._lock:
             self._log.clear()
 
-    def wait_seen(self, match: Callable[[Seen], bool] = lambda s: True, count: int = 1,
-                  timeout: float = 5.0) -> list[Seen]:
+    def wait_seen(
+        self, match: Callable[[Seen], bool] = lambda s: True, count: int = 1, timeout: float = 5.0
+    ) -> list[Seen]:
         """Block until `count` logged requests satisfy `match`; returns them. TimeoutError
         otherwise. From an async test use `await emu.await_seen(...)` instead."""
         with self._cond:
-            if not self._cond.wait_for(
-                    lambda: sum(map(match, self._log)) >= count, timeout):
+            if not self._cond.wait_for(lambda: sum(map(match, self._log)) >= count, timeout):
                 raise TimeoutError(f"{self.kind}: fewer than {count} matching requests")
             return [s for s in self._log if match(s)]
 
-    async def await_seen(self, match: Callable[[Seen], bool] = lambda s: True, count: int = 1,
-                         timeout: float = 5.0) -> list[Seen]:
+    async def await_seen(
+        self, match: Callable[[Seen], bool] = lambda s: True, count: int = 1, timeout: float = 5.0
+    ) -> list[Seen]:
         return await asyncio.to_thread(self.wait_seen, match, count, timeout)
 
     # -- request handling --
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        seen = Seen(request.method, request.path, MultiDictProxy(MultiDict(request.query)),
-                    CIMultiDictProxy(CIMultiDict(request.headers)), body, time.monotonic())
+        seen = Seen(
+            request.method,
+            request.path,
+            MultiDictProxy(MultiDict(request.query)),
+            CIMultiDictProxy(CIMultiDict(request.headers)),
+            body,
+            time.monotonic(),
+        )
         with self._cond:
             self._log.append(seen)
             self._cond.notify_all()
@@ -333,11 +347,15 @@ class _Emulator:
                     cut, _ = self._take(self._malformed, request.path, lambda p: p)
                 if cut:
                     good = response.body if isinstance(response.body, bytes) else b""
-                    response = _text(good[: len(good) // 2] + b"\xff{",
-                                     content_type=response.content_type,
-                                     headers={k: v for k, v in response.headers.items()
-                                              if k.lower() not in ("content-length",
-                                                                   "content-type")})
+                    response = _text(
+                        good[: len(good) // 2] + b"\xff{",
+                        content_type=response.content_type,
+                        headers={
+                            k: v
+                            for k, v in response.headers.items()
+                            if k.lower() not in ("content-length", "content-type")
+                        },
+                    )
         self._decorate(response)
         with self._cond:
             seen.status = response.status
@@ -396,15 +414,25 @@ TOKEN_HEADER = "X-aws-ec2-metadata-token"
 SPOT_ACTIONS = ("hibernate", "stop", "terminate")
 
 
-def aws_maintenance_event(code: str = "system-reboot", *, event_id: str | None = None,
-                          not_before: float | None = None, not_after: float | None = None,
-                          state: str = "active", description: str = "scheduled reboot") -> dict:
+def aws_maintenance_event(
+    code: str = "system-reboot",
+    *,
+    event_id: str | None = None,
+    not_before: float | None = None,
+    not_after: float | None = None,
+    state: str = "active",
+    description: str = "scheduled reboot",
+) -> dict:
     """One element of events/maintenance/scheduled, shaped as AWS documents it."""
     start = time.time() + 3600 if not_before is None else not_before
-    return {"NotBefore": aws_date(start), "Code": code, "Description": description,
-            "EventId": event_id or f"instance-event-{secrets.token_hex(9)[:17]}",
-            "NotAfter": aws_date(start + 1000 if not_after is None else not_after),
-            "State": state}
+    return {
+        "NotBefore": aws_date(start),
+        "Code": code,
+        "Description": description,
+        "EventId": event_id or f"instance-event-{secrets.token_hex(9)[:17]}",
+        "NotAfter": aws_date(start + 1000 if not_after is None else not_after),
+        "State": state,
+    }
 
 
 class AwsImds(_Emulator):
@@ -412,10 +440,16 @@ class AwsImds(_Emulator):
 
     kind = "aws"
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time,
-                 instance_id: str = "i-0123456789abcdef0", require_v2: bool = True,
-                 host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        instance_id: str = "i-0123456789abcdef0",
+        require_v2: bool = True,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
         self.clock = clock
         self.wall = wall  # what a re-stamped time is written from, read once per answer
         self.instance_id = instance_id
@@ -444,8 +478,10 @@ class AwsImds(_Emulator):
         if action not in SPOT_ACTIONS:
             raise ValueError(f"instance-action is one of {SPOT_ACTIONS}, not {action!r}")
         with self._lock:
-            self._instance_action = {"action": action,
-                                     "time": time_iso or iso_utc(time.time() + 120)}
+            self._instance_action = {
+                "action": action,
+                "time": time_iso or iso_utc(time.time() + 120),
+            }
             self._action_in_s = restamp_in_s
             self._changed("instance-action")
 
@@ -465,6 +501,14 @@ class AwsImds(_Emulator):
         with self._lock:
             self._rebalance = None
             self._changed("rebalance")
+
+    def resume(self) -> None:
+        """The instance started again after a hibernation, with the same instance id (and boot
+        id): what was pending for the interruption it hibernated for is no longer shown."""
+        with self._lock:
+            self._instance_action = None
+            self._rebalance = None
+            self._changed("resumed")
 
     def set_maintenance(self, events: list[dict]) -> None:
         """events/maintenance/scheduled: [] for none, else dicts such as aws_maintenance_event()."""
@@ -522,13 +566,16 @@ class AwsImds(_Emulator):
 
     def _get(self, path: str) -> web.Response:
         prefix = "/latest/meta-data/"
-        item = path[len(prefix):] if path.startswith(prefix) else None
+        item = path[len(prefix) :] if path.startswith(prefix) else None
         if item == "spot/instance-action" and self._instance_action:
             if self._action_in_s is not None:
                 self._instance_action["time"] = iso_utc(self.wall() + self._action_in_s)
             return _text(json.dumps(self._instance_action))
-        if (item == "spot/termination-time" and self._instance_action
-                and self._instance_action["action"] == "terminate"):
+        if (
+            item == "spot/termination-time"
+            and self._instance_action
+            and self._instance_action["action"] == "terminate"
+        ):
             return _text(self._instance_action["time"])
         if item == "events/recommendations/rebalance" and self._rebalance:
             if self._restamp_rebalance:
@@ -554,10 +601,20 @@ class GceMetadata(_Emulator):
 
     kind = "gcp"
 
-    def __init__(self, *, instance_id: str = "4520031799277581759", name: str = "gpu-node-0",
-                 host: str = "127.0.0.1", port: int = 0) -> None:
-        self._values = {"preempted": "FALSE", "maintenance-event": "NONE",
-                        "id": instance_id, "name": name}
+    def __init__(
+        self,
+        *,
+        instance_id: str = "4520031799277581759",
+        name: str = "gpu-node-0",
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self._values = {
+            "preempted": "FALSE",
+            "maintenance-event": "NONE",
+            "id": instance_id,
+            "name": name,
+        }
         self._released = 0
         self._hanging = 0
         self._impostor = False
@@ -633,7 +690,7 @@ class GceMetadata(_Emulator):
             return _text("Missing required header: Metadata-Flavor", 403, "text/html")
         if request.method != "GET":
             return _text("", 405)
-        key = request.path[len(GCE_PREFIX):] if request.path.startswith(GCE_PREFIX) else None
+        key = request.path[len(GCE_PREFIX) :] if request.path.startswith(GCE_PREFIX) else None
         with self._lock:
             if key not in self._values:
                 return _text("", 404, "text/html")
@@ -644,8 +701,9 @@ class GceMetadata(_Emulator):
                 return _text("timeout_sec must be a positive integer", 400, "text/html")
             last = request.query.get("last_etag") or self._etag(key, value)
             value = await self._hang(key, last, int(raw) if raw else None)
-        return _text(value, content_type="application/text",
-                     headers={"ETag": self._etag(key, value)})
+        return _text(
+            value, content_type="application/text", headers={"ETag": self._etag(key, value)}
+        )
 
     async def _hang(self, key: str, last_etag: str, timeout: float | None) -> str:
         deadline = None if timeout is None else self._loop.time() + timeout
@@ -657,8 +715,11 @@ class GceMetadata(_Emulator):
             while True:
                 with self._lock:
                     value = self._values[key]
-                    done = (self._etag(key, value) != last_etag or self._released != released
-                            or self._closing)
+                    done = (
+                        self._etag(key, value) != last_etag
+                        or self._released != released
+                        or self._closing
+                    )
                 if done:
                     return value
                 remaining = None if deadline is None else deadline - self._loop.time()
@@ -676,29 +737,63 @@ class GceMetadata(_Emulator):
 
 # --- Azure IMDS and Scheduled Events -------------------------------------------------------------
 
-SCHEDULED_EVENTS_VERSIONS = ("2017-03-01", "2017-08-01", "2017-11-01", "2019-01-01",
-                             "2019-04-01", "2019-08-01", "2020-07-01")
-INSTANCE_VERSIONS = ("2017-04-02", "2017-08-01", "2018-10-01", "2019-06-01", "2020-09-01",
-                     "2021-02-01", "2021-12-13", "2023-07-01", "2024-07-17", "2025-04-07")
+SCHEDULED_EVENTS_VERSIONS = (
+    "2017-03-01",
+    "2017-08-01",
+    "2017-11-01",
+    "2019-01-01",
+    "2019-04-01",
+    "2019-08-01",
+    "2020-07-01",
+)
+INSTANCE_VERSIONS = (
+    "2017-04-02",
+    "2017-08-01",
+    "2018-10-01",
+    "2019-06-01",
+    "2020-09-01",
+    "2021-02-01",
+    "2021-12-13",
+    "2023-07-01",
+    "2024-07-17",
+    "2025-04-07",
+)
 EVENT_TYPES = ("Freeze", "Reboot", "Redeploy", "Preempt", "Terminate")
 
 
-def azure_event(event_id: str | None = None, *, event_type: str = "Preempt",
-                resources: tuple[str, ...] | list[str] = ("gpu-node-0",),
-                status: str = "Scheduled", not_before: float | str | None = None,
-                description: str = "", source: str = "Platform", duration: int = -1,
-                date_style: str = "rfc1123") -> dict:
+def azure_event(
+    event_id: str | None = None,
+    *,
+    event_type: str = "Preempt",
+    resources: tuple[str, ...] | list[str] = ("gpu-node-0",),
+    status: str = "Scheduled",
+    not_before: float | str | None = None,
+    description: str = "",
+    source: str = "Platform",
+    duration: int = -1,
+    date_style: str = "rfc1123",
+) -> dict:
     """One Scheduled Events entry with every field of api-version 2020-07-01. `not_before` as
     a UNIX time or an already formatted string; the default is the documented minimum notice
     for a Preempt (30 s) from now. `date_style`: one of AZURE_DATE_STYLES."""
     if event_type not in EVENT_TYPES:
         raise ValueError(f"EventType is one of {EVENT_TYPES}, not {event_type!r}")
-    when = not_before if isinstance(not_before, str) else AZURE_DATE_STYLES[date_style](
-        time.time() + 30 if not_before is None else not_before)
-    return {"EventId": event_id or str(uuid.uuid4()).upper(), "EventType": event_type,
-            "ResourceType": "VirtualMachine", "Resources": list(resources),
-            "EventStatus": status, "NotBefore": when, "Description": description,
-            "EventSource": source, "DurationInSeconds": duration}
+    when = (
+        not_before
+        if isinstance(not_before, str)
+        else AZURE_DATE_STYLES[date_style](time.time() + 30 if not_before is None else not_before)
+    )
+    return {
+        "EventId": event_id or str(uuid.uuid4()).upper(),
+        "EventType": event_type,
+        "ResourceType": "VirtualMachine",
+        "Resources": list(resources),
+        "EventStatus": status,
+        "NotBefore": when,
+        "Description": description,
+        "EventSource": source,
+        "DurationInSeconds": duration,
+    }
 
 
 def unreadable_event(
@@ -723,8 +818,14 @@ class AzureMetadata(_Emulator):
 
     kind = "azure"
 
-    def __init__(self, *, vm_name: str = "gpu-node-0", on_start: str = "start",
-                 host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        vm_name: str = "gpu-node-0",
+        on_start: str = "start",
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
         if on_start not in ("start", "remove", "keep"):
             raise ValueError(f"on_start: start, remove or keep, not {on_start!r}")
         self.vm_name = vm_name
@@ -757,12 +858,15 @@ class AzureMetadata(_Emulator):
 
     def document(self) -> dict:
         with self._lock:
-            return {"DocumentIncarnation": self.incarnation,
-                    "Events": [dict(e) for e in self._events]}
+            return {
+                "DocumentIncarnation": self.incarnation,
+                "Events": [dict(e) for e in self._events],
+            }
 
     async def _handle(self, request: web.Request, seen: Seen) -> web.Response:
         if request.headers.get("Metadata", "").lower() != "true" or (
-                "X-Forwarded-For" in request.headers):
+            "X-Forwarded-For" in request.headers
+        ):
             return _json({"error": "Bad request. Required metadata header not specified"}, 400)
         if any(len(request.query.getall(k)) > 1 for k in request.query):
             return _json({"error": "Bad request. Query parameters are duplicated"}, 400)
@@ -773,9 +877,14 @@ class AzureMetadata(_Emulator):
         else:
             return _json({"error": "Not found"}, 404)
         if request.query.get("api-version") not in versions:
-            return _json({"error": "Bad request. api-version is invalid or was not specified in "
-                                   "the request. For more information refer to aka.ms/azureimds",
-                          "newest-versions": list(reversed(versions))[:3]}, 400)
+            return _json(
+                {
+                    "error": "Bad request. api-version is invalid or was not specified in "
+                    "the request. For more information refer to aka.ms/azureimds",
+                    "newest-versions": list(reversed(versions))[:3],
+                },
+                400,
+            )
         if versions is INSTANCE_VERSIONS:
             return self._instance(request)
         if request.method == "GET":
@@ -788,16 +897,21 @@ class AzureMetadata(_Emulator):
         if request.method != "GET":
             return _json({"error": "Method not allowed"}, 405)
         with self._lock:
-            compute = {"name": self.vm_name, "priority": "Spot", "evictionPolicy": "Delete",
-                       "osType": "Linux", "location": "westeurope"}
-        tail = request.path[len("/metadata/instance"):].strip("/")
+            compute = {
+                "name": self.vm_name,
+                "priority": "Spot",
+                "evictionPolicy": "Delete",
+                "osType": "Linux",
+                "location": "westeurope",
+            }
+        tail = request.path[len("/metadata/instance") :].strip("/")
         fmt = request.query.get("format", "json")
         if tail in ("", "compute"):
             return _json(compute if tail else {"compute": compute})
-        if tail.startswith("compute/") and tail[len("compute/"):] in compute:
+        if tail.startswith("compute/") and tail[len("compute/") :] in compute:
             if fmt != "text":  # a leaf node answers only format=text
                 return _json({"error": "Bad request. Leaf nodes require format=text"}, 400)
-            return _text(compute[tail[len("compute/"):]])
+            return _text(compute[tail[len("compute/") :]])
         return _json({"error": "Not found"}, 404)
 
     def _start_requests(self, body: bytes) -> web.Response:
@@ -824,8 +938,7 @@ class AzureMetadata(_Emulator):
         return _text("", 200)
 
 
-EMULATORS: dict[str, type[_Emulator]] = {"aws": AwsImds, "gcp": GceMetadata,
-                                         "azure": AzureMetadata}
+EMULATORS: dict[str, type[_Emulator]] = {"aws": AwsImds, "gcp": GceMetadata, "azure": AzureMetadata}
 
 
 def control(emulator: _Emulator, lines, out) -> None:
@@ -841,8 +954,11 @@ def control(emulator: _Emulator, lines, out) -> None:
             if not isinstance(name, str) or name.startswith("_"):
                 raise AttributeError(f"no public member {name!r}")
             member = getattr(emulator, name)
-            result = (member(*request.get("args", ()), **request.get("kwargs", {}))
-                      if callable(member) else member)
+            result = (
+                member(*request.get("args", ()), **request.get("kwargs", {}))
+                if callable(member)
+                else member
+            )
             changed = emulator.changed_at
             wall = None if changed is None else time.time() - (time.monotonic() - changed)
             answer = {"result": _plain(result), "changed_wall": wall}
@@ -854,8 +970,7 @@ def control(emulator: _Emulator, lines, out) -> None:
 
 def _plain(value: Any) -> Any:
     if isinstance(value, Seen):
-        return {"method": value.method, "path": value.path, "status": value.status,
-                "at": value.at}
+        return {"method": value.method, "path": value.path, "status": value.status, "at": value.at}
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
     try:
@@ -870,9 +985,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("cloud", choices=sorted(EMULATORS))
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--control", action="store_true",
-                        help="take calls on stdin, one JSON line each, answered on stdout; "
-                             "end of input stops it")
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="take calls on stdin, one JSON line each, answered on stdout; end of input stops it",
+    )
     args = parser.parse_args(argv)
     stop = threading.Event()
 
@@ -889,6 +1006,7 @@ def main(argv: list[str] | None = None) -> None:
             control(emulator, sys.stdin, sys.stdout)
         else:
             stop.wait()
+
 
 if __name__ == "__main__":
     main()

@@ -18,13 +18,14 @@ from cloudmeta import (
     AwsImds,
     AzureMetadata,
     GceMetadata,
+    ManualClock,
     aws_maintenance_event,
     iso_utc,
     unreadable_event,
 )
 from spotdrain.agent.core.notice import Notice, NoticeInvalid
 from spotdrain.agent.notices import aws, azure, gcp
-from spotdrain.agent.notices.base import Advisory, Health
+from spotdrain.agent.notices.base import Advisory, Health, slept_s
 
 NOW = 1_800_000_000.0  # the injected clock: deadlines computed from it are exact
 
@@ -86,9 +87,13 @@ async def running(source):
 
 def has(kind: type, n: int = 1, **fields):
     def check(told: list[Any]) -> bool:
-        found = [t for t in told if isinstance(t, kind)
-                 and all(getattr(t, k) == v for k, v in fields.items())]
+        found = [
+            t
+            for t in told
+            if isinstance(t, kind) and all(getattr(t, k) == v for k, v in fields.items())
+        ]
         return len(found) >= n
+
     return check
 
 
@@ -99,9 +104,10 @@ BOOT = "0c9f0d5e-6f43-4a3e-9d0c-2b4c8a1e7f10"
 INSTANCE_ACTION = "/latest/meta-data/spot/instance-action"
 
 
-def aws_source(imds: AwsImds, sink: Recorder) -> aws.Source:
+def aws_source(imds: AwsImds, sink: Recorder, slept=lambda: 0.0) -> aws.Source:
+    """`slept`: the seconds this boot has spent suspended (a host that never slept, unless told)."""
     cfg = aws.Config.from_table({"endpoint": imds.url, "poll_s": 0.1}, "")
-    return aws.Source(cfg, sink, clock=lambda: NOW, boot=lambda: BOOT)
+    return aws.Source(cfg, sink, clock=lambda: NOW, boot=lambda: BOOT, slept=slept)
 
 
 def instance_action_reads(imds: AwsImds) -> int:
@@ -168,6 +174,70 @@ async def test_aws_rebalance_re_stamped_on_every_read_is_one_advisory():
         ]
 
 
+async def test_aws_rebalance_survives_two_missing_reads_and_comes_anew_after_a_resume():
+    """A rebalance recommendation missing from two reads in a row is not withdrawn (withdrawn,
+    the agent would never raise it again); after the instance hibernated and resumed, the old
+    one is withdrawn and a new recommendation is a new advisory, not the lifted one again."""
+    slept = ManualClock(0.0)
+    with AwsImds() as imds:
+        imds.set_rebalance(iso_utc(NOW))
+        sink = Recorder()
+        async with running(aws_source(imds, sink, slept)):
+            await sink.until(has(Advisory))
+            path = "/latest/meta-data/events/recommendations/rebalance"
+            imds.fail_next(2, 404, path=path)
+            await imds.await_seen(lambda s: s.path == path and s.status == 404, count=2)
+            back = len([s for s in imds.seen if s.path == path and s.status == 200])
+            # A barrier: a read answered after the two 404s, and a later one, so it was handled.
+            await imds.await_seen(lambda s: s.path == path and s.status == 200, count=back + 2)
+            assert [a.withdrawn for a in sink.of(Advisory)] == [False]
+            imds.resume()
+            slept.advance(3600.0)
+            await sink.until(has(Advisory, withdrawn=True))
+            imds.set_rebalance(iso_utc(NOW + 3600))
+            await sink.until(has(Advisory, 2, withdrawn=False))
+        first, withdrawn, second = sink.of(Advisory)
+        assert first.key == withdrawn.key == f"aws:rebalance:{BOOT}" and withdrawn.withdrawn
+        assert second.key == f"aws:rebalance:{BOOT}:3600s:0" and not second.withdrawn
+
+
+async def test_aws_instance_action_keys_name_each_interruption_of_one_boot():
+    """One boot, three interruptions: the first keyed by the boot alone (as in every earlier
+    version, so a restart mid-drain finds its bundle), one after the notice went away, and one
+    after a hibernation, whose key holds even for an agent that started after the resume."""
+    slept = ManualClock(0.0)
+    with AwsImds() as imds:
+        sink = Recorder()
+        imds.set_instance_action("terminate", iso_utc(NOW + 120))
+        async with running(aws_source(imds, sink, slept)):
+            await sink.until(has(Notice))
+            imds.clear_instance_action()
+            await imds.await_seen(lambda s: s.path == INSTANCE_ACTION and s.status == 404,
+                                  count=aws.GONE_AFTER)  # fmt: skip
+            imds.set_instance_action("stop", iso_utc(NOW + 240))
+            await sink.until(has(Notice, 2))
+            imds.resume()
+            slept.advance(7200.4)
+            imds.set_instance_action("hibernate", iso_utc(NOW + 360))
+            await sink.until(has(Notice, action="hibernate"))
+        after_restart = Recorder()
+        async with running(aws_source(imds, after_restart, slept)):
+            await after_restart.until(has(Notice))
+        assert [n.key for n in sink.of(Notice)] == [
+            f"aws:instance-action:{BOOT}",
+            f"aws:instance-action:{BOOT}:0s:1",
+            f"aws:instance-action:{BOOT}:7200s:0",
+        ]
+        assert [n.key for n in after_restart.of(Notice)] == [f"aws:instance-action:{BOOT}:7200s:0"]
+
+
+def test_the_time_slept_reads_the_same_while_the_host_stays_awake():
+    """CLOCK_BOOTTIME - CLOCK_MONOTONIC moves only by a suspend: read twice, it agrees far
+    inside the second the keys are rounded to."""
+    first, second = slept_s(), slept_s()
+    assert first >= 0.0 and abs(second - first) < 0.001
+
+
 @pytest.mark.parametrize(
     "document",
     [
@@ -191,9 +261,10 @@ async def test_aws_instance_action_is_a_notice_with_its_time_as_deadline():
             imds.set_instance_action("terminate", iso_utc(NOW + 120))
             await sink.until(has(Notice))
             polls = len(imds.seen)
-            await imds.await_seen(lambda s: s.path.endswith("instance-action"),
-                                  count=len([s for s in imds.seen
-                                             if s.path.endswith("instance-action")]) + 3)
+            await imds.await_seen(
+                lambda s: s.path.endswith("instance-action"),
+                count=len([s for s in imds.seen if s.path.endswith("instance-action")]) + 3,
+            )
         assert len(imds.seen) > polls
         notices = sink.of(Notice)
         assert len(notices) == 1
@@ -257,8 +328,9 @@ async def test_aws_refused_endpoint_is_down_then_up_when_it_answers_again():
 async def test_aws_rebalance_and_maintenance_are_advisories_withdrawn_when_over():
     with AwsImds() as imds:
         sink = Recorder()
-        event = aws_maintenance_event("system-reboot", event_id="instance-event-0abc",
-                                      not_before=NOW + 3600)
+        event = aws_maintenance_event(
+            "system-reboot", event_id="instance-event-0abc", not_before=NOW + 3600
+        )
         imds.set_rebalance(iso_utc(NOW))
         imds.set_maintenance([event])
         async with running(aws_source(imds, sink)):
@@ -309,9 +381,11 @@ async def test_gcp_hang_ended_early_is_re_armed_and_tells_nothing():
             server.set_preempted(True)
             await sink.until(has(Notice))
         assert len(sink.of(Notice)) == 1 and not sink.of(Advisory)
-        rearmed = server.seen[before:before + 2]
+        rearmed = server.seen[before : before + 2]
         assert {s.query.get("last_etag") for s in rearmed} == {
-            server._etag("preempted", "FALSE"), server._etag("maintenance-event", "NONE")}
+            server._etag("preempted", "FALSE"),
+            server._etag("maintenance-event", "NONE"),
+        }
 
 
 async def test_gcp_migration_is_an_advisory_and_terminate_maintenance_a_notice():
@@ -326,8 +400,10 @@ async def test_gcp_migration_is_an_advisory_and_terminate_maintenance_a_notice()
             server.set_maintenance_event("TERMINATE_ON_HOST_MAINTENANCE")
             await sink.until(has(Notice))
         advisories = sink.of(Advisory)
-        assert [(a.reason, a.withdrawn) for a in advisories] == [("migrate", False),
-                                                                  ("migrate", True)]
+        assert [(a.reason, a.withdrawn) for a in advisories] == [
+            ("migrate", False),
+            ("migrate", True),
+        ]
         assert sink.of(Notice)[0].terminate_at == NOW + 60
 
 
@@ -376,12 +452,24 @@ async def test_gcp_unexpected_value_is_invalid_not_a_notice():
 # --- Azure -------------------------------------------------------------------------------------
 
 
-def azure_event(event_id: str, kind: str = "Preempt", vm: str = "gpu-node-0",
-                not_before: float | None = NOW + 30, style: str = "rfc1123") -> dict:
-    return {"EventId": event_id, "EventType": kind, "ResourceType": "VirtualMachine",
-            "Resources": [vm], "EventStatus": "Scheduled",
-            "NotBefore": AZURE_DATE_STYLES[style](not_before) if not_before else "",
-            "Description": "", "EventSource": "Platform", "DurationInSeconds": -1}
+def azure_event(
+    event_id: str,
+    kind: str = "Preempt",
+    vm: str = "gpu-node-0",
+    not_before: float | None = NOW + 30,
+    style: str = "rfc1123",
+) -> dict:
+    return {
+        "EventId": event_id,
+        "EventType": kind,
+        "ResourceType": "VirtualMachine",
+        "Resources": [vm],
+        "EventStatus": "Scheduled",
+        "NotBefore": AZURE_DATE_STYLES[style](not_before) if not_before else "",
+        "Description": "",
+        "EventSource": "Platform",
+        "DurationInSeconds": -1,
+    }
 
 
 def azure_source(server: AzureMetadata, sink: Recorder, **table) -> azure.Source:
@@ -393,8 +481,12 @@ async def test_azure_preempt_for_this_vm_is_a_notice_and_another_vms_is_ignored(
     with AzureMetadata(vm_name="gpu-node-0") as server:
         sink = Recorder()
         async with running(azure_source(server, sink)):
-            server.set_events([azure_event("other-1", vm="gpu-node-9"),
-                               azure_event("mine-1", not_before=NOW + 30)])
+            server.set_events(
+                [
+                    azure_event("other-1", vm="gpu-node-9"),
+                    azure_event("mine-1", not_before=NOW + 30),
+                ]
+            )
             await sink.until(has(Notice))
             server.bump_incarnation()  # a new document, nothing new for this VM
             await server.await_seen(lambda s: s.path == "/metadata/scheduledevents", count=20)
@@ -413,7 +505,9 @@ async def test_azure_empty_not_before_is_t0_plus_30_and_a_vanished_event_is_a_ca
             server.set_events([])
             await sink.until(has(Notice, 2))
         assert [(n.action, n.key) for n in sink.of(Notice)] == [
-            ("terminate", "azure:e-1"), ("cancel", "azure:e-1")]
+            ("terminate", "azure:e-1"),
+            ("cancel", "azure:e-1"),
+        ]
 
 
 async def test_azure_reboot_is_an_advisory_and_malformed_document_invalid():
@@ -455,8 +549,12 @@ async def test_azure_an_unreadable_event_is_reported_and_the_terminate_beside_it
         sink = Recorder()
         events = "/metadata/scheduledevents"
         async with running(azure_source(server, sink)):
-            server.set_events([unreadable_event("bad-1"),
-                               azure_event("good-1", "Terminate", not_before=NOW + 120)])
+            server.set_events(
+                [
+                    unreadable_event("bad-1"),
+                    azure_event("good-1", "Terminate", not_before=NOW + 120),
+                ]
+            )
             await sink.until(lambda told: has(Notice)(told) and has(NoticeInvalid)(told))
             garbled = {**azure_event("good-1", "Terminate"), "NotBefore": "NaN"}
             server.set_events([unreadable_event("bad-1"), garbled])
@@ -481,8 +579,11 @@ async def test_azure_acknowledges_only_once_the_node_is_verified_empty():
             assert server.acknowledged == []  # nothing before the drain settles
             sink.settle("azure:p-2", "overrun")  # not empty by our own check: no go-ahead
             sink.settle("azure:p-1", "drained")
-            await sink.until(lambda told: any(t[0] == "notice_acknowledged" for t in told
-                                              if isinstance(t, tuple)))
+            await sink.until(
+                lambda told: any(
+                    t[0] == "notice_acknowledged" for t in told if isinstance(t, tuple)
+                )
+            )
         assert server.acknowledged == ["p-1"]
 
 
@@ -499,8 +600,9 @@ async def test_azure_an_event_that_went_ahead_and_left_is_not_a_cancel(on_start)
             server.set_events([azure_event("p-1", not_before=NOW + 30)])
             await sink.until(has(Notice))
             sink.settle("azure:p-1", "drained")
-            await sink.until(lambda told: ("notice_acknowledged", {"event_id": "p-1",
-                                                                   "status": 200}) in told)
+            await sink.until(
+                lambda told: ("notice_acknowledged", {"event_id": "p-1", "status": 200}) in told
+            )
             if on_start == "start":
                 await server.await_seen(lambda s: s.path == events and s.at > server.changed_at,
                                         count=3)  # fmt: skip
@@ -524,15 +626,18 @@ async def test_azure_refused_then_back():
 # --- configuration -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module, table, message", [
-    (aws, {"endpoint": "169.254.169.254"}, "sources.aws.endpoint must be http://HOST[:PORT]"),
-    (aws, {"endpoint": "http://x:99999"}, "sources.aws.endpoint is not a URL"),
-    (aws, {"poll_s": float("nan")}, "sources.aws.poll_s must be between"),
-    (aws, {"poll_s": 0}, "sources.aws.poll_s must be between"),
-    (gcp, {"notice_s": float("inf")}, "sources.gcp.notice_s must be between"),
-    (gcp, {"endpont": "http://x"}, "unknown setting sources.gcp.endpont"),
-    (azure, {"acknowledge": "yes"}, "sources.azure.acknowledge must be true or false"),
-])
+@pytest.mark.parametrize(
+    "module, table, message",
+    [
+        (aws, {"endpoint": "169.254.169.254"}, "sources.aws.endpoint must be http://HOST[:PORT]"),
+        (aws, {"endpoint": "http://x:99999"}, "sources.aws.endpoint is not a URL"),
+        (aws, {"poll_s": float("nan")}, "sources.aws.poll_s must be between"),
+        (aws, {"poll_s": 0}, "sources.aws.poll_s must be between"),
+        (gcp, {"notice_s": float("inf")}, "sources.gcp.notice_s must be between"),
+        (gcp, {"endpont": "http://x"}, "unknown setting sources.gcp.endpont"),
+        (azure, {"acknowledge": "yes"}, "sources.azure.acknowledge must be true or false"),
+    ],
+)
 def test_a_bad_source_setting_is_one_clear_error(module, table, message):
     from spotdrain.runtime.cli import UsageError
 
@@ -550,26 +655,31 @@ def test_health_goes_down_after_three_failures_and_backs_off():
     assert sink.told == [("down", "aws"), ("up", "aws")] and health.failures == 0
 
 
-@pytest.mark.parametrize("date, why", [
-    ("Fri, 31 Dec 9999 23:59:59 GMT", "out of range"),
-    ("Fri, 01 Jan 1960 00:00:00 GMT", "out of range"),
-    ("9999-12-31T23:59:59Z", "out of range"),
-    ("0001-01-01T00:00:00+00:00", "out of range"),
-    ("0000-01-01T00:00:00Z", "not a date"),
-    ("2026-02-30T10:00:00Z", "not a date"),
-    ("2026-12-02T18:13:35+99:00", "not a date"),
-    ("NaN", "not a date"),
-    (float("nan"), "not a date"),
-    (float("inf"), "not a date"),
-    (1796235215, "not a date"),
-    ("Wed, 02 Dec 2026 18:13:35 GMT" + " " * 100, "not a date"),
-])
+@pytest.mark.parametrize(
+    "date, why",
+    [
+        ("Fri, 31 Dec 9999 23:59:59 GMT", "out of range"),
+        ("Fri, 01 Jan 1960 00:00:00 GMT", "out of range"),
+        ("9999-12-31T23:59:59Z", "out of range"),
+        ("0001-01-01T00:00:00+00:00", "out of range"),
+        ("0000-01-01T00:00:00Z", "not a date"),
+        ("2026-02-30T10:00:00Z", "not a date"),
+        ("2026-12-02T18:13:35+99:00", "not a date"),
+        ("NaN", "not a date"),
+        (float("nan"), "not a date"),
+        (float("inf"), "not a date"),
+        (1796235215, "not a date"),
+        ("Wed, 02 Dec 2026 18:13:35 GMT" + " " * 100, "not a date"),
+    ],
+)
 def test_azure_not_before_out_of_range_or_unreadable_is_invalid_not_a_deadline(date, why):
     """A NotBefore in year 9999 (or 1960), NaN, infinity, a number, an impossible day, a
     string longer than any date: never a deadline the agent would store and then fail to write
     into the workloads' deadline file. That event is reported; the good one beside it stands."""
-    doc = {"DocumentIncarnation": 2, "Events": [
-        {**azure_event("e-far"), "NotBefore": date}, azure_event("e-good", "Terminate")]}
+    doc = {
+        "DocumentIncarnation": 2,
+        "Events": [{**azure_event("e-far"), "NotBefore": date}, azure_event("e-good", "Terminate")],
+    }
     parsed = azure.parse_document(json.dumps(doc).encode(), "gpu-node-0")
     assert isinstance(parsed, azure.Document)
     assert list(parsed.events) == ["e-good"] and parsed.unreadable == {"e-far"}
@@ -578,15 +688,18 @@ def test_azure_not_before_out_of_range_or_unreadable_is_invalid_not_a_deadline(d
     assert why in invalid.reason and len(invalid.reason) < 200
 
 
-@pytest.mark.parametrize("date", [
-    "Mon, 19 Sep 2016 18:29:47 GMT",
-    "19 Sep 2016 18:29:47 -0000",
-    "2016-09-19T18:29:47Z",
-    "2016-09-19T18:29:47",
-    "2016-09-19T18:29:47.0000000Z",
-    "2016-09-19T20:29:47.000+02:00",
-    "2016-09-19T20:29:47+0200",
-])
+@pytest.mark.parametrize(
+    "date",
+    [
+        "Mon, 19 Sep 2016 18:29:47 GMT",
+        "19 Sep 2016 18:29:47 -0000",
+        "2016-09-19T18:29:47Z",
+        "2016-09-19T18:29:47",
+        "2016-09-19T18:29:47.0000000Z",
+        "2016-09-19T20:29:47.000+02:00",
+        "2016-09-19T20:29:47+0200",
+    ],
+)
 def test_azure_not_before_in_every_form_azure_writes(date):
     """RFC 1123 (the docs), ISO 8601 with or without fraction or offset (Microsoft's mock
     server, .NET): the same instant. No offset means UTC, as every Azure time is."""
@@ -596,9 +709,14 @@ def test_azure_not_before_in_every_form_azure_writes(date):
 def test_azure_a_broken_event_list_or_another_vms_bad_event():
     """Another VM's unreadable event is not this VM's business; an entry that is not an object
     might be anyone's: reported, and nothing known is taken as called off while it is there."""
-    doc = {"DocumentIncarnation": 3, "Events": [
-        {**azure_event("theirs", vm="gpu-node-9"), "NotBefore": "whenever"}, "junk",
-        azure_event("mine")]}
+    doc = {
+        "DocumentIncarnation": 3,
+        "Events": [
+            {**azure_event("theirs", vm="gpu-node-9"), "NotBefore": "whenever"},
+            "junk",
+            azure_event("mine"),
+        ],
+    }
     parsed = azure.parse_document(json.dumps(doc).encode(), "gpu-node-0")
     assert isinstance(parsed, azure.Document) and list(parsed.events) == ["mine"]
     assert [i.reason for i in parsed.invalid] == ["scheduled events: event #1 is not an object"]

@@ -1,11 +1,12 @@
 """AWS: the instance metadata service, IMDSv2 (a session token on every read).
 
 - `spot/instance-action` ({"action": "terminate"|"stop"|"hibernate", "time": ISO}; 404 when
-  none) is a notice with D = its time. AWS gives no id, and an instance is interrupted once per
-  boot (a stopped one comes back with a new boot), so it is keyed by this boot's id: a document
-  re-read, re-stamped or rewritten is the same interruption, heard again (the reclamation keeps
-  the earliest D, docs/notice-sources.md).
-- `events/recommendations/rebalance` ({"noticeTime": ISO}) is an advisory, one per boot too.
+  none) is a notice with D = its time. AWS gives no id, so it is keyed by the interruption it
+  belongs to (`Occurrence`): this boot's, unless the boot was suspended since (a hibernated
+  instance resumes with its boot id) or the last one went away. A document re-read, re-stamped
+  or rewritten is the same interruption, heard again (the reclamation keeps the earliest D,
+  docs/notice-sources.md).
+- `events/recommendations/rebalance` ({"noticeTime": ISO}) is an advisory, keyed the same way.
 - `events/maintenance/scheduled` (a list of {Code, EventId, NotBefore, NotAfter, State, ...},
   dates like "21 Jan 2019 09:00:43 GMT") gives an advisory per event; State canceled or
   completed, or the event gone from the list, withdraws it.
@@ -29,7 +30,7 @@ from typing import Any
 import aiohttp
 
 from spotdrain.agent.core.notice import Notice, NoticeInvalid, content_hash, in_range, parse_notice
-from spotdrain.agent.notices.base import Advisory, Health, Sink, boot_id
+from spotdrain.agent.notices.base import Advisory, Health, Sink, boot_id, slept_s
 from spotdrain.agent.notices.metadata_http import ReadFailed, Reply, fetch, session
 from spotdrain.agent.notices.settings import check_keys, endpoint, number
 
@@ -40,6 +41,12 @@ REBALANCE = "/latest/meta-data/events/recommendations/rebalance"
 MAINTENANCE = "/latest/meta-data/events/maintenance/scheduled"
 OVER = ("canceled", "completed")
 SPOT_ACTIONS = ("terminate", "stop", "hibernate")  # all AWS writes in an instance-action
+# A signal absent for this many genuine answers in a row (404s, not failed reads) is over, and
+# the next one is a new interruption: one or two odd replies do not end a pending one.
+GONE_AFTER = 3
+# Within one process the time slept moves only by a suspend (seconds at least), never by the
+# jitter of reading two clocks.
+SLEEP_MOVED_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -62,9 +69,44 @@ class Config:
         )
 
 
-def parse_instance_action(body: bytes, boot: str) -> Notice | NoticeInvalid:
-    """This boot's interruption: its identity is the boot's, whatever `time` the document names
-    (and whatever id or source it carries: a notice file's fields mean nothing here)."""
+class Occurrence:
+    """Which occurrence of a signal AWS shows at most once at a time (the instance-action, the
+    rebalance recommendation) a read belongs to; AWS gives neither an id. A boot has one until
+    it is suspended (the time slept moves: a hibernated instance resumes with its boot id) or
+    the signal is gone for GONE_AFTER answers; then the next is another. Pure: reads in, the
+    key's suffix out ("" for a boot's first, so its key is the same in every agent lifetime)."""
+
+    def __init__(self) -> None:
+        self.slept = 0  # whole seconds this boot had slept at the last read
+        self.ended = 0  # occurrences gone since then (kept in memory)
+        self.shown = False
+        self.absent = 0  # genuine answers in a row without it
+
+    def read(self, slept: int) -> None:
+        """A read is about to be made, `slept` seconds into this boot's sleeping."""
+        if slept != self.slept:  # a suspend: what was shown before it is over
+            self.slept, self.ended, self.shown, self.absent = slept, 0, False, 0
+
+    @property
+    def suffix(self) -> str:
+        return "" if (self.slept, self.ended) == (0, 0) else f":{self.slept}s:{self.ended}"
+
+    def present(self) -> None:
+        self.shown, self.absent = True, 0
+
+    def missing(self) -> bool:
+        """A genuine 404; True once nothing is shown any more (over, or never was)."""
+        if self.shown:
+            self.absent += 1
+            if self.absent >= GONE_AFTER:
+                self.ended, self.shown, self.absent = self.ended + 1, False, 0
+        return not self.shown
+
+
+def parse_instance_action(body: bytes, boot: str, occurrence: str = "") -> Notice | NoticeInvalid:
+    """This boot's interruption (`occurrence`: Occurrence.suffix): its identity is the boot's,
+    whatever `time` the document names (and whatever id or source it carries: a notice file's
+    fields mean nothing here)."""
     parsed = parse_notice(body)
     if parsed is None:
         return NoticeInvalid("spot/instance-action: empty document", content_hash(body))
@@ -73,13 +115,15 @@ def parse_instance_action(body: bytes, boot: str) -> Notice | NoticeInvalid:
     if parsed.action not in SPOT_ACTIONS:
         return NoticeInvalid(f"spot/instance-action: action {parsed.action!r} is not one of "
                              f"{', '.join(SPOT_ACTIONS)}", content_hash(body.strip()))  # fmt: skip
-    return Notice(key=f"aws:instance-action:{boot}", notice_id=f"aws-instance-action-{boot[:8]}",
+    return Notice(key=f"aws:instance-action:{boot}{occurrence}",
+                  notice_id=f"aws-instance-action-{boot[:8]}{occurrence.replace(':', '-')}",
                   action=parsed.action, terminate_at=parsed.terminate_at,
                   source="aws-instance-action")  # fmt: skip
 
 
-def parse_rebalance(body: bytes, boot: str) -> Advisory | NoticeInvalid:
-    """AWS gives one rebalance recommendation per boot (its noticeTime may be re-stamped)."""
+def parse_rebalance(body: bytes, boot: str, occurrence: str = "") -> Advisory | NoticeInvalid:
+    """A rebalance recommendation, keyed as the instance-action is (its noticeTime may be
+    re-stamped)."""
     try:
         doc = json.loads(body)
         notice_time = str(doc["noticeTime"])[:64]
@@ -87,7 +131,7 @@ def parse_rebalance(body: bytes, boot: str) -> Advisory | NoticeInvalid:
     except (ValueError, KeyError, TypeError) as e:
         return NoticeInvalid(f"rebalance recommendation: not a document we read ({e})",
                              content_hash(body))  # fmt: skip
-    return Advisory(key=f"aws:rebalance:{boot}", source="aws", reason="rebalance",
+    return Advisory(key=f"aws:rebalance:{boot}{occurrence}", source="aws", reason="rebalance",
                     detail=f"noticeTime {notice_time}")  # fmt: skip
 
 
@@ -137,12 +181,17 @@ class Source:
         sink: Sink,
         clock: Callable[[], float] = time.time,
         boot: Callable[[], str] = boot_id,
+        slept: Callable[[], float] = slept_s,
     ) -> None:
         self.cfg = cfg
         self.sink = sink
         self.clock = clock
         self.health = Health(self.name, sink, clock)
         self.boot = boot()
+        self.slept = slept
+        self._slept_at: float | None = None  # the time slept, as last taken to have moved
+        self._action = Occurrence()
+        self._rebalance = Occurrence()
         self._token = ""
         self._token_until = 0.0
         self._last_action: Notice | NoticeInvalid | None = None
@@ -167,13 +216,21 @@ class Source:
 
     async def poll(self, http: aiohttp.ClientSession) -> None:
         """One round: the instance action first (it is the notice), then the advisories."""
+        slept = self.slept()
+        if self._slept_at is None or abs(slept - self._slept_at) >= SLEEP_MOVED_S:
+            self._slept_at = slept
+        for occurrence in (self._action, self._rebalance):
+            occurrence.read(int(self._slept_at))
         reply = await self._get(http, INSTANCE_ACTION)
         if reply.status == 200:
-            parsed = parse_instance_action(reply.body, self.boot)
+            parsed = parse_instance_action(reply.body, self.boot, self._action.suffix)
+            if isinstance(parsed, Notice):
+                self._action.present()
             if parsed != self._last_action:
                 self._last_action = parsed
                 self.sink.notice(parsed)
         elif reply.status == 404:
+            self._action.missing()
             self._last_action = None
         else:
             raise ReadFailed(f"GET {INSTANCE_ACTION}: HTTP {reply.status}")
@@ -181,19 +238,22 @@ class Source:
         for path in (REBALANCE, MAINTENANCE):
             reply = await self._get(http, path)
             if reply.status == 404:
+                if path == REBALANCE and not self._rebalance.missing():
+                    shown.update(self._still_advised(path))  # not gone for long enough yet
                 continue
             if reply.status != 200:
                 raise ReadFailed(f"GET {path}: HTTP {reply.status}")
-            result = (parse_rebalance(reply.body, self.boot) if path == REBALANCE
-                      else parse_maintenance(reply.body))  # fmt: skip
+            result = (parse_rebalance(reply.body, self.boot, self._rebalance.suffix)
+                      if path == REBALANCE else parse_maintenance(reply.body))  # fmt: skip
             if isinstance(result, NoticeInvalid):
                 if self._last_invalid.get(path) != result:
                     self._last_invalid[path] = result
                     self.sink.notice(result)
                 # An unreadable list withdraws nothing: what it showed before still stands.
-                shown.update({k: Advisory(k, "aws", _reason(k)) for k in self._advised
-                              if _path_of(k) == path})  # fmt: skip
+                shown.update(self._still_advised(path))
                 continue
+            if path == REBALANCE:
+                self._rebalance.present()
             for adv in result if isinstance(result, list) else [result]:
                 shown[adv.key] = adv
         for key, adv in shown.items():
@@ -207,6 +267,9 @@ class Source:
         for key in sorted(self._advised - set(shown)):  # gone from the document: withdrawn
             self._advised.discard(key)
             self.sink.advisory(Advisory(key, "aws", _reason(key), withdrawn=True))
+
+    def _still_advised(self, path: str) -> dict[str, Advisory]:
+        return {k: Advisory(k, "aws", _reason(k)) for k in self._advised if _path_of(k) == path}
 
     async def _get(self, http: aiohttp.ClientSession, path: str) -> Reply:
         for attempt in (1, 2):

@@ -3,15 +3,17 @@ and the health bookkeeping (retry with backoff, down after a few failures, up ag
 
 A source is one module with one class: `name`, and `async run(sink)` that reads its provider
 until cancelled and never raises for a provider's fault. What it reads becomes a `Notice` or
-`NoticeInvalid` (agent/core/notice.py), an `Advisory`, or a health fact; the sink (the agent's
-source hub) dedupes across sources and restarts, and turns them into reclamations and events. A
-source holds no state that matters across a restart: ids are deterministic, so reading the same
-provider document again after a restart is the same reclamation, never a second one.
+`NoticeInvalid` (agent/core/notice.py), an `Advisory`, or a health fact; the sink (the agent's source
+hub) dedupes across sources and restarts, and turns them into reclamations and events. A source
+holds no state that matters across a restart: ids are deterministic, so reading the same
+provider document again after a restart is the same reclamation, never a second one (AWS's
+count of notices gone within a boot is the one exception, docs/notice-sources.md).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -24,6 +26,9 @@ DOWN_AFTER = 3
 BACKOFF_FIRST_S = 0.2
 # A source that is down keeps retrying at least this often: the notice may come any second.
 BACKOFF_MAX_S = 5.0
+# Two clock reads further apart than this (the thread was descheduled between them) bound the
+# time slept only loosely: read them again.
+SLEPT_READ_GAP_NS = 1_000_000
 ADVISORY_REASONS = ("rebalance", "maintenance", "migrate", "reboot", "redeploy", "freeze")
 
 
@@ -129,3 +134,25 @@ def boot_id(path: str = "/proc/sys/kernel/random/boot_id") -> str:
             return f.read().strip()[:64] or "unknown-boot"
     except OSError:
         return "unknown-boot"
+
+
+def slept_s() -> float:
+    """Seconds this boot has spent suspended or hibernated (0.0 where the clocks are not Linux's).
+
+    CLOCK_BOOTTIME counts a suspend and CLOCK_MONOTONIC does not; nothing else moves one against
+    the other. The value is read between two monotonic reads, so it is at least the true one and
+    at most a read's gap (1 ms, usually well under a microsecond) above it."""
+    boottime = getattr(time, "CLOCK_BOOTTIME", None)
+    if boottime is None:
+        return 0.0
+    best: tuple[int, int] | None = None  # (gap, boottime - monotonic), the tightest read
+    for _ in range(10):
+        before = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        boot = time.clock_gettime_ns(boottime)
+        gap = time.clock_gettime_ns(time.CLOCK_MONOTONIC) - before
+        if best is None or gap < best[0]:
+            best = (gap, boot - before)
+        if gap <= SLEPT_READ_GAP_NS:
+            break
+    assert best is not None
+    return best[1] / 1e9

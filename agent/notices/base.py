@@ -3,9 +3,9 @@ and the health bookkeeping (retry with backoff, down after a few failures, up ag
 
 A source is one module with one class: `name`, and `async run(sink)` that reads its provider
 until cancelled and never raises for a provider's fault. What it reads becomes a `Notice` or
-`NoticeInvalid` (agent/core/notice.py), an `Advisory`, or a health fact; the sink (the agent's source
-hub) dedupes across sources and restarts, and turns them into reclamations and events. A source
-holds no state that matters across a restart: ids are deterministic, so reading the same
+`NoticeInvalid` (agent/core/notice.py), an `Advisory`, or a health fact; the sink (the agent's
+source hub) dedupes across sources and restarts, and turns them into reclamations and events. A
+source holds no state that matters across a restart: ids are deterministic, so reading the same
 provider document again after a restart is the same reclamation, never a second one (AWS's
 count of notices gone within a boot is the one exception, docs/notice-sources.md).
 """

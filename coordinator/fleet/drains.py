@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spotdrain.coordinator.fleet.drains")
 
-PAUSE_TAINT_KEY = "spotdrain.io/paused"
 DEFAULT_NOTICE_S = 120.0
 GRACE_MARGIN_S = 10.0
 # A lifted drain (a resumed pause, a cancelled notice) is remembered until this long after its

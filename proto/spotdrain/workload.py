@@ -42,7 +42,6 @@ from typing import Any
 # containers with its own node label; the kind chooses how the container is drained.
 NODE_LABEL = "spotdrain.node"
 KIND_LABEL = "spotdrain.kind"
-DRAIN_KINDS = ("inference", "batch", "rental", "render")
 # Environment the agent sets in the containers it starts (and tests/demo set by hand).
 DEADLINE_FILE_ENV = "SPOTDRAIN_DEADLINE_FILE"
 STATUS_DIR_ENV = "SPOTDRAIN_STATUS_DIR"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 import time
 from collections.abc import Coroutine
@@ -36,6 +35,7 @@ from spotdrain.runtime.background import Background
 from spotdrain.runtime.cli import UsageError, fail_usage
 from spotdrain.runtime.metrics import CollectorRegistry, GaugeCollector, ReclamationMetrics
 from spotdrain.runtime.metrics import serve as metrics_serve
+from spotdrain.runtime.supervisor import Supervisor
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 PROG = "spotdrain-agent"
@@ -142,12 +142,15 @@ class Agent:
                 "spotdrain_notice_source_last_ok_timestamp_seconds",
                 "When each notice source last read its provider successfully (epoch seconds).",
                 ["source"],
-                lambda: [([h["source"]], h["last_ok"]) for h in self.sources.status()
-                         if h["last_ok"] is not None],  # fmt: skip
+                lambda: [
+                    ([h["source"]], h["last_ok"])
+                    for h in self.sources.status()
+                    if h["last_ok"] is not None
+                ],  # fmt: skip
             )
         )
         self._tasks = Background()
-        self._supervised: dict[asyncio.Task[Any], str] = {}
+        self.supervisor = Supervisor(f"node {cfg.node_id}")
 
     async def registration(self) -> pb.Register:
         try:
@@ -352,8 +355,8 @@ class Agent:
                 }
         self.link.report_rental(rental_id, report)
 
-    async def run(self) -> None:
-        """The supervisor: named tasks, the first failure stops them all and is re-raised."""
+    async def run(self) -> int:
+        """Runs the supervised tasks: 0 after the stop signal, 1 once one of them failed."""
         await self.control.start()
         if self.cfg.metrics_listen:
             port = metrics_serve(self.registry, self.cfg.metrics_listen)
@@ -364,43 +367,30 @@ class Agent:
                 port,
             )
         await self._adopt()
-        tasks: dict[str, Coroutine[Any, Any, None]] = {
-            "drains": self.drains.run(),
-            **{f"source {name}": src.run() for name, src in self.sources.sources.items()},
-            "advisories": self.sources.keep_advisories(),
-            "link": self.link.run(),
-            "inventory": self.keep_inventory(),
-            "watchdog": systemd.keep_watchdog(self.healthy),
-        }
-        running = {asyncio.create_task(c, name=n): n for n, c in tasks.items()}
-        self._supervised = running
+        sup = self.supervisor
+        sup.add("drains", self.drains.run())
+        for name, src in self.sources.sources.items():
+            sup.add(f"source {name}", src.run())
+        sup.add("advisories", self.sources.keep_advisories())
+        sup.add("link", self.link.run())
+        sup.add("inventory", self.keep_inventory())
+        sup.add("watchdog", systemd.keep_watchdog(self.healthy))
+        sup.add("systemd", self.tell_systemd())
         try:
-            ready = asyncio.create_task(self.watching.wait())
-            await asyncio.wait({ready, *running}, return_when=asyncio.FIRST_COMPLETED)
-            if ready.done():
-                log.info("node %s: agent up, notice sources %s", self.cfg.node_id,
-                         ", ".join(self.sources.sources))  # fmt: skip
-                running[asyncio.create_task(self.tell_systemd(), name="systemd")] = "systemd"
-            else:
-                ready.cancel()
-            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                if task.exception() is not None:
-                    log.error("node %s: %s failed", self.cfg.node_id, running[task])
-                    raise task.exception()  # type: ignore[misc]
+            return await sup.run()
         finally:
-            for task in running:
-                task.cancel()
-            await asyncio.gather(*running, return_exceptions=True)
             await self.shutdown()
 
     # --- systemd (Type=notify) ----------------------------------------------------------------
 
     async def tell_systemd(self) -> None:
-        """READY=1 once the notice watcher is in place (the caller waited for it) and Docker and
+        """READY=1 once the notice watcher is in place and Docker and
         NVML have each answered once, retried every second with STATUS= naming what is
         missing; then STATUS= lines on every change. Drains run meanwhile: READY is a report,
         never a gate on answering a notice."""
+        await self.watching.wait()
+        sources = ", ".join(self.sources.sources)
+        log.info("node %s: agent up, notice sources %s", self.cfg.node_id, sources)
         said = ""
         while missing := await self._not_yet_up():
             text = f"starting: waiting for {missing}"
@@ -455,7 +445,7 @@ class Agent:
         drain loop sleeps until the earliest one, so an overdue one means its timer is not
         being kept, e.g. after a wall-clock jump or a wedged loop; a restart resumes from the
         bundle with the same deadlines). A blocked event loop sends no ping at all."""
-        if any(task.done() for task in self._supervised):
+        if not self.supervisor.all_running():
             return False
         now = time.time()
         for rec in self.drains.live.values():
@@ -465,6 +455,7 @@ class Agent:
         return True
 
     async def shutdown(self) -> None:
+        await self.supervisor.shutdown()
         await self.control.close()
         await self._tasks.close()
         await self.drains.close()
@@ -478,22 +469,11 @@ class Agent:
 
 async def amain(cfg: AgentConfig) -> int:
     agent = Agent(cfg)
-    main_task = asyncio.current_task()
-    assert main_task is not None
-    loop = asyncio.get_running_loop()
-
-    def stop() -> None:
-        systemd.stopping()
-        main_task.cancel()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop)
-    try:
-        await agent.run()
-    except asyncio.CancelledError:
+    agent.supervisor.install_signal_handlers(on_stop=systemd.stopping)
+    rc = await agent.run()
+    if rc == 0:
         log.info("node %s: agent stopped; workloads left running", cfg.node_id)
-        return 0
-    return 1
+    return rc
 
 
 def main(argv: list[str] | None = None) -> int:

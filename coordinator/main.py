@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 import tomllib
 
@@ -30,7 +29,7 @@ from spotdrain.protocol import limits, timing
 from spotdrain.runtime import systemd
 from spotdrain.runtime.cli import ArgumentParser, UsageError, fail_usage, host_port, seconds
 from spotdrain.runtime.metrics import serve as metrics_serve
-from spotdrain.runtime.supervisor import supervise
+from spotdrain.runtime.supervisor import Supervisor
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
@@ -261,10 +260,8 @@ async def _serve(args, host, port, creds, store, acquirers, avoid_s, contracts, 
         return _describe(coord, f"{host}:{bound}")
 
     systemd.ready(said := describe())
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    supervisor = Supervisor()
+    supervisor.install_signal_handlers()
     recovery_done = asyncio.Event()
 
     async def recovery() -> None:
@@ -275,25 +272,21 @@ async def _serve(args, host, port, creds, store, acquirers, avoid_s, contracts, 
         finally:
             recovery_done.set()
 
-    tasks = {}
-    if replica is not None:  # its end (a step-down) ends the process: a clean follower next
-        tasks["lease"] = replica.run(replicas.taking_over(coord, pauses))
     try:
-        rc = await supervise(
-            {
-                **tasks,
-                "recovery": recovery(),
-                "gc-freeze": pauses.keep_frozen(),
-                "gc-young": pauses.keep_young_small(),
-                "loop-lag": pauses.probe_loop(),
-                "systemd-status": systemd.keep_status(describe, last=said),
-                # Pinged only while the recovery loop runs.
-                "watchdog": systemd.keep_watchdog(lambda: not recovery_done.is_set()),
-                "stop": stop.wait(),
-            },
-            essential=("recovery", "gc-freeze", "gc-young", "loop-lag", "lease"),
-        )
+        if replica is not None:  # its end (a step-down) ends the process: a clean follower next
+            supervisor.add(
+                "lease", replica.run(replicas.taking_over(coord, pauses)), essential=True
+            )
+        supervisor.add("recovery", recovery(), essential=True)
+        supervisor.add("gc-freeze", pauses.keep_frozen(), essential=True)
+        supervisor.add("gc-young", pauses.keep_young_small(), essential=True)
+        supervisor.add("loop-lag", pauses.probe_loop(), essential=True)
+        supervisor.add("systemd-status", systemd.keep_status(describe, last=said))
+        # Pinged only while the recovery loop runs.
+        supervisor.add("watchdog", systemd.keep_watchdog(lambda: not recovery_done.is_set()))
+        rc = await supervisor.run()
     finally:
+        await supervisor.shutdown()
         systemd.stopping()
         log.info("stopping")
         await health_servicer.enter_graceful_shutdown()

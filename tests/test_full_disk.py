@@ -28,7 +28,7 @@ from spotdrain.agent.core.reclamation_events import ContainerExited, ContainerSi
 from spotdrain.agent.drain import runner as runner_module
 from spotdrain.agent.drain.outbox import DROPPED_KIND, Outbox
 from spotdrain.agent.drain.runner import DrainRunner
-from spotdrain.agent.drain.state import BundleStore, LocalTaints, WriteHealth, write_atomic
+from spotdrain.agent.drain.state import BundleStore, LocalTaints, WriteHealth, write_json
 from spotdrain.agent.workloads.docker_engine import ContainerInfo
 
 NODE = "node-full"
@@ -44,7 +44,7 @@ class Disk:
     def __call__(self, path: Path, doc: Any, mode: int) -> None:
         if self.refuse is not None:
             raise OSError(self.refuse, os.strerror(self.refuse), str(path))
-        write_atomic(path, doc, mode)
+        write_json(path, doc, mode)
         self.writes.append(path)
 
 
@@ -111,7 +111,7 @@ def test_a_write_the_disk_takes_only_in_part_is_finished_or_never_renamed_into_p
     The bundle on disk is the old one, whole (never a short file a restart could not read), and
     the temp file is gone, so its space is free for the next try."""
     path = tmp_path / "b.json"
-    write_atomic(path, {"old": True})
+    write_json(path, {"old": True})
     real_write = os.write
     calls = {"n": 0}
 
@@ -123,9 +123,9 @@ def test_a_write_the_disk_takes_only_in_part_is_finished_or_never_renamed_into_p
 
     monkeypatch.setattr(os, "write", short_then_full)
     with pytest.raises(OSError):
-        write_atomic(path, {"new": "x" * 100})
+        write_json(path, {"new": "x" * 100})
     monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data[:7])))
-    write_atomic(tmp_path / "c.json", {"whole": "y" * 50})  # short writes, no error: finished
+    write_json(tmp_path / "c.json", {"whole": "y" * 50})  # short writes, no error: finished
     monkeypatch.undo()
     assert json.loads(path.read_text()) == {"old": True}
     assert json.loads((tmp_path / "c.json").read_text()) == {"whole": "y" * 50}
@@ -175,7 +175,10 @@ def test_events_the_outbox_cannot_store_wait_in_memory_are_sent_and_stored_in_or
     for kind in ("tainted", "sigterm_sent", "container_exited"):
         put(outbox, kind)
     assert [e.kind for e in outbox.pending()] == [
-        "notice_received", "tainted", "sigterm_sent", "container_exited",
+        "notice_received",
+        "tainted",
+        "sigterm_sent",
+        "container_exited",
     ]
     assert [(k, d["path"], d["errno"]) for k, d in said] == [
         ("state_write_failed", str(tmp_path / "outbox.sqlite"), "ENOSPC")
@@ -186,7 +189,11 @@ def test_events_the_outbox_cannot_store_wait_in_memory_are_sent_and_stored_in_or
     frozen_size(outbox, False)
     put(outbox, "drained")
     assert stored(outbox) == [
-        "notice_received", "tainted", "sigterm_sent", "container_exited", "drained",
+        "notice_received",
+        "tainted",
+        "sigterm_sent",
+        "container_exited",
+        "drained",
     ]
     assert outbox.held_in_memory == 0
     assert [k for k, _ in said] == ["state_write_failed", "state_write_resumed"]
@@ -354,7 +361,13 @@ async def test_a_notice_on_a_disk_that_refuses_every_write_is_answered_on_time(
     read_only(outbox, True)
     engine, link = Engine(), Link()
     drains = DrainRunner(
-        cfg, outbox, link, engine, Gpus(), Workers(), health=health,  # type: ignore[arg-type]
+        cfg,
+        outbox,
+        link,
+        engine,
+        Gpus(),
+        Workers(),
+        health=health,  # type: ignore[arg-type]
         bundles=BundleStore(cfg.state_dir, health, write=disk),
         local_taints=LocalTaints(cfg.state_dir, health, write=disk),
     )
@@ -369,16 +382,24 @@ async def test_a_notice_on_a_disk_that_refuses_every_write_is_answered_on_time(
         await asyncio.sleep(0.3)  # several retry ticks: still one report per path
         assert not loop.done()
         kinds = [e.kind for e in outbox.pending()]
-        for kind in ("notice_received", "tainted", "sigterm_sent", "container_exited",
-                     "verified_empty", "drained"):
+        for kind in (
+            "notice_received",
+            "tainted",
+            "sigterm_sent",
+            "container_exited",
+            "verified_empty",
+            "drained",
+        ):
             assert kinds.count(kind) == 1, (kind, kinds)
         failed = [e.details for e in outbox.pending() if e.kind == "state_write_failed"]
         rid = drains.recent[next(iter(drains.recent))].reclaim_id
-        assert sorted((d["path"], d["errno"]) for d in failed) == sorted([
-            (str(cfg.state_dir / "reclamations" / f"{rid}.json"), "ENOSPC"),
-            (str(cfg.deadline_file), "ENOSPC"),
-            (str(cfg.state_dir / "outbox.sqlite"), "EROFS"),
-        ])
+        assert sorted((d["path"], d["errno"]) for d in failed) == sorted(
+            [
+                (str(cfg.state_dir / "reclamations" / f"{rid}.json"), "ENOSPC"),
+                (str(cfg.deadline_file), "ENOSPC"),
+                (str(cfg.state_dir / "outbox.sqlite"), "EROFS"),
+            ]
+        )
         written = next(e for e in outbox.pending() if e.kind == "deadline_file_written")
         assert written.details["written"] is False
         assert stored(outbox) == []

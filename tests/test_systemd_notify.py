@@ -81,8 +81,9 @@ class NotifyListener:
         ]
 
     def wait_for(self, prefix: str, timeout: float = 20.0) -> Datagram:
-        return wait_until(lambda: next(iter(self.with_field(prefix)), None), timeout,
-                          f"a datagram with {prefix}")
+        return wait_until(
+            lambda: next(iter(self.with_field(prefix)), None), timeout, f"a datagram with {prefix}"
+        )
 
     def close(self) -> None:
         self._stop.set()
@@ -223,9 +224,12 @@ class JournalListener:
     def receive(self) -> tuple[bytes, int | None]:
         """The next entry's bytes, and the seals of the memfd it came in (None: inline)."""
         data, ancdata, _, _ = self.sock.recvmsg(1 << 20, socket.CMSG_SPACE(4))
-        fds = [fd for level, kind, raw in ancdata
-               if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
-               for fd in array.array("i", raw)]
+        fds = [
+            fd
+            for level, kind, raw in ancdata
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+            for fd in array.array("i", raw)
+        ]
         if not fds:
             return data, None
         assert data == b"" and len(fds) == 1, "an fd comes alone, with an empty payload"
@@ -295,13 +299,25 @@ def test_journal_entries_carry_node_and_reclamation_ids(journal):
     log.critical("loud")
     entries = [listener.entry() for _ in range(5)]
     assert [
-        (e["MESSAGE"], e.get("NODE_ID"), e.get("RECLAIM_ID"), e["SYSLOG_IDENTIFIER"],
-         e["PRIORITY"], e["LOGGER"])
+        (
+            e["MESSAGE"],
+            e.get("NODE_ID"),
+            e.get("RECLAIM_ID"),
+            e["SYSLOG_IDENTIFIER"],
+            e["PRIORITY"],
+            e["LOGGER"],
+        )
         for e in entries
     ] == [
         ("plain line", "node-a", None, "spotdrain-agent", "6", log.name),
-        ("node node-a reclamation rcl-1: notice i-0abc", "node-a", "rcl-1", "spotdrain-agent",
-         "6", log.name),
+        (
+            "node node-a reclamation rcl-1: notice i-0abc",
+            "node-a",
+            "rcl-1",
+            "spotdrain-agent",
+            "6",
+            log.name,
+        ),
         ("explicit", "node-b", "rcl-2", "spotdrain-agent", "4", log.name),
         ("quiet", "node-a", None, "spotdrain-agent", "7", log.name),
         ("loud", "node-a", None, "spotdrain-agent", "2", log.name),
@@ -461,8 +477,9 @@ def test_coordinator_tells_systemd(tmp_path, monkeypatch):
 
 
 @pytest.mark.docker
-def test_agent_tells_systemd(tmp_path, monkeypatch, docker_engine, coordinator, gpus, nvml_lib,
-                             containers):
+def test_agent_tells_systemd(
+    tmp_path, monkeypatch, docker_engine, coordinator, gpus, nvml_lib, containers
+):
     """The agent under a Type=notify unit with WatchdogSec=1, on a host whose NVML fails at
     first. It is watching notices at once but holds READY=1, with a STATUS saying it waits for
     NVML; when NVML answers, READY=1. A notice then shows up in STATUS as a drain with its
@@ -477,14 +494,23 @@ def test_agent_tells_systemd(tmp_path, monkeypatch, docker_engine, coordinator, 
     monkeypatch.setenv("NOTIFY_SOCKET", listener.name)
     monkeypatch.setenv("WATCHDOG_USEC", "1000000")
     gpus.fault("init_failed")
-    stubborn = run_workload(docker_engine.client, name=containers + "stubborn", node_id=node,
-                            kind="ignores_term")
-    agent = start_agent(tmp_path, node, coordinator, docker_engine.host, gpus, nvml_lib,
-                        AgentOptions(grace_s=4.0, overrun_s=1.0))
+    stubborn = run_workload(
+        docker_engine.client, name=containers + "stubborn", node_id=node, kind="ignores_term"
+    )
+    agent = start_agent(
+        tmp_path,
+        node,
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        AgentOptions(grace_s=4.0, overrun_s=1.0),
+    )
     try:
         waiting = wait_until(
             lambda: [s for s in listener.statuses() if s.startswith("starting: waiting for")],
-            10, "a STATUS saying what the agent waits for",
+            10,
+            "a STATUS saying what the agent waits for",
         )
         assert "NVML" in waiting[0] and "Docker" not in waiting[0]
         time.sleep(1.5)
@@ -496,10 +522,10 @@ def test_agent_tells_systemd(tmp_path, monkeypatch, docker_engine, coordinator, 
         assert ready.fields[0] == "READY=1"
         assert ready.fields[1].startswith(f"STATUS=watching {agent.notice_file}; 0 workers; ")
 
-        agent.write_notice({"id": "i-sd-1", "action": "terminate",
-                            "terminate_at": time.time() + 8})
+        agent.write_notice({"id": "i-sd-1", "action": "terminate", "terminate_at": time.time() + 8})
         draining = wait_until(
-            lambda: [s for s in listener.statuses() if s.startswith("draining ")], 10,
+            lambda: [s for s in listener.statuses() if s.startswith("draining ")],
+            10,
             "a STATUS for the drain",
         )
         assert "(notice, draining): G in " in draining[0]
@@ -507,8 +533,11 @@ def test_agent_tells_systemd(tmp_path, monkeypatch, docker_engine, coordinator, 
         coordinator.admin().wait_for("drained", node=node, timeout=30)
         stubborn.reload()
         assert stubborn.status == "exited"
-        wait_until(lambda: listener.statuses()[-1].startswith("watching "), 10,
-                   "STATUS back to watching after the drain")
+        wait_until(
+            lambda: listener.statuses()[-1].startswith("watching "),
+            10,
+            "STATUS back to watching after the drain",
+        )
 
         pings = listener.with_field("WATCHDOG=1")
         assert len(pings) >= 10
@@ -521,6 +550,33 @@ def test_agent_tells_systemd(tmp_path, monkeypatch, docker_engine, coordinator, 
         stopping = listener.wait_for("STOPPING=1")
         assert stopping.data == b"STOPPING=1"
         assert listener.received.index(stopping) > listener.received.index(ready)
+    finally:
+        agent.proc.stop()
+        listener.close()
+
+
+@pytest.mark.docker
+def test_agent_without_a_watchdog_still_says_ready(
+    tmp_path, monkeypatch, docker_engine, coordinator, gpus, nvml_lib
+):
+    """A Type=notify unit without WatchdogSec: the watchdog helper has nothing to do and
+    returns at once. That is no reason to skip READY=1 (systemd would wait out its start
+    timeout and kill the agent): READY still follows the notice watch, and SIGTERM is clean."""
+    node = "node-nowd"
+    listener = NotifyListener(f"@spotdrain-agent-{uuid.uuid4().hex}")
+    monkeypatch.setenv("NOTIFY_SOCKET", listener.name)
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    agent = start_agent(
+        tmp_path, node, coordinator, docker_engine.host, gpus, nvml_lib, AgentOptions()
+    )
+    try:
+        ready = listener.wait_for("READY=1", timeout=15)
+        assert ready.fields[0] == "READY=1"
+        assert listener.with_field("WATCHDOG=1") == []
+        agent.proc.signal(signal.SIGTERM)
+        assert agent.proc.popen.wait(15) == 0
+        assert listener.wait_for("STOPPING=1").data == b"STOPPING=1"
     finally:
         agent.proc.stop()
         listener.close()

@@ -8,6 +8,7 @@ import math
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -193,8 +194,11 @@ def test_malformed_deadlines_are_refused_with_the_reason(tmp_path, override, why
 
 def test_deadline_file_edge_cases(tmp_path):
     path = tmp_path / "d.json"
-    for raw, why in [(b"[1]", "JSON object"), (b"{", "not JSON"),
-                     (b'{"a": "' + b"x" * 5000 + b'"}', "larger")]:
+    for raw, why in [
+        (b"[1]", "JSON object"),
+        (b"{", "not JSON"),
+        (b'{"a": "' + b"x" * 5000 + b'"}', "larger"),
+    ]:
         path.write_bytes(raw)
         with pytest.raises(DeadlineInvalid, match=why):
             workload.read_deadline(path)
@@ -208,10 +212,14 @@ def test_the_agent_never_writes_a_deadline_the_module_would_refuse(tmp_path):
     before = path.read_bytes()
     doc = json.loads(before)
     assert doc == {
-        "reclaim_id": "rcl-1", "reason": "notice",
-        "terminate_at": "1970-01-01T00:33:20.500000Z", "terminate_at_epoch": 2000.5,
-        "grace_deadline": "1970-01-01T00:33:10.250000Z", "grace_deadline_epoch": 1990.25,
-        "reclaim_at": "1970-01-01T00:33:10.250000Z", "reclaim_at_epoch": 1990.25,
+        "reclaim_id": "rcl-1",
+        "reason": "notice",
+        "terminate_at": "1970-01-01T00:33:20.500000Z",
+        "terminate_at_epoch": 2000.5,
+        "grace_deadline": "1970-01-01T00:33:10.250000Z",
+        "grace_deadline_epoch": 1990.25,
+        "reclaim_at": "1970-01-01T00:33:10.250000Z",
+        "reclaim_at_epoch": 1990.25,
     }
     with pytest.raises(DeadlineInvalid):
         write_deadline_file(path, "rcl-1", math.nan, 1990.0, "notice")
@@ -290,9 +298,9 @@ def test_a_reader_that_takes_reports_at_once_never_breaks_the_writer(tmp_path):
     assert taken == list(range(300))
 
 
-def test_a_report_cut_short_leaves_nothing_under_a_reports_name(tmp_path, monkeypatch):
-    """A crash between write and rename (here fsync fails) leaves at most a dot-file, which
-    the agent never reads as a report."""
+def test_a_report_cut_short_leaves_nothing_behind(tmp_path, monkeypatch):
+    """The disk fails between write and rename (here fsync fails): no report, and no temporary
+    file either (on a full disk its space is what the next try needs)."""
     reporter = workload.Reporter(tmp_path)
 
     def fail(fd):
@@ -301,7 +309,90 @@ def test_a_report_cut_short_leaves_nothing_under_a_reports_name(tmp_path, monkey
     monkeypatch.setattr(workload.os, "fsync", fail)
     with pytest.raises(OSError):
         reporter.checkpoint_started(3)
-    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == []
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- the one atomic write (the agent's state files go through it too) --------------------------
+
+
+def test_a_failed_write_keeps_the_old_content_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    """The rename itself is refused (EXDEV, EACCES...): the old file is intact, and nothing
+    else is left in the directory."""
+    path = tmp_path / "b.json"
+    workload.write_atomic(path, b"old")
+
+    def refuse(src, dst):
+        raise OSError(13, "Permission denied")
+
+    monkeypatch.setattr(workload.os, "replace", refuse)
+    with pytest.raises(OSError):
+        workload.write_atomic(path, b"new")
+    monkeypatch.undo()
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["b.json"]
+
+
+def test_the_file_has_its_mode_before_it_has_its_name(tmp_path, monkeypatch):
+    """A reader may take the file the moment it appears: under a strict umask it must already
+    carry the mode asked for (the agent's copy set it after the rename)."""
+    seen = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        seen.append(stat.S_IMODE(os.stat(src).st_mode))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(workload.os, "replace", replace)
+    old_umask = os.umask(0o077)
+    try:
+        workload.write_atomic(tmp_path / "deadline.json", b"{}", mode=0o644)
+        workload.write_atomic(tmp_path / "book.json", b"{}", mode=0o600)
+    finally:
+        os.umask(old_umask)
+    assert seen == [0o644, 0o600]
+    assert stat.S_IMODE((tmp_path / "deadline.json").stat().st_mode) == 0o644
+
+
+def test_durable_syncs_the_file_then_its_directory_and_fast_syncs_nothing(tmp_path, monkeypatch):
+    """A durable write survives a power loss only if the rename (a directory entry) reached
+    the disk too; the deadline file (in /run, rewritten at start) skips both."""
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(workload.os, "fsync", fsync)
+    workload.write_atomic(tmp_path / "bundle.json", b"{}")
+    assert synced == ["file", "dir"]
+    synced.clear()
+    workload.write_atomic(tmp_path / "deadline.json", b"{}", durable=False)
+    assert synced == []
+
+
+def test_two_writers_of_one_file_never_share_a_temporary_file(tmp_path):
+    """Two threads rewriting one file: every write lands whole (a shared temporary name
+    would let one truncate the other's file, or rename it away under it)."""
+    path = tmp_path / "shared.json"
+    errors = []
+
+    def writer(fill: bytes) -> None:
+        try:
+            for n in range(200):
+                workload.write_atomic(path, fill * (n + 1), durable=False)
+        except OSError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(c,)) for c in (b"a", b"b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    data = path.read_bytes()
+    assert len(set(data)) == 1 and len(data) <= 200
+    assert [p.name for p in tmp_path.iterdir()] == ["shared.json"]
 
 
 @pytest.mark.parametrize(
@@ -383,10 +474,18 @@ def test_the_one_file_on_a_bare_python3(tmp_path, first):
     status, deadline = tmp_path / "status", tmp_path / "run" / "deadline.json"
     status.mkdir()
     deadline.parent.mkdir()
-    env = {"SPOTDRAIN_STATUS_DIR": str(status), "SPOTDRAIN_DEADLINE_FILE": str(deadline),
-           "PATH": "/usr/bin:/bin"}
-    proc = subprocess.Popen([python, "-E", "-S", str(job_dir / "job.py")], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {
+        "SPOTDRAIN_STATUS_DIR": str(status),
+        "SPOTDRAIN_DEADLINE_FILE": str(deadline),
+        "PATH": "/usr/bin:/bin",
+    }
+    proc = subprocess.Popen(
+        [python, "-E", "-S", str(job_dir / "job.py")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline() == "ready\n", proc.stderr.read()
         if first == "sigterm":
@@ -406,5 +505,7 @@ def test_the_one_file_on_a_bare_python3(tmp_path, first):
     assert out.splitlines() == [f"checkpointed on {first}, {left} s left"]
     reports = [parse_report(p.read_bytes()) for p in sorted(status.iterdir())]
     assert [(r.kind, r.generation, r.nbytes) for r in reports] == [
-        ("checkpoint_started", 7, None), ("checkpoint_committed", 7, 4096)]
+        ("checkpoint_started", 7, None),
+        ("checkpoint_committed", 7, 4096),
+    ]
     assert all(abs(r.at - time.time()) < 60 for r in reports)

@@ -1,7 +1,7 @@
 """The agent's durable state in its state dir: reclamation bundles, local taints, files for
-workloads. Every write is atomic (temp file, fsync, rename) so a crash leaves old or new, never
-half; nothing about a drain lives only in memory while the disk takes writes (docs/design.md
-invariant 8).
+workloads. Every write is atomic (spotdrain.workload.write_atomic) so a crash leaves old or
+new, never half; nothing about a drain lives only in memory while the disk takes writes
+(docs/design.md invariant 8).
 
 When the disk does not take them (full, read-only, failing), the agent keeps its promise from
 memory: the stores hold what they could not write, `WriteHealth` records `state_write_failed`
@@ -16,14 +16,13 @@ import dataclasses
 import errno
 import json
 import logging
-import os
 import sqlite3
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spotdrain.agent.core.reclamation import Reclamation
-from spotdrain.workload import Deadline
+from spotdrain.workload import Deadline, write_atomic
 
 if TYPE_CHECKING:  # (the outbox imports this module)
     from spotdrain.agent.drain.outbox import OutgoingEvent
@@ -35,27 +34,13 @@ Writer = Callable[[Path, Any, int], None]
 Reporter = Callable[[str, dict[str, Any]], None]
 
 
-def write_atomic(path: Path, doc: Any, mode: int = 0o644, durable: bool = True) -> None:
-    """Write `doc` as JSON to `path` by rename: readers see the old file or the new, whole.
-    `durable`: fsync it first, so it survives the host losing power too."""
+def write_json(path: Path, doc: Any, mode: int = 0o644, durable: bool = True) -> None:
+    """Write `doc` as JSON through the one atomic write (spotdrain.workload.write_atomic),
+    making the directory first (a state dir the disk refused at start is made by a later
+    save)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    data = memoryview(json.dumps(doc, indent=1, sort_keys=True).encode())
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        # A nearly full disk may take part of a write without an error: write the rest until it
-        # is all there or the disk says why not, so a short file is never renamed into place.
-        while data:
-            data = data[os.write(fd, data) :]
-        if durable:
-            os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)  # the space it took is what the next write needs
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-    os.chmod(path, mode)
+    data = json.dumps(doc, indent=1, sort_keys=True).encode()
+    write_atomic(path, data, mode, durable)
 
 
 # SQLite's result codes for the disk's refusals, as the errno a file write would have given.
@@ -128,7 +113,7 @@ class BundleStore:
     agent runs; each save, and retry(), writes the held ones again."""
 
     def __init__(
-        self, state_dir: Path, health: WriteHealth | None = None, write: Writer = write_atomic
+        self, state_dir: Path, health: WriteHealth | None = None, write: Writer = write_json
     ) -> None:
         self.dir = state_dir / "reclamations"
         self.health = health or WriteHealth()
@@ -141,7 +126,7 @@ class BundleStore:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            self.health.failed(self.dir, e)  # the first save makes it (write_atomic does)
+            self.health.failed(self.dir, e)  # the first save makes it (write_json does)
 
     def path(self, reclaim_id: str) -> Path:
         return self.dir / f"{reclaim_id}.json"
@@ -230,7 +215,7 @@ class LocalTaints:
     """
 
     def __init__(
-        self, state_dir: Path, health: WriteHealth | None = None, write: Writer = write_atomic
+        self, state_dir: Path, health: WriteHealth | None = None, write: Writer = write_json
     ) -> None:
         self.path = state_dir / "local_taints.json"
         self.health = health or WriteHealth()
@@ -282,4 +267,4 @@ def write_deadline_file(
     deadline = Deadline(reclaim_id, terminate_at, grace_deadline, reason)
     # Atomic, but no fsync: it is on the notice path, it lives in /run (gone with the power
     # anyway), and a restarted agent writes it again from the bundle before anything reads it.
-    write_atomic(path, deadline.to_json(), durable=False)
+    write_json(path, deadline.to_json(), durable=False)

@@ -21,7 +21,7 @@ from spotdrain.agent.core.advisories import AdvisoryBook, Drain, Record
 from spotdrain.agent.core.notice import Notice, NoticeInvalid
 from spotdrain.agent.core.reclamation import reclaim_id_for
 from spotdrain.agent.drain.runner import DrainRunner
-from spotdrain.agent.drain.state import write_atomic
+from spotdrain.agent.drain.state import write_json
 from spotdrain.agent.notices import module as source_module
 from spotdrain.agent.notices.base import Advisory, Health, NoticeSource
 from spotdrain.agent.notices.settings import AdvisoryPolicy
@@ -138,7 +138,7 @@ class SourceHub:
                 case _:
                     raise TypeError(cmd)
         try:
-            write_atomic(self._book_path, self.book.saved(), mode=0o600)
+            write_json(self._book_path, self.book.saved(), mode=0o600)
         except OSError as e:
             # A full disk stops nothing (agent/drain/state.py): the book is in memory, and the next
             # change writes it whole again.

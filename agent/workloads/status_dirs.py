@@ -127,9 +127,6 @@ class StatusDirs:
         self._invalid_counts: dict[str, int] = {}
         self._ignored: dict[str, _IgnoredLines] = {}
 
-    def dir_for(self, name: str) -> Path:
-        return make_status_dir(self.root, name)
-
     # --- reading -------------------------------------------------------------------------------
 
     def collect(self, name: str) -> int:

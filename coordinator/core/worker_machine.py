@@ -110,10 +110,6 @@ class Started:
         if self.capacity < 1:
             raise ValueError(f"capacity must be at least 1 slot, got {self.capacity}")
 
-    @property
-    def node_accepts_work(self) -> bool:
-        return self.node_drain is None
-
 
 @dataclass(frozen=True)
 class Heartbeat:

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spotdrain.coordinator.fleet.drains")
 
-PAUSE_TAINT_KEY = "spotdrain.io/paused"
 # A lifted drain (a resumed pause, a cancelled notice) is remembered until this long after its
 # deadline D (or its lift, if later). A Taint for a reclamation the coordinator has neither in
 # progress nor remembered, whose D is later than this long ago, is then new without asking the

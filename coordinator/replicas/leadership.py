@@ -86,10 +86,6 @@ def check_arguments(args: Any) -> None:  # noqa: ANN401 (argparse namespace)
         raise UsageError("--lease-renew-s must be below --lease-ttl-s")
 
 
-class NotLeader(Exception):
-    pass
-
-
 class Replica:
     """One replica: its lease, and whether it serves now."""
 

@@ -11,9 +11,9 @@ runs it). What it gives (docs/workloads.md, "The workload SDK"):
   or the first sight of the deadline file, whichever comes first; never twice (a second SIGTERM
   or a rewritten deadline file changes nothing).
 - `checkpoint_started(generation)` and `checkpoint_committed(generation, bytes)`: reports
-  written atomically (temporary file, fsync, rename) into $SPOTDRAIN_STATUS_DIR, which the
-  agent watches and records in the reclamation's timeline. Reports are information: they never
-  move a deadline or count as the node being empty.
+  written atomically (temporary file, fsync, rename, fsync of the directory) into
+  $SPOTDRAIN_STATUS_DIR, which the agent watches and records in the reclamation's timeline.
+  Reports are information: they never move a deadline or count as the node being empty.
 
 The deadline file's format and the reports' format are defined here once (`Deadline`,
 `report_document`, `parse_report`); the agent writes and reads them through this module.
@@ -21,11 +21,13 @@ The deadline file's format and the reports' format are defined here once (`Deadl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import select
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +42,6 @@ from typing import Any
 # containers with its own node label; the kind chooses how the container is drained.
 NODE_LABEL = "spotdrain.node"
 KIND_LABEL = "spotdrain.kind"
-DRAIN_KINDS = ("inference", "batch", "rental", "render")
 # Environment the agent sets in the containers it starts (and tests/demo set by hand).
 DEADLINE_FILE_ENV = "SPOTDRAIN_DEADLINE_FILE"
 STATUS_DIR_ENV = "SPOTDRAIN_STATUS_DIR"
@@ -188,19 +189,42 @@ def read_deadline(path: str | os.PathLike[str] | None = None) -> Deadline | None
     return Deadline.parse(raw)
 
 
-def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Temporary file beside it, fsync, rename: a reader sees the old file or the new one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+def write_atomic(path: Path, data: bytes, mode: int = 0o644, durable: bool = True) -> None:
+    """Write `data` to `path` by rename: a reader sees the old file or the new one, whole, and
+    already with `mode` (a reader may take and remove it at once). `durable`: fsync the file
+    and then its directory, so the new content and its name both survive a power loss.
+
+    The one atomic write of the project (the agent's state goes through it too). On any
+    failure the old file is left as it was and the temporary file is removed: on a full disk
+    its space is what the next try needs."""
+    # Beside the target (a rename across filesystems is no rename), under a name of its own
+    # (two writers never share one), hidden (the agent's readers skip dot names).
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, mode)  # before the rename: a reader may take (and remove) it at once
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            os.fchmod(fd, mode)  # mkstemp creates 0600, and the umask must not narrow `mode`
+            # A nearly full disk may take part of a write without an error: write the rest
+            # until it is all there or the disk says why not, never renaming a short file.
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        # The rename lives in the directory: without this a power loss may bring back the old
+        # name, or none, even though the file's own data reached the disk.
+        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
 
 # --- SIGTERM or the deadline file, once --------------------------------------------------------

@@ -7,11 +7,18 @@ from typing import Any
 
 from spotdrain.v1 import spotdrain_pb2 as pb
 
+# Every event kind the agent and the coordinator emit, defined once; tests/test_event_kinds.py
+# reads the code and fails on a kind emitted or compared against that is missing here. The
+# coordinator stores an agent's kinds as sent, never refusing one not listed: an agent newer
+# than its coordinator would otherwise have its whole outbox refused.
 KINDS = frozenset(
     {
+        # a reclamation's story, told by the agent
         "notice_received",
         "notice_updated",
         "notice_invalid",
+        "notice_cancelled",
+        "pause_resumed",
         "tainted",
         "worker_draining",
         "deadline_file_written",
@@ -24,10 +31,6 @@ KINDS = frozenset(
         "verified_empty",
         "drained",
         "overrun",
-        "replacement_requested",
-        "workload_disabled",
-        "workload_enabled",
-        "notice_cancelled",
         # notice sources and early warnings
         "notice_source_down",
         "notice_source_up",
@@ -39,10 +42,38 @@ KINDS = frozenset(
         "checkpoint_started",
         "checkpoint_committed",
         "workload_report_invalid",
-        # recorded by the coordinator itself
-        "identity_refused",
-        "node_registered",
+        # the agent's own disk and outbox
+        "state_write_failed",
+        "state_write_resumed",
+        "events_dropped",
+        # recorded by the coordinator: workers and placement
+        "worker_starting",
+        "worker_ready",
+        "worker_stopped",
+        "worker_refused",
+        "worker_missing",
+        "worker_start_timeout",
+        "placement_refused",
+        "workload_disabled",
+        "workload_enabled",
         "workload_contract_flagged",
+        # recorded by the coordinator: capacity and replacements
+        "model_replicas_set",
+        "capacity_short",
+        "capacity_start_failed",
+        "replacement_requested",
+        "replacement_result",
+        "replacement_unavailable",
+        # recorded by the coordinator: rentals, nodes and callers
+        "rental_created",
+        "rental_reclaim_set",
+        "rental_reclaim_lifted",
+        "rental_ended",
+        "node_spot_changed",
+        "spot_change_refused",
+        "provider_change_refused",
+        "identity_refused",
+        "recovery_failed",
     }
 )
 

@@ -135,7 +135,7 @@ def chat(router_url: str) -> int:
 
 
 def test_a_router_and_spotctl_given_only_the_follower_work_throughout_a_leader_sigkill(
-    tmp_path, replicas, docker_engine, gpus, nvml_lib, model_image, workers_cleanup  # noqa: F811
+    tmp_path, replicas, docker_engine, gpus, nvml_lib, model_image, workers_cleanup
 ):
     """A router and spotctl know only replica B, the follower; a real agent knows both and
     serves a model worker. The leader A is SIGKILLed: B leads within the failover time; every
@@ -197,7 +197,7 @@ def stored_events(db_url: str) -> list[tuple[str, str, str, str]]:
 
 
 def test_the_leader_sigkilled_mid_pause_and_mid_notice_both_nodes_drain_inside_d(
-    tmp_path, replicas, docker_engine, gpus, nvml_lib, model_image, containers,  # noqa: F811
+    tmp_path, replicas, docker_engine, gpus, nvml_lib, model_image, containers,
     workers_cleanup,
 ):
     """Node A's owner pauses while a client streams from its model worker; node B gets a hard
@@ -282,7 +282,7 @@ def test_the_leader_sigkilled_mid_pause_and_mid_notice_both_nodes_drain_inside_d
 
 @pytest.mark.parametrize("when", ["at_once", "as_it_steps_down"])
 async def test_a_deposed_leader_resumed_and_told_to_stop_exits_cleanly_writing_nothing(
-    replicas, db, pki, when  # noqa: F811
+    replicas, db, pki, when
 ):
     """The leader, with an agent's stream open, is SIGSTOPped past its lease and the follower
     leads. While it is stopped the agent sends an event on that stream. Then it is resumed and

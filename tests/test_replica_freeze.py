@@ -31,7 +31,7 @@ WAITING_FOR_EVENTS_LOCK = (
 
 
 async def test_a_leader_frozen_inside_a_write_is_replaced_and_changes_nothing(
-    replicas, db, pki  # noqa: F811
+    replicas, db, pki
 ):
     """An agent's event batch reaches the leader A, whose transaction passes the fence and
     waits for the events lock (held by the test), so it is mid-flight when A is SIGSTOPped.

@@ -91,7 +91,7 @@ def _at(entries: list[dict], text: str, **fields: str) -> float:
 
 @pytest.mark.docker
 def test_poweroff_waits_for_the_drain_and_not_longer(
-    debs,  # noqa: F811
+    debs,
     docker_engine: DockerEngine,
     docker_images: dict[str, str],
     tmp_path: Path,

@@ -70,8 +70,8 @@ class FollowerClients:
 
 
 def test_three_replicas_the_leader_and_then_its_successor_sigkilled_mid_drain_the_last_leads(
-    tmp_path, db, pki, docker_engine, gpus, nvml_lib, model_image, containers,  # noqa: F811
-    workers_cleanup,  # noqa: F811
+    tmp_path, db, pki, docker_engine, gpus, nvml_lib, model_image, containers,
+    workers_cleanup,
 ):
     """Replicas A (leading), B and C; two agents know all three. Node-a serves a model worker;
     node-b gets a hard notice (D in 20 s) while a batch job checkpoints for 8 s after its

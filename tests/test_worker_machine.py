@@ -17,7 +17,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from spotdrain.coordinator.core.admission import (
     GROUP_AVOIDED,
-    KINDS,
     NOT_CONNECTED,
     NOT_ENOUGH_GPUS,
     PATHS,
@@ -51,6 +50,7 @@ from spotdrain.coordinator.core.worker_machine import (
     Worker,
     WorkerEvent,
 )
+from spotdrain.protocol.kinds import ALL as KINDS
 
 P = 1000.0  # the owner pauses
 D = P + 120  # terminate_at for a pause

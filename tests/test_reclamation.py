@@ -32,8 +32,6 @@ from spotdrain.agent.core.reclamation import (
     TERM_ANNOUNCED,
     TERM_BY_PREVIOUS_RUN,
     TERM_SENT,
-    InvalidState,
-    InvalidTransition,
     Margins,
     Reclamation,
     reclaim_id_for,
@@ -72,6 +70,7 @@ from spotdrain.agent.core.reclamation_events import (
     Tick,
     WorkersDraining,
 )
+from spotdrain.protocol.machine import InvalidState, InvalidTransition
 
 T0 = 1000.0
 D = T0 + 30
@@ -1599,14 +1598,14 @@ def test_the_signal_ledger_moves_only_along_its_table(start, finish) -> None:
         KILL_ANNOUNCED: [KILL_ANNOUNCED], KILL_SENT: [KILL_ANNOUNCED, KILL_SENT],
     }[start]
     for step in path:
-        rec._move("c1", step, job("c1"), T0 + 1)
+        rec._ledger_move("c1", step, job("c1"), T0 + 1)
     assert rec.ledger("c1") == start
     if (start, finish) in LEDGER_TRANSITIONS:
-        rec._move("c1", finish, job("c1"), T0 + 2)
+        rec._ledger_move("c1", finish, job("c1"), T0 + 2)
         assert rec.ledger("c1") == finish
     else:
         with pytest.raises(InvalidTransition):
-            rec._move("c1", finish, job("c1"), T0 + 2)
+            rec._ledger_move("c1", finish, job("c1"), T0 + 2)
     assert (TERM_SENT, TERM_ANNOUNCED) not in LEDGER_TRANSITIONS
     assert (TERM_BY_PREVIOUS_RUN, TERM_ANNOUNCED) not in LEDGER_TRANSITIONS
 

@@ -39,7 +39,6 @@ from spotdrain.coordinator.core.worker_machine import (
     DrainOnNode,
     Effect,
     Heartbeat,
-    InvalidTransition,
     NodeDrain,
     Route,
     RouteAdded,
@@ -51,6 +50,7 @@ from spotdrain.coordinator.core.worker_machine import (
     WorkerEvent,
 )
 from spotdrain.protocol.kinds import ALL as KINDS
+from spotdrain.protocol.machine import InvalidTransition
 
 P = 1000.0  # the owner pauses
 D = P + 120  # terminate_at for a pause

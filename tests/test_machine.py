@@ -160,10 +160,12 @@ STORED_FIELDS = set(
 
 UNDER_O = textwrap.dedent(
     """
+    from spotdrain.agent.core.advisories import AdvisoryBook, Entry
     from spotdrain.agent.core.notice import Notice
     from spotdrain.agent.core.reclamation import Margins, Reclamation
     from spotdrain.coordinator.core.worker_machine import READY, Worker
     from spotdrain.coordinator.replicas.lease import LEADER, Lease
+    from spotdrain.agent.notices.settings import AdvisoryPolicy
     from spotdrain.protocol.machine import InvalidState
 
     assert False, "asserts run: this is not python -O"
@@ -173,7 +175,9 @@ UNDER_O = textwrap.dedent(
     rec, _ = Reclamation.begin(Notice("k", "n", "terminate", 1120.0, "file"), "gpu-7", 1000.0,
                                Margins())
     rec.phase = "vanished"
-    for machine in (worker, lease, rec):
+    book = AdvisoryBook(AdvisoryPolicy())
+    book.entries["a-1"] = Entry("a-1", "aws", "rebalance", 10.0, 5.0, state="lifted")
+    for machine in (worker, lease, rec, book):
         try:
             machine.validate()
         except InvalidState as e:
@@ -186,7 +190,7 @@ UNDER_O = textwrap.dedent(
 
 def test_validate_raises_under_python_minus_o() -> None:
     """An agent run with `python -O` (or PYTHONOPTIMIZE set by a packager) strips every
-    `assert`; the machines' invariants must still be checked."""
+    `assert`; the machines' invariants (and the advisory book's) must still be checked."""
     result = subprocess.run(
         [sys.executable, "-O", "-c", UNDER_O], capture_output=True, text=True, timeout=60
     )
@@ -195,4 +199,5 @@ def test_validate_raises_under_python_minus_o() -> None:
         "worker w-1: ready without a gate",
         "lease term 0: leader without a term or an expiry",
         f"reclamation {rm.reclaim_id_for('gpu-7', 'k')}: unknown state 'vanished'",
+        "advisory book: a-1: lifted with lifted_at None; a-1: expires before it was received",
     ]

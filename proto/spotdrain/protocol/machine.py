@@ -108,9 +108,11 @@ class StateMachine(Generic[S, V]):
         A move the table lacks leaves the state as it was, records the attempt (`cause(invalid)`)
         and raises InvalidTransition with the story so far."""
         start = self.state
-        if (start, to) not in self.table:
+        try:
+            found = self.table[start, to]
+        except KeyError:
             remember(self.story, (at, f"{cause}(invalid)", start, to), self.story_limit)
-        found = self.table.check(self.ident, start, to, self.story)
+            raise InvalidTransition(self.table.machine, self.ident, start, to, self.story) from None
         self.state = to
         remember(self.story, (at, cause, start, to), self.story_limit)
         return found

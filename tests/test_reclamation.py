@@ -32,8 +32,6 @@ from spotdrain.agent.core.reclamation import (
     TERM_ANNOUNCED,
     TERM_BY_PREVIOUS_RUN,
     TERM_SENT,
-    InvalidState,
-    InvalidTransition,
     Margins,
     Reclamation,
     reclaim_id_for,
@@ -72,6 +70,7 @@ from spotdrain.agent.core.reclamation_events import (
     Tick,
     WorkersDraining,
 )
+from spotdrain.protocol.machine import InvalidState, InvalidTransition
 
 T0 = 1000.0
 D = T0 + 30
@@ -541,7 +540,8 @@ def test_an_agent_down_through_the_grace_deadline_kills_and_records_the_overrun_
         match(DrainWorkers),
         WatchExits(("c1",)),
         Observe(),
-        match(CutWorkers), SignalContainers(SIGKILL),
+        match(CutWorkers),
+        SignalContainers(SIGKILL),
         emit("overrun", still_running=["job-c1"]),
     ]
 
@@ -639,7 +639,8 @@ def test_a_notice_already_past_its_deadline_signals_kills_and_records_the_overru
         emit("deadline_file_written"),
         match(DrainWorkers),
         SignalContainers(SIGTERM),
-        match(CutWorkers), SignalContainers(SIGKILL),
+        match(CutWorkers),
+        SignalContainers(SIGKILL),
         emit("overrun"),
     ]
     story(signalled("c1", T0 + 0.06, SIGKILL))
@@ -663,7 +664,8 @@ def test_a_late_notice_is_still_signalled_when_the_shell_ticks_at_next_wakeup(
         emit("deadline_file_written"),
         match(DrainWorkers),
         SignalContainers(SIGTERM),
-        match(CutWorkers), SignalContainers(SIGKILL),
+        match(CutWorkers),
+        SignalContainers(SIGKILL),
     ]
 
 
@@ -680,7 +682,8 @@ def test_a_tight_notice_with_a_silent_coordinator_still_falls_back_to_the_local_
         emit("deadline_file_written"),
         match(DrainWorkers),
         SignalContainers(SIGTERM),
-        match(CutWorkers), SignalContainers(SIGKILL),  # G = D - 10 is long past
+        match(CutWorkers),
+        SignalContainers(SIGKILL),  # G = D - 10 is long past
     ]
     assert story(signalled("c1", T0 + 0.9, SIGKILL)) == [emit("sigkill_sent"), WatchExits(("c1",))]
     assert story(SignalRoundDone(T0 + 1, SIGKILL)) == [Observe()]
@@ -1244,8 +1247,13 @@ def test_a_bundle_from_an_older_agent_still_loads() -> None:
     since then take their defaults, the deadlines are untouched."""
     rec, _ = Reclamation.begin(notice(), "node-a", T0, MARGINS)
     doc = rec.to_json()
-    for newer in ("taint_answer_s", "rounds_in_flight", "observe_again", "announced",
-                  "sigterm_by_previous_run"):
+    for newer in (
+        "taint_answer_s",
+        "rounds_in_flight",
+        "observe_again",
+        "announced",
+        "sigterm_by_previous_run",
+    ):
         doc.pop(newer)
     again = Reclamation.from_json(doc)
     assert (again.terminate_at, again.grace_deadline, again.overrun_at) == (D, G, O)
@@ -1373,11 +1381,14 @@ def test_a_round_announces_its_targets_in_the_bundle_before_anything_is_sent() -
     assert story(listed(T0 + 0.06, "c1", "c2")) == [DeliverSignals(SIGTERM, ("c1", "c2"))]
     bundle = json.loads(json.dumps(story.rec.to_json()))
     assert {c: e["signal"] for c, e in bundle["announced"].items()} == {
-        "c1": SIGTERM, "c2": SIGTERM,
+        "c1": SIGTERM,
+        "c2": SIGTERM,
     }
     assert story.rec.ledger("c1") == TERM_ANNOUNCED
-    assert story(signalled("c1", T0 + 0.07)) == [emit("sigterm_sent", container="c1", via="api"),
-                                                 WatchExits(("c1",))]
+    assert story(signalled("c1", T0 + 0.07)) == [
+        emit("sigterm_sent", container="c1", via="api"),
+        WatchExits(("c1",)),
+    ]
     assert story.rec.ledger("c1") == TERM_SENT and "c1" not in story.rec.announced
     story.check()
 
@@ -1487,8 +1498,14 @@ def test_an_agent_killed_right_after_its_first_sigterms_never_sends_a_second() -
     story(listed(T0 + 0.06, "c1", "c2"))
 
     assert story.restart(T0 + 2) == [
-        emit("sigterm_sent", container="c1", name="job-c1", by=BY_PREVIOUS_RUN,
-             announced_at=T0 + 0.06, image="registry.local/c1:1"),
+        emit(
+            "sigterm_sent",
+            container="c1",
+            name="job-c1",
+            by=BY_PREVIOUS_RUN,
+            announced_at=T0 + 0.06,
+            image="registry.local/c1:1",
+        ),
         emit("sigterm_sent", container="c2", by=BY_PREVIOUS_RUN),
         match(WriteDeadlineFile, terminate_at=D, grace_deadline=G),
         match(DrainWorkers, grace_deadline=G),
@@ -1520,7 +1537,10 @@ def test_a_restart_twice_over_reports_the_previous_runs_sigterms_once() -> None:
     story(listed(T0 + 0.06, "c1"))
     story.restart(T0 + 2)
     assert story.restart(T0 + 4) == [
-        match(WriteDeadlineFile), match(DrainWorkers), WatchExits(("c1",)), Observe(),
+        match(WriteDeadlineFile),
+        match(DrainWorkers),
+        WatchExits(("c1",)),
+        Observe(),
     ]
     assert story.kinds.count("sigterm_sent") == 1
 
@@ -1540,7 +1560,8 @@ def test_a_sigkill_announced_when_the_agent_died_is_sent_again() -> None:
     assert story.rec.ledger("c1") == KILL_ANNOUNCED
     commands = story.restart(G + 1)
     assert [c.details for c in commands if isinstance(c, Emit) and c.kind == "sigkill_sent"] == [
-        {"container": "c1", "name": "job-c1", "by": "previous run", "announced_at": G + 0.01}]
+        {"container": "c1", "name": "job-c1", "by": "previous run", "announced_at": G + 0.01}
+    ]
     assert story.rec.ledger("c1") == TERM_SENT  # withdrawn: it may be sent again
     assert story(Observed(G + 1.1, running=("c1",))) == [
         SignalContainers(SIGKILL, skip=frozenset())
@@ -1584,29 +1605,34 @@ def test_a_delivery_nobody_announced_is_refused() -> None:
         story.rec.handle(signalled("c1", T0 + 0.06))
 
 
-@pytest.mark.parametrize("start", [None, TERM_ANNOUNCED, TERM_SENT, TERM_BY_PREVIOUS_RUN,
-                                   KILL_ANNOUNCED, KILL_SENT])
-@pytest.mark.parametrize("finish", [None, TERM_ANNOUNCED, TERM_SENT, TERM_BY_PREVIOUS_RUN,
-                                    KILL_ANNOUNCED, KILL_SENT])
+@pytest.mark.parametrize(
+    "start", [None, TERM_ANNOUNCED, TERM_SENT, TERM_BY_PREVIOUS_RUN, KILL_ANNOUNCED, KILL_SENT]
+)
+@pytest.mark.parametrize(
+    "finish", [None, TERM_ANNOUNCED, TERM_SENT, TERM_BY_PREVIOUS_RUN, KILL_ANNOUNCED, KILL_SENT]
+)
 def test_the_signal_ledger_moves_only_along_its_table(start, finish) -> None:
     """Every move of a container's ledger entry is in LEDGER_TRANSITIONS or refused; a SIGTERM
     never follows a SIGTERM, announced or sent, by this process or the one before."""
     rec, _ = Reclamation.begin(notice(), NODE, T0, MARGINS)
     rec.phase, rec.sigterm_round, rec.rounds_in_flight = "draining", True, 1
     path = {
-        None: [], TERM_ANNOUNCED: [TERM_ANNOUNCED], TERM_SENT: [TERM_ANNOUNCED, TERM_SENT],
+        None: [],
+        TERM_ANNOUNCED: [TERM_ANNOUNCED],
+        TERM_SENT: [TERM_ANNOUNCED, TERM_SENT],
         TERM_BY_PREVIOUS_RUN: [TERM_ANNOUNCED, TERM_BY_PREVIOUS_RUN],
-        KILL_ANNOUNCED: [KILL_ANNOUNCED], KILL_SENT: [KILL_ANNOUNCED, KILL_SENT],
+        KILL_ANNOUNCED: [KILL_ANNOUNCED],
+        KILL_SENT: [KILL_ANNOUNCED, KILL_SENT],
     }[start]
     for step in path:
-        rec._move("c1", step, job("c1"), T0 + 1)
+        rec._ledger_move("c1", step, job("c1"), T0 + 1)
     assert rec.ledger("c1") == start
     if (start, finish) in LEDGER_TRANSITIONS:
-        rec._move("c1", finish, job("c1"), T0 + 2)
+        rec._ledger_move("c1", finish, job("c1"), T0 + 2)
         assert rec.ledger("c1") == finish
     else:
         with pytest.raises(InvalidTransition):
-            rec._move("c1", finish, job("c1"), T0 + 2)
+            rec._ledger_move("c1", finish, job("c1"), T0 + 2)
     assert (TERM_SENT, TERM_ANNOUNCED) not in LEDGER_TRANSITIONS
     assert (TERM_BY_PREVIOUS_RUN, TERM_ANNOUNCED) not in LEDGER_TRANSITIONS
 
@@ -1616,8 +1642,14 @@ def test_validate_names_what_a_broken_bundle_breaks() -> None:
     (an announcement without a round, a SIGTERM before the taint) is named."""
     rec, _ = Reclamation.begin(notice(), NODE, T0, MARGINS)
     rec.validate()
-    rec.announced["c1"] = {"signal": SIGTERM, "name": "job-c1", "kind": "", "image": "",
-                           "at": T0, "before": None}
+    rec.announced["c1"] = {
+        "signal": SIGTERM,
+        "name": "job-c1",
+        "kind": "",
+        "image": "",
+        "at": T0,
+        "before": None,
+    }
     with pytest.raises(InvalidState, match="invariant 1") as e:
         rec.validate()
     assert "announced without a round in flight" in str(e.value)

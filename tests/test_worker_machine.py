@@ -17,7 +17,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from spotdrain.coordinator.core.admission import (
     GROUP_AVOIDED,
-    KINDS,
     NOT_CONNECTED,
     NOT_ENOUGH_GPUS,
     PATHS,
@@ -40,7 +39,6 @@ from spotdrain.coordinator.core.worker_machine import (
     DrainOnNode,
     Effect,
     Heartbeat,
-    InvalidTransition,
     NodeDrain,
     Route,
     RouteAdded,
@@ -51,6 +49,8 @@ from spotdrain.coordinator.core.worker_machine import (
     Worker,
     WorkerEvent,
 )
+from spotdrain.protocol.kinds import ALL as KINDS
+from spotdrain.protocol.machine import InvalidTransition
 
 P = 1000.0  # the owner pauses
 D = P + 120  # terminate_at for a pause

@@ -18,6 +18,7 @@ from typing import Any
 from spotdrain.agent.core.notice import Notice
 from spotdrain.agent.notices.base import Advisory
 from spotdrain.agent.notices.settings import AdvisoryPolicy
+from spotdrain.protocol.machine import InvalidState, Table
 
 # Lifted advisories are remembered this long (and at most MAX_KEPT of them), so a source that
 # keeps showing one does not raise it again; older ones are forgotten.
@@ -25,11 +26,13 @@ KEEP_LIFTED_S = 7 * 24 * 3600.0
 MAX_KEPT = 1000
 RECEIVED, LIFTED = "received", "lifted"
 # The advisory's life: a key is received once, lifted once, and never comes back.
-TRANSITIONS = {(None, RECEIVED), (RECEIVED, LIFTED)}
-
-
-class InvalidTransition(Exception):
-    pass
+TRANSITIONS: Table[str | None, str] = Table(
+    "advisory",
+    {
+        (None, RECEIVED): "a source reported it",
+        (RECEIVED, LIFTED): "its source withdrew it, or its ttl passed",
+    },
+)
 
 
 @dataclass
@@ -89,17 +92,22 @@ class AdvisoryBook:
         return {k: e.to_json() for k, e in self.entries.items()}
 
     def validate(self) -> None:
+        """Raise InvalidState naming every entry that breaks the book's invariants."""
+        broken = []
         for e in self.entries.values():
-            assert e.state in (RECEIVED, LIFTED), e
-            assert (e.state == LIFTED) == (e.lifted_at is not None), e
-            assert e.expires_at >= e.received_at, e
+            if e.state not in (RECEIVED, LIFTED):
+                broken.append(f"{e.key}: unknown state {e.state!r}")
+            if (e.state == LIFTED) != (e.lifted_at is not None):
+                broken.append(f"{e.key}: {e.state} with lifted_at {e.lifted_at}")
+            if e.expires_at < e.received_at:
+                broken.append(f"{e.key}: expires before it was received")
+        if broken:
+            raise InvalidState("advisory", "book", broken)
 
     # --- transitions -------------------------------------------------------------------------
 
-    def _move(self, entry: Entry | None, to: str) -> None:
-        start = entry.state if entry is not None else None
-        if (start, to) not in TRANSITIONS:
-            raise InvalidTransition(f"advisory {entry.key if entry else '?'}: {start} -> {to}")
+    def _move(self, key: str, entry: Entry | None, to: str) -> None:
+        TRANSITIONS.check(key, entry.state if entry is not None else None, to)
 
     def _seen(self, adv: Advisory, now: float) -> list[Command]:
         entry = self.entries.get(adv.key)
@@ -111,7 +119,7 @@ class AdvisoryBook:
             return []  # the same advisory again, or one already lifted: once only
         if self.policy.action == "ignore":
             return []
-        self._move(None, RECEIVED)
+        self._move(adv.key, None, RECEIVED)
         entry = Entry(adv.key, adv.source, adv.reason, now, now + self.policy.ttl_s)
         self.entries[adv.key] = entry
         self._forget_old(now)
@@ -141,7 +149,7 @@ class AdvisoryBook:
         return out
 
     def _lift(self, entry: Entry, now: float, why: str) -> list[Command]:
-        self._move(entry, LIFTED)
+        self._move(entry.key, entry, LIFTED)
         entry.state, entry.lifted_at = LIFTED, now
         details = {"source": entry.source, "reason": entry.reason, "key": entry.key, "why": why}
         return [Record("advisory_lifted", details)]

@@ -60,6 +60,13 @@ from spotdrain.agent.core.reclamation_events import (
     WorkloadReported,
 )
 from spotdrain.protocol import timing
+from spotdrain.protocol.machine import (
+    InvalidTransition,
+    StateMachine,
+    StoryEntry,
+    Table,
+    remember,
+)
 
 # Reports held for a container the reclamation has not signalled yet (a job that saw the
 # deadline file before its SIGTERM): at most this many each, so a chatty one cannot grow the
@@ -76,41 +83,39 @@ TERM_SENT = "SIGTERM"
 TERM_BY_PREVIOUS_RUN = "SIGTERM by previous run"
 KILL_ANNOUNCED = "SIGKILL announced"
 KILL_SENT = "SIGKILL"
-LEDGER_TRANSITIONS: dict[tuple[str | None, str | None], str] = {
-    (None, TERM_ANNOUNCED): "a SIGTERM round is about to signal it",
-    (TERM_ANNOUNCED, TERM_SENT): "delivered",
-    (TERM_ANNOUNCED, None): "neither route delivered it, or its round ended without sending "
-    "it (a cancel between the announcing step and the round): it may be signalled again",
-    (TERM_ANNOUNCED, TERM_BY_PREVIOUS_RUN): "the agent restarted before the result came back",
-    (None, KILL_ANNOUNCED): "the SIGKILL round (or a later stray) is about to kill it",
-    (TERM_SENT, KILL_ANNOUNCED): "the SIGKILL round is about to kill it",
-    (TERM_BY_PREVIOUS_RUN, KILL_ANNOUNCED): "the SIGKILL round is about to kill it",
-    (KILL_ANNOUNCED, KILL_SENT): "delivered",
-    # Not delivered, or the agent restarted: a SIGKILL may safely be sent again.
-    (KILL_ANNOUNCED, None): "withdrawn",
-    (KILL_ANNOUNCED, TERM_SENT): "withdrawn",
-    (KILL_ANNOUNCED, TERM_BY_PREVIOUS_RUN): "withdrawn",
-}
-PHASES = ("tainting", "draining", "done")
+LEDGER_TRANSITIONS: Table[str | None, str] = Table(
+    "reclamation",
+    {
+        (None, TERM_ANNOUNCED): "a SIGTERM round is about to signal it",
+        (TERM_ANNOUNCED, TERM_SENT): "delivered",
+        (TERM_ANNOUNCED, None): "neither route delivered it, or its round ended without sending "
+        "it (a cancel between the announcing step and the round): it may be signalled again",
+        (TERM_ANNOUNCED, TERM_BY_PREVIOUS_RUN): "the agent restarted before the result came back",
+        (None, KILL_ANNOUNCED): "the SIGKILL round (or a later stray) is about to kill it",
+        (TERM_SENT, KILL_ANNOUNCED): "the SIGKILL round is about to kill it",
+        (TERM_BY_PREVIOUS_RUN, KILL_ANNOUNCED): "the SIGKILL round is about to kill it",
+        (KILL_ANNOUNCED, KILL_SENT): "delivered",
+        # Not delivered, or the agent restarted: a SIGKILL may safely be sent again.
+        (KILL_ANNOUNCED, None): "withdrawn",
+        (KILL_ANNOUNCED, TERM_SENT): "withdrawn",
+        (KILL_ANNOUNCED, TERM_BY_PREVIOUS_RUN): "withdrawn",
+    },
+)
+# The reclamation's own phase: tainting until a taint is in force, then draining; done once
+# verified empty, cancelled or resumed.
+PHASE_TRANSITIONS: Table[str, str] = Table(
+    "reclamation",
+    {
+        ("tainting", "draining"): "a taint (remote, or local after no answer) is in force",
+        ("tainting", "done"): "cancelled or resumed before any taint was in force",
+        ("draining", "done"): "verified empty, or cancelled or resumed",
+    },
+)
 # The provider's notice heard again with a later D (kept, never moved) is recorded at most this
 # often, with how many such were heard between: a source that re-stamps its document on every
 # read (AWS's own mock) cannot fill the timeline.
 LATER_NOTICE_RECORDED_EVERY_S = 10.0
 OUTCOMES = ("", "drained", "overrun", "cancelled", "resumed")
-
-
-class InvalidTransition(Exception):
-    """A move the signal ledger does not allow: a bug in the shell or here, never the world."""
-
-    def __init__(self, reclaim_id: str, container: str, start: str | None, finish: str | None):
-        super().__init__(f"reclamation {reclaim_id}: container {container}: {start} -> {finish}")
-        self.reclaim_id, self.container, self.start, self.finish = (
-            reclaim_id, container, start, finish,
-        )  # fmt: skip
-
-
-class InvalidState(Exception):
-    """validate() found the reclamation breaking one of its own invariants."""
 
 
 @dataclass(frozen=True)
@@ -143,9 +148,16 @@ def reclaim_id_for(node_id: str, notice_key: str) -> str:
 
 
 @dataclass
-class Reclamation:
+class Reclamation(StateMachine[str, str]):
     """One reclamation: its absolute deadlines (computed once; only the provider naming an
-    earlier D moves them, and only earlier: NoticeHeard) and its progress."""
+    earlier D moves them, and only earlier: NoticeHeard) and its progress.
+
+    Its state is `phase` (PHASE_TRANSITIONS). Its story (phase moves and signal-ledger moves) is
+    kept in memory only, outside the dataclass fields, so the bundle's stored form is unchanged.
+    """
+
+    table = PHASE_TRANSITIONS
+    story_limit = 64
 
     reclaim_id: str
     node_id: str
@@ -199,6 +211,21 @@ class Reclamation:
     # The cancel lifted the taints (nothing was stopped); the outcome it had, if any, stands.
     lifted_by_cancel: bool = False
 
+    def __post_init__(self) -> None:
+        self.story: list[StoryEntry[str]] = []
+
+    @property
+    def state(self) -> str:
+        return self.phase
+
+    @state.setter
+    def state(self, phase: str) -> None:
+        self.phase = phase
+
+    @property
+    def ident(self) -> str:
+        return self.reclaim_id
+
     # --- construction ----------------------------------------------------------------------
 
     @classmethod
@@ -250,7 +277,7 @@ class Reclamation:
         """After an agent restart: carry on from the stored progress, same deadlines.
         `delivered`: of the SIGTERMs the old process announced, those the engine says it was
         asked to send (None: it cannot tell, and every announced one counts as sent)."""
-        reported = self._announced_by_previous_run(delivered)
+        reported = self._announced_by_previous_run(delivered, now)
         if self.lifted:
             # A cancel or resume that the coordinator may not have heard of yet: say it again.
             lift = [] if self.lift_acknowledged else [LiftTaints(self.reclaim_id)]
@@ -290,7 +317,7 @@ class Reclamation:
                 commands.append(WatchExits(live))
         return _stamp(commands + self._observe(now) + self._tick(now), now)
 
-    def _announced_by_previous_run(self, delivered: set[str] | None) -> list[Command]:
+    def _announced_by_previous_run(self, delivered: set[str] | None, now: float) -> list[Command]:
         """The announcements the old process left: each SIGTERM may have been delivered, so it
         counts as sent (reported with `by: previous run`) and is never sent again, unless the
         engine says it was never asked to (`delivered` without it): then it is withdrawn and
@@ -301,10 +328,10 @@ class Reclamation:
         commands: list[Command] = []
         for container, entry in list(self.announced.items()):
             if entry["signal"] == SIGTERM and delivered is not None and container not in delivered:
-                self._move(container, entry["before"])
+                self._ledger_move(container, entry["before"], now=now)
                 continue
             if entry["signal"] == SIGTERM:
-                self._move(container, TERM_BY_PREVIOUS_RUN)
+                self._ledger_move(container, TERM_BY_PREVIOUS_RUN, now=now)
                 self.sigterm_at.setdefault(container, entry["at"])
                 details: dict[str, Any] = {
                     "container": container,
@@ -318,7 +345,7 @@ class Reclamation:
                 commands.append(Emit("sigterm_sent", details))
                 commands += self._held_reports(container, None)
             else:
-                self._move(container, entry["before"])
+                self._ledger_move(container, entry["before"], now=now)
                 commands.append(Emit("sigkill_sent", {
                     "container": container, "name": entry["name"], "by": BY_PREVIOUS_RUN,
                     "announced_at": entry["at"],
@@ -341,13 +368,17 @@ class Reclamation:
             return TERM_SENT
         return None
 
-    def _move(
+    def _ledger_move(
         self, container: str, finish: str | None, target: RoundTarget | None = None,
         now: float = 0.0,
     ) -> None:  # fmt: skip
+        """A container's move in the signal ledger, checked against LEDGER_TRANSITIONS and told
+        in the reclamation's story."""
         start = self.ledger(container)
-        if (start, finish) not in LEDGER_TRANSITIONS:
-            raise InvalidTransition(self.reclaim_id, container, start, finish)
+        ident = f"{self.reclaim_id}: container {container}"
+        LEDGER_TRANSITIONS.check(ident, start, finish, self.story)
+        entry = (now, f"ledger {container}", str(start), str(finish))
+        remember(self.story, entry, self.story_limit)
         if finish in (TERM_ANNOUNCED, KILL_ANNOUNCED):
             assert target is not None
             self.announced[container] = {
@@ -370,16 +401,14 @@ class Reclamation:
                 self.sigterm_by_previous_run.append(container)
         # None, or back to what it was before a withdrawn SIGKILL: nothing more to change.
 
-    def validate(self) -> None:
-        """The reclamation's own invariants (dask's validate_state); tests call it after every
-        step. Raises InvalidState naming each one broken."""
-        broken = []
+    def broken_invariants(self) -> list[str]:
+        """The reclamation's own invariants (dask's validate_state); tests call validate() after
+        every step, which raises InvalidState naming each one broken."""
+        broken = super().broken_invariants()
         if not self.t0 <= self.taint_answer_by or not (
             self.grace_deadline <= self.overrun_at <= self.terminate_at
         ):
             broken.append("deadlines out of order")
-        if self.phase not in PHASES:
-            broken.append(f"unknown phase {self.phase!r}")
         if self.outcome not in OUTCOMES:
             broken.append(f"unknown outcome {self.outcome!r}")
         if self.phase == "tainting" and (self.signalled or self.announced or self.sigterm_round):
@@ -404,8 +433,7 @@ class Reclamation:
             broken.append("drained without an empty look before O (invariants 5, 6)")
         if self.verified_at is not None and self.phase != "done":
             broken.append("verified empty but not done")
-        if broken:
-            raise InvalidState(f"reclamation {self.reclaim_id}: " + "; ".join(broken))
+        return broken
 
     # --- the one mutator -------------------------------------------------------------------
 
@@ -504,7 +532,7 @@ class Reclamation:
 
     def _evict(self, now: float, listed: tuple[RoundTarget, ...] | None = None) -> list[Command]:
         # Invariant 1: only reached once a taint (remote or local) is in force.
-        self.phase = "draining"
+        self.move("draining", now, f"tainted ({self.taint_mode})")
         self.sigterm_round = True
         commands: list[Command] = [
             self._deadline_file(),
@@ -540,11 +568,11 @@ class Reclamation:
             if ev.signal == SIGTERM:
                 if start is not None or c in self.gated:
                     continue
-                self._move(c, TERM_ANNOUNCED, target, ev.now)
+                self._ledger_move(c, TERM_ANNOUNCED, target, ev.now)
             else:
                 if start in (TERM_ANNOUNCED, KILL_ANNOUNCED, KILL_SENT):
                     continue
-                self._move(c, KILL_ANNOUNCED, target, ev.now)
+                self._ledger_move(c, KILL_ANNOUNCED, target, ev.now)
             self.names[c] = target.name
             approved.append(c)
         return tuple(approved)
@@ -556,18 +584,25 @@ class Reclamation:
         if self.ledger(ev.container) != announced:
             # Only an announced container may be signalled (write before act).
             raise InvalidTransition(
-                self.reclaim_id, ev.container, self.ledger(ev.container), ev.signal
+                "reclamation",
+                f"{self.reclaim_id}: container {ev.container}",
+                self.ledger(ev.container),
+                ev.signal,
+                self.story,
+                why="only an announced container may be signalled",
             )
         if ev.error:
             details["error"] = ev.error
-            self._move(ev.container, self.announced[ev.container]["before"])
+            self._ledger_move(ev.container, self.announced[ev.container]["before"], now=ev.now)
             return [Emit("signal_failed", {**details, "signal": ev.signal})]
         for key in ("image", "kind"):
             if getattr(ev, key):
                 details[key] = getattr(ev, key)
         self.names[ev.container] = ev.name
         new = ev.container not in self.signalled
-        self._move(ev.container, TERM_SENT if ev.signal == SIGTERM else KILL_SENT)
+        self._ledger_move(
+            ev.container, TERM_SENT if ev.signal == SIGTERM else KILL_SENT, now=ev.now
+        )
         if ev.signal == SIGTERM:
             self.sigterm_at.setdefault(ev.container, ev.now)
         commands: list[Command] = [Emit(kind, details)]
@@ -604,7 +639,7 @@ class Reclamation:
         # draining finish on their own gates' deadlines.
         self.outcome = self.outcome or "resumed"
         self.resumed = True
-        self.phase = "done"
+        self.move("done", now, "Resumed")
         return [Emit("pause_resumed", {"during_drain": True}), LiftTaints(self.reclaim_id)]
 
     def _signal(
@@ -630,7 +665,7 @@ class Reclamation:
         # signalled, and a later notice for the same machine may signal it.
         pending = TERM_ANNOUNCED if signal == SIGTERM else KILL_ANNOUNCED
         for container in [c for c in self.announced if self.ledger(c) == pending]:
-            self._move(container, self.announced[container]["before"])
+            self._ledger_move(container, self.announced[container]["before"], now=now)
         first = signal == SIGTERM and not self.sigterm_round_done
         if signal == SIGTERM:
             self.sigterm_round_done = True
@@ -780,7 +815,7 @@ class Reclamation:
             commands += self._strays(ev.running, ev.rentals)
         else:
             self.verified_at = ev.now
-            self.phase = "done"
+            self.move("done", ev.now, "Observed(empty)")
             commands.append(Emit("verified_empty", {}))
             if not self.outcome:
                 self.outcome = "drained"
@@ -858,7 +893,8 @@ class Reclamation:
         details["lifted"] = True
         self.lifted_by_cancel = True
         self.outcome = self.outcome or "cancelled"
-        self.phase = "done"
+        if self.phase != "done":  # verified empty already: done stays done
+            self.move("done", now, "Cancelled")
         return [Emit("notice_cancelled", details), LiftTaints(self.reclaim_id)]
 
     def _stopped_nothing(self) -> bool:

@@ -25,9 +25,9 @@ Programmer errors against races:
   is absorbed without raising: any event for a stopped worker, a second Stopped, a second Drain,
   a Started for a worker already draining, a heartbeat that claims another state. Each (except
   heartbeats and slot counts, which would drown the rest) leaves a line in the story.
-- `InvalidTransition` therefore means a bug in this module: a handler asked for a move the table
-  does not have. The stateful test in tests/test_worker_machine.py drives random event sequences
-  and checks it is never raised.
+- `InvalidTransition` (spotdrain.protocol.machine) therefore means a bug in this module: a
+  handler asked for a move the table does not have. The stateful test in
+  tests/test_worker_machine.py drives random event sequences and checks it is never raised.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from spotdrain.protocol.machine import StateMachine, StoryEntry, Table
+
 STARTING = "starting"
 READY = "ready"
 DRAINING = "draining"
@@ -45,22 +47,6 @@ STATES = (STARTING, READY, DRAINING, STOPPED)
 
 DRAIN_REASONS = ("pause", "notice", "operator")
 STORY_LIMIT = 50  # the most recent entries are kept; older ones are dropped first
-
-StoryEntry = tuple[float, str, str, str]  # (time, event name, from_state, to_state)
-
-
-class InvalidTransition(Exception):
-    """A move the transition table does not have. Carries the worker's story to debug it."""
-
-    def __init__(self, worker_id: str, start: str, finish: str, story: list[StoryEntry]) -> None:
-        self.worker_id = worker_id
-        self.start = start
-        self.finish = finish
-        self.story = list(story)
-        lines = "\n".join(f"  {t:.3f} {name}: {a} -> {b}" for t, name, a, b in story)
-        super().__init__(
-            f"worker {worker_id}: no transition {start} -> {finish}; story:\n{lines or '  (empty)'}"
-        )
 
 
 # --- events: what the shell learned -------------------------------------------------------
@@ -236,22 +222,28 @@ def _nothing(worker: Worker) -> list[Effect]:
 
 # (start, finish) -> the routing effects of that move. Lifecycle events and agent commands are
 # added by the handlers, which know why the move happened.
-TRANSITIONS: dict[tuple[str, str], Callable[[Worker], list[Effect]]] = {
-    (STARTING, READY): _enter_ready,
-    (STARTING, DRAINING): _nothing,
-    (READY, DRAINING): _leave_ready,
-    (STARTING, STOPPED): _nothing,
-    (READY, STOPPED): _leave_ready,
-    (DRAINING, STOPPED): _nothing,
-}
+TRANSITIONS: Table[str, Callable[[Worker], list[Effect]]] = Table(
+    "worker",
+    {
+        (STARTING, READY): _enter_ready,
+        (STARTING, DRAINING): _nothing,
+        (READY, DRAINING): _leave_ready,
+        (STARTING, STOPPED): _nothing,
+        (READY, STOPPED): _leave_ready,
+        (DRAINING, STOPPED): _nothing,
+    },
+)
 
 
 # --- the worker ----------------------------------------------------------------------------
 
 
 @dataclass
-class Worker:
+class Worker(StateMachine[str, Callable[["Worker"], list[Effect]]]):
     """One inference worker as the coordinator sees it."""
+
+    table = TRANSITIONS
+    story_limit = STORY_LIMIT
 
     worker_id: str
     node_id: str
@@ -269,12 +261,16 @@ class Worker:
     terminate_at: float | None = None  # absolute; same rule
     stopped_at: float | None = None
     exit_code: int | None = None
-    story: list[StoryEntry] = field(default_factory=list)
+    story: list[StoryEntry[str]] = field(default_factory=list)
     kind: str = "inference"  # or "batch" / "render": a plain container, never routed
 
     @property
     def routed(self) -> bool:
         return self.kind == "inference"
+
+    @property
+    def ident(self) -> str:
+        return self.worker_id
 
     # --- the one mutator -------------------------------------------------------------------
 
@@ -295,26 +291,16 @@ class Worker:
         raise TypeError(event)
 
     def transition(self, finish: str, now: float, cause: str) -> list[Effect]:
-        """Move to `finish` if the table allows it, recording the move in the story.
-
-        Handlers call this only for moves they know are in the table; anything else is a bug
-        and raises InvalidTransition with the story so far.
-        """
-        start = self.state
-        on_move = TRANSITIONS.get((start, finish))
-        if on_move is None:
-            self._record(now, f"{cause}(invalid)", start, finish)
-            raise InvalidTransition(self.worker_id, start, finish, self.story)
-        self.state = finish
-        self._record(now, cause, start, finish)
-        return on_move(self)
+        """Move to `finish` (the base checks the table and tells the story) and return that
+        move's routing effects. Handlers call this only for moves they know are in the table."""
+        return self.move(finish, now, cause)(self)
 
     # --- handlers --------------------------------------------------------------------------
 
     def _started(self, ev: Started) -> list[Effect]:
         if self.state == STOPPED:
             # A late registration for a worker already reported gone: stopped is final.
-            self._record(ev.now, "Started(ignored)", STOPPED, STOPPED)
+            self.note(ev.now, "Started(ignored)")
             return []
         address_changed = (ev.gate_address, ev.capacity) != (self.gate_address, self.capacity)
         self.gate_address = ev.gate_address
@@ -333,11 +319,11 @@ class Worker:
             return [*effects, WorkerEvent("worker_ready", self._details(ev.now))]
         if self.state == READY:
             # A re-registration (agent reconnect): publish the new address if it moved.
-            self._record(ev.now, "Started(again)", READY, READY)
+            self.note(ev.now, "Started(again)")
             return [RouteAdded(self.route())] if address_changed and self.routed else []
         # Drained while it was starting (the drain won the race): the gate exists now, so ask
         # the agent again to drain it. Never ready (invariant 3).
-        self._record(ev.now, "Started(draining)", DRAINING, DRAINING)
+        self.note(ev.now, "Started(draining)")
         return [self._drain_on_node()]
 
     def _heartbeat(self, ev: Heartbeat) -> list[Effect]:
@@ -357,7 +343,7 @@ class Worker:
         self, now: float, cause: str, reason: str, grace_deadline: float, terminate_at: float
     ) -> list[Effect]:
         if self.state == STOPPED:
-            self._record(now, f"{cause}(ignored)", STOPPED, STOPPED)
+            self.note(now, f"{cause}(ignored)")
             return []
         if self.state == DRAINING:
             # Invariant 2: never extended. An earlier deadline (a hard notice during a pause)
@@ -366,11 +352,11 @@ class Worker:
             earlier_grace = grace_deadline < self.grace_deadline
             earlier_end = terminate_at < self.terminate_at
             if not (earlier_grace or earlier_end):
-                self._record(now, f"{cause}(kept deadlines)", DRAINING, DRAINING)
+                self.note(now, f"{cause}(kept deadlines)")
                 return []
             self.grace_deadline = min(self.grace_deadline, grace_deadline)
             self.terminate_at = min(self.terminate_at, terminate_at)
-            self._record(now, f"{cause}(shortened)", DRAINING, DRAINING)
+            self.note(now, f"{cause}(shortened)")
             details = self._details(now)
             details["shortened_by"] = reason
             return [self._drain_on_node(), WorkerEvent("worker_draining", details)]
@@ -382,7 +368,7 @@ class Worker:
 
     def _stopped(self, now: float, exit_code: int | None) -> list[Effect]:
         if self.state == STOPPED:
-            self._record(now, "Stopped(ignored)", STOPPED, STOPPED)
+            self.note(now, "Stopped(ignored)")
             return []
         slots_at_stop = self.slots_in_use
         self.stopped_at = now
@@ -403,19 +389,21 @@ class Worker:
         """No heartbeat within its ttl. What to do about it is the shell's decision."""
         return self.expires_at is not None and now >= self.expires_at
 
-    def validate(self) -> None:
-        """Check the worker's own invariants (dask's validate_state); tests call it often."""
-        assert self.state in STATES, self.state
-        assert len(self.story) <= STORY_LIMIT
-        if self.state == READY and self.routed:
-            assert self.gate_address, f"{self.worker_id} ready without a gate"
+    def broken_invariants(self) -> list[str]:
+        """The worker's own invariants (dask's validate_state); tests call validate() often."""
+        broken = super().broken_invariants()
+        if self.state == READY and self.routed and not self.gate_address:
+            broken.append("ready without a gate")
         if self.state == DRAINING:
-            assert self.drain_reason in DRAIN_REASONS, self.drain_reason
-            assert self.grace_deadline is not None and self.terminate_at is not None
-        if self.state == STOPPED:
-            assert self.stopped_at is not None and self.slots_in_use == 0
-        else:
-            assert self.stopped_at is None
+            if self.drain_reason not in DRAIN_REASONS:
+                broken.append(f"draining for an unknown reason {self.drain_reason!r}")
+            if self.grace_deadline is None or self.terminate_at is None:
+                broken.append("draining without its deadlines")
+        if self.state == STOPPED and (self.stopped_at is None or self.slots_in_use != 0):
+            broken.append("stopped without a stop time, or with slots in use")
+        if self.state != STOPPED and self.stopped_at is not None:
+            broken.append(f"{self.state} with a stop time")
+        return broken
 
     def _drain_on_node(self) -> DrainOnNode:
         assert self.grace_deadline is not None and self.terminate_at is not None
@@ -436,11 +424,6 @@ class Worker:
             details["grace_deadline"] = self.grace_deadline
             details["terminate_at"] = self.terminate_at
         return details
-
-    def _record(self, now: float, name: str, start: str, finish: str) -> None:
-        self.story.append((now, name, start, finish))
-        if len(self.story) > STORY_LIMIT:
-            del self.story[: len(self.story) - STORY_LIMIT]
 
     # --- persistence -----------------------------------------------------------------------
 

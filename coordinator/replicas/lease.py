@@ -22,24 +22,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from spotdrain.protocol.machine import StateMachine, StoryEntry, Table
+
 FOLLOWER = "follower"
 CANDIDATE = "candidate"
 LEADER = "leader"
 
 # Every move the machine may make; anything else raises InvalidTransition.
-TRANSITIONS: dict[tuple[str, str], str] = {
-    (FOLLOWER, CANDIDATE): "the lease may have run out: try to take it",
-    (CANDIDATE, LEADER): "took the lease at a new term",
-    (CANDIDATE, FOLLOWER): "another replica holds it, or the database did not answer",
-    (LEADER, LEADER): "renewed",
-    (LEADER, FOLLOWER): "lost the lease, or could not renew before its own expiry",
-}
-
-
-class InvalidTransition(Exception):
-    def __init__(self, start: str, finish: str, story: list[str]) -> None:
-        super().__init__(f"lease: {start} -> {finish} is not a transition; story: {story}")
-        self.start, self.finish, self.story = start, finish, story
+TRANSITIONS: Table[str, str] = Table(
+    "lease",
+    {
+        (FOLLOWER, CANDIDATE): "the lease may have run out: try to take it",
+        (CANDIDATE, LEADER): "took the lease at a new term",
+        (CANDIDATE, FOLLOWER): "another replica holds it, or the database did not answer",
+        (LEADER, LEADER): "renewed",
+        (LEADER, FOLLOWER): "lost the lease, or could not renew before its own expiry",
+    },
+)
 
 
 # --- events ----------------------------------------------------------------------------------
@@ -113,7 +112,10 @@ class Follow:
     holder: str
 
 
-class Lease:
+class Lease(StateMachine[str, str]):
+    table = TRANSITIONS
+    story_limit = 20
+
     def __init__(self, ttl_s: float, renew_s: float) -> None:
         if not 0 < renew_s < ttl_s:
             raise ValueError(
@@ -127,7 +129,11 @@ class Lease:
         self.renew_at = 0.0  # leader: the next renewal; follower: the next try
         self.in_flight = False  # an Acquire or Renew not answered yet
         self.holder = ""  # who leads, as the database last said
-        self.story: list[str] = []
+        self.story: list[StoryEntry[str]] = []
+
+    @property
+    def ident(self) -> str:
+        return f"term {self.term}"
 
     # --- queries -----------------------------------------------------------------------------
 
@@ -161,7 +167,7 @@ class Lease:
             assert self.until is not None
             if now >= self.until:
                 return self._step_down(
-                    f"could not renew before the lease's expiry (term {self.term})"
+                    now, f"could not renew before the lease's expiry (term {self.term})"
                 )
             if now >= self.renew_at and not self.in_flight:
                 self.in_flight = True
@@ -169,7 +175,7 @@ class Lease:
                 return [Renew(self.term)]
             return []
         if self.state == FOLLOWER and now >= self.renew_at and not self.in_flight:
-            self._move(CANDIDATE, f"t={now:.3f} try")
+            self.move(CANDIDATE, now, "try")
             self.in_flight = True
             return [Acquire()]
         return []
@@ -178,18 +184,18 @@ class Lease:
         self.in_flight = False
         if self.state == CANDIDATE:
             if term <= self.term:
-                raise InvalidTransition(self.state, LEADER, [*self.story, f"term {term} again"])
+                raise self.refuse(LEADER, now, "Renewed", f"term {term} again")
             self.term = term
             self.until = until
             self.renew_at = now + self.renew_s
-            self._move(LEADER, f"t={now:.3f} term {term}")
+            self.move(LEADER, now, f"term {term}")
             return [Lead(term)]
         if self.state == LEADER and term == self.term:
             if now >= (self.until or 0.0):
                 # The answer came after our own expiry: too late to trust (tick steps down).
-                return self._step_down(f"renewal of term {term} answered after the expiry")
+                return self._step_down(now, f"renewal of term {term} answered after the expiry")
             self.until = max(self.until or 0.0, until)
-            self._move(LEADER, f"t={now:.3f} renewed")
+            self.move(LEADER, now, "renewed")
             return []
         return []  # an answer for a state we have left: nothing to do
 
@@ -197,7 +203,7 @@ class Lease:
         self.in_flight = False
         if self.state == CANDIDATE:
             self.renew_at = now + self.renew_s
-            self._move(FOLLOWER, f"t={now:.3f} no answer: {why}")
+            self.move(FOLLOWER, now, f"no answer: {why}")
             return [Follow("")]
         # A leader keeps leading until its own expiry and tries again at once: tick decides.
         if self.state == LEADER:
@@ -211,33 +217,34 @@ class Lease:
         # of a new leader's address).
         retry_at = now + min(max(left_s, 0.0) + 0.01, self.renew_s)
         if self.state == LEADER:
-            commands = self._step_down(why or f"term {self.term} lost to {holder or 'another'}")
+            commands = self._step_down(
+                now, why or f"term {self.term} lost to {holder or 'another'}"
+            )
             self.renew_at = retry_at
             return [*commands, Follow(holder)]
         if self.state == CANDIDATE:
             self.renew_at = retry_at
-            self._move(FOLLOWER, f"t={now:.3f} held by {holder}")
+            self.move(FOLLOWER, now, f"held by {holder}")
             return [Follow(holder)]
         return []
 
-    def _step_down(self, why: str) -> list[object]:
+    def _step_down(self, now: float, why: str) -> list[object]:
         term = self.term
         self.until = None
         self.in_flight = False
-        self._move(FOLLOWER, why)
+        self.move(FOLLOWER, now, why)
         return [StepDown(term, why)]
 
-    def _move(self, finish: str, note: str) -> None:
-        if (self.state, finish) not in TRANSITIONS:
-            raise InvalidTransition(self.state, finish, self.story)
-        self.story = [*self.story[-19:], f"{self.state}->{finish}: {note}"]
-        self.state = finish
-        self.validate()
+    def move(self, to: str, at: float, cause: str = "") -> str:
+        found = super().move(to, at, cause)
+        self.validate()  # cheap, and a leader without a term or an expiry must never act
+        return found
 
-    def validate(self) -> None:
-        """The machine's invariants (run after every move, and by the tests at teardown)."""
-        assert self.state in (FOLLOWER, CANDIDATE, LEADER), self.state
-        if self.state == LEADER:
-            assert self.term > 0 and self.until is not None, self.story
-        else:
-            assert self.until is None, self.story
+    def broken_invariants(self) -> list[str]:
+        """The machine's invariants (checked after every move, and by the tests at teardown)."""
+        broken = super().broken_invariants()
+        if self.state == LEADER and (self.term <= 0 or self.until is None):
+            broken.append("leader without a term or an expiry")
+        if self.state != LEADER and self.until is not None:
+            broken.append(f"{self.state} with a leader's expiry")
+        return broken

@@ -1229,6 +1229,28 @@ ReclamationWorld.TestCase.settings = settings(
 test_any_order_of_events_keeps_the_invariants = ReclamationWorld.TestCase
 
 
+def test_a_cancel_after_a_sigkill_announced_before_a_restart_lifts_nothing() -> None:
+    """Found by the property test above. G already past at the notice: a stray's SIGTERM fails,
+    the SIGKILL round announces it, the agent dies before the result, and the restart withdraws
+    the SIGKILL (it may have been delivered: reported `by previous run`). A provider's cancel
+    then must not lift: something may have been stopped under this notice."""
+    world = ReclamationWorld()
+    world.begin(d_offset=5.0, coordinator="answers", running=set(), zombies=set())
+    world.someone_starts_a_stray()
+    world.round_listed(dt=0.0)
+    world.someone_starts_a_stray()
+    world.signal_delivered(dt=0.0, fails=True, obeys=True, pick=0)
+    world.job_exits_on_its_own(pick=0)
+    world.signal_round_done(dt=0.0)
+    world.round_listed(dt=0.0)
+    world.agent_restarts(dt=0.0, got_out=0, obeys=False)
+    assert "sigkill_sent" in world.story.kinds
+    world.cancelled(dt=0.0, rarely=0)
+    assert world.story.kinds[-1] == "notice_cancelled"
+    assert not any(isinstance(c, LiftTaints) for _, c in world.story.log)
+    world.the_story_keeps_the_invariants()
+
+
 def test_a_look_during_the_sigterm_round_never_signals_a_job_twice(story: Story) -> None:
     """The round is still reaching c2 when c1 exits and a look sees c2 running. c2 is not a
     stray: a second SIGTERM would make many jobs skip their checkpoint and quit at once."""

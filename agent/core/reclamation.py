@@ -210,6 +210,9 @@ class Reclamation(StateMachine[str, str]):
     cancel_recorded: bool = False
     # The cancel lifted the taints (nothing was stopped); the outcome it had, if any, stands.
     lifted_by_cancel: bool = False
+    # A signal was announced under this notice, so it may have reached a container even if it
+    # was withdrawn since (a SIGKILL announced before a restart): a cancel then lifts nothing.
+    signal_announced: bool = False
 
     def __post_init__(self) -> None:
         self.story: list[StoryEntry[str]] = []
@@ -381,6 +384,7 @@ class Reclamation(StateMachine[str, str]):
         remember(self.story, entry, self.story_limit)
         if finish in (TERM_ANNOUNCED, KILL_ANNOUNCED):
             assert target is not None
+            self.signal_announced = True
             self.announced[container] = {
                 "signal": SIGTERM if finish == TERM_ANNOUNCED else SIGKILL,
                 "name": target.name,
@@ -899,12 +903,17 @@ class Reclamation(StateMachine[str, str]):
 
     def _stopped_nothing(self) -> bool:
         """No container was signalled (by this process or the one before) nor drained at its
-        gate under this notice, and no round has one announced: still tainting, or the SIGTERM
-        round is over and found nothing."""
+        gate under this notice, and no signal was ever announced (one announced may have been
+        delivered, even if withdrawn after a restart): still tainting, or the SIGTERM round is
+        over and found nothing."""
         if self.phase == "tainting":
             return True
         return (
-            self.sigterm_round_done and not self.signalled and not self.gated and not self.announced
+            self.sigterm_round_done
+            and not self.signal_announced
+            and not self.signalled
+            and not self.gated
+            and not self.announced
         )
 
     # --- persistence -----------------------------------------------------------------------

@@ -145,7 +145,7 @@ def test_a_bundle_stored_before_the_base_loads_and_is_stored_the_same() -> None:
     assert again == rec and again.to_json() == stored and again.story == []
 
 
-# The bundle's fields as agents before the base stored them (agent/drain/state.py).
+# The bundle's fields as agents store them (agent/drain/state.py); the base adds none.
 STORED_FIELDS = set(
     """
     reclaim_id node_id notice_key notice_id source reason t0 terminate_at grace_deadline
@@ -154,7 +154,7 @@ STORED_FIELDS = set(
     observing observe_again next_observe_at last_failure verified_at outcome resumed
     lift_acknowledged sigterm_at heard_action heard_terminate_at later_recorded_at
     later_unrecorded pending_reports announced sigterm_by_previous_run cancel_recorded
-    lifted_by_cancel
+    lifted_by_cancel signal_announced
     """.split()
 )
 

@@ -48,6 +48,7 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from spotdrain.http import sse
+from spotdrain.http.relay import Ending, StreamRelay, is_stream
 from spotdrain.net.leader import Replicas, addresses, from_replica
 from spotdrain.net.security import channel_credentials, warn_insecure
 from spotdrain.protocol.limits import MAX_ADMIN_MESSAGE_BYTES
@@ -74,8 +75,6 @@ GATE_KEEPALIVE_S = 15.0
 MAX_MODELS = 256  # watches are per model, and the model name comes from the client
 MAX_BODY_BYTES = 64 << 20
 RETRY_AFTER_S = "1"
-# An SSE "event" this long without a blank line is relayed anyway rather than held.
-HOLD_MAX = 1 << 20
 
 # What the coordinator says when this router's identity may not read routes: permanent, so the
 # router says so at start (exit 1) and requests do not wait for a snapshot that cannot come.
@@ -448,9 +447,7 @@ class Router:
         try:
             if upstream.status in (429, 502, 503):
                 return await self._refusal_or_answer(request, route, upstream, request_id)
-            if upstream.content_type == "text/event-stream" or upstream.headers.get(
-                hdrs.TRANSFER_ENCODING, ""
-            ).lower().endswith("chunked"):
+            if is_stream(upstream):
                 return await self._relay_stream(request, route, upstream, request_id)
             try:
                 data = await upstream.read()
@@ -518,85 +515,43 @@ class Router:
         upstream: aiohttp.ClientResponse,
         request_id: str,
     ) -> web.StreamResponse:
-        """Relay chunk by chunk, unchanged. From the first byte sent the request is the
-        client's: never retried. Decide once how it ended."""
+        """Relay as it comes (spotdrain.http.relay), the gate's error event included. From the
+        first byte sent the request is the client's: never retried. Decide once how it ended."""
         response = web.StreamResponse(
             status=upstream.status,
             reason=upstream.reason,
             headers=_client_headers(upstream.headers, route.worker_id, request_id),
         )
         await response.prepare(request)
-        is_sse = upstream.content_type == "text/event-stream"
-        read = upstream.content.readany
-        last = b""  # SSE: the last chunk written; it ends at an event boundary
-        held = b""  # SSE: the start of an event whose blank line has not come yet
-        broken: BaseException | None = None
-        while True:
-            try:
-                chunk = await read()
-            except (aiohttp.ClientError, TimeoutError, OSError) as e:
-                broken = e
-                break
-            if is_sse:
-                # Whole events only, as the gate does: if the gate goes away mid-event, the
-                # client's parser never sees half an event glued to our error event.
-                if not chunk:
-                    if not held:
-                        break
-                    chunk, held = held, b""  # a last event without its blank line
-                else:
-                    if held:
-                        chunk, held = held + chunk, b""
-                    if not chunk.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
-                        end = sse.event_end(chunk)
-                        if end == 0 and len(chunk) < HOLD_MAX:
-                            held = chunk
-                            continue
-                        if end:
-                            chunk, held = chunk[:end], chunk[end:]
-                last = chunk
-            elif not chunk:
-                break
-            try:
-                await response.write(chunk)
-            except ConnectionError:
-                log.info("request %s: the client went away mid-stream", request_id)
-                return response
-        if broken is not None:
+        relay = StreamRelay(request, response, upstream)
+        ending = await relay.run()
+        if relay.broken is not None:
             self.stats.upstream_errors += 1
             log.warning(
                 "request %s: stream from worker %s on %s broke: %r",
                 request_id,
                 route.worker_id,
                 route.node_id,
-                broken,
+                relay.broken,
             )
-        if not is_sse:
-            if broken is None:
-                self.stats.completed += 1
-                await sse.bounded(response.write_eof())
-            else:
-                self.stats.interrupted += 1
-                sse.abort(request)  # no terminating chunk: the client sees a truncated body
+        if ending is Ending.CLIENT_GONE:
+            log.info("request %s: the client went away mid-stream", request_id)
             return response
-        ending = _ending(last)
-        if ending == "done":
+        if ending is Ending.COMPLETE:
             self.stats.completed += 1
-            await sse.bounded(response.write_eof())
-            return response
-        self.stats.interrupted += 1
-        if ending == "error":
-            # The gate's own interrupted event is already with the client, as the gate sent it.
-            await sse.bounded(response.write_eof())
-            return response
-        # Invariant 7: an explicit error and no [DONE] for a stream cut on the way.
-        log.warning(
-            "request %s: stream from worker %s ended without [DONE]; told the client",
-            request_id,
-            route.worker_id,
+        else:
+            # The gate's own interrupted event, when it is the last, is already the client's
+            # explicit error; otherwise the relay ends the stream with ours (invariant 7).
+            self.stats.interrupted += 1
+            if ending is Ending.UPSTREAM_CUT:
+                log.warning(
+                    "request %s: stream from worker %s ended without [DONE]; told the client",
+                    request_id,
+                    route.worker_id,
+                )
+        await relay.end(
+            "the connection to the worker broke mid-stream; the answer is incomplete", request_id
         )
-        if not await sse.bounded(response.write_eof(_interrupted_event(request_id))):
-            sse.abort(request)
         return response
 
 
@@ -673,35 +628,6 @@ def _error(
         content_type="application/json",
         headers=headers,
     )
-
-
-def _interrupted_event(request_id: str) -> bytes:
-    # The gate's shape (spotdrain.http.sse): the `data:` line is what makes the openai SDK raise.
-    return sse.interrupted_event(
-        "the connection to the worker broke mid-stream; the answer is incomplete", request_id
-    )
-
-
-def _ending(chunk: bytes) -> str:
-    """How the stream's last event reads: "done" ([DONE]), "error" (an error event, or data
-    with an "error" object, which is what the openai SDK raises on), or ""."""
-    text = chunk[-4096:].replace(b"\r\n", b"\n").replace(b"\r", b"\n").rstrip(b"\n")
-    event = text.rsplit(b"\n\n", 1)[-1]
-    for line in event.split(b"\n"):
-        if line.startswith(b"event:") and line[6:].strip() == b"error":
-            return "error"
-        if line.startswith(b"data:"):
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                return "done"
-            if b'"error"' in data:
-                try:
-                    doc = json.loads(data)
-                except ValueError:
-                    continue
-                if isinstance(doc, dict) and doc.get("error"):
-                    return "error"
-    return ""
 
 
 # --- the process ------------------------------------------------------------------------------

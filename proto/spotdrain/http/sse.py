@@ -57,15 +57,6 @@ def interrupted_event(message: str, request_id: str) -> bytes:
     return b"event: error\ndata: " + error_body("interrupted", message, request_id) + b"\n\n"
 
 
-def event_end(data: bytes) -> int:
-    """Index just past the last SSE event boundary (a blank line) in data; 0 if none."""
-    return max(
-        data.rfind(b"\n\n") + 2 if b"\n\n" in data else 0,
-        data.rfind(b"\r\n\r\n") + 4 if b"\r\n\r\n" in data else 0,
-        data.rfind(b"\r\r") + 2 if b"\r\r" in data else 0,
-    )
-
-
 # Seconds the last bytes of a cut or refused request may take to be handed to a client's
 # connection; then the connection is aborted, so a client that stopped reading cannot hold a
 # proxy's cut or shutdown.

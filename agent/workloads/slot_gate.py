@@ -57,14 +57,12 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import hdrs, web
-from multidict import CIMultiDict, CIMultiDictProxy
 
 from spotdrain.http import sse
 from spotdrain.http.relay import Ending, StreamRelay, is_stream
+from spotdrain.http.sse import REQUEST_ID_HEADER
 
 log = logging.getLogger("spotdrain.agent.gate")
-
-REQUEST_ID_HEADER = "X-Request-Id"
 
 # Slot phases. A cut acts on WAITING and RELAYING only: a FINISHING slot has its whole answer
 # and is ending normally, so it is never reported interrupted as well (never both).
@@ -75,6 +73,8 @@ _WAITING, _RELAYING, _FINISHING = 0, 1, 2
 # look like the worker failing mid-request).
 UPSTREAM_KEEPALIVE_S = 4.0
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0
+# Beyond the hop-by-hop set: aiohttp recomputes Content-Length on the way back.
+_NOT_RETURNED = frozenset({"content-length"})
 
 
 @dataclass(frozen=True)
@@ -317,7 +317,7 @@ class SlotGate:
                 upstream = await self._session.request(
                     request.method,
                     self.upstream + request.raw_path,
-                    headers=_request_headers(request.headers, slot.request_id),
+                    headers=sse.forwarded(request.headers, slot.request_id),
                     data=request.content if request.body_exists else None,
                     allow_redirects=False,
                 )
@@ -331,7 +331,7 @@ class SlotGate:
                 return await self._answer(
                     request, 502, "upstream_unavailable", f"worker unreachable at {self.upstream}"
                 )
-            headers = _response_headers(upstream.headers, slot.request_id)
+            headers = sse.forwarded(upstream.headers, slot.request_id, _NOT_RETURNED)
             if is_stream(upstream):
                 response = web.StreamResponse(
                     status=upstream.status, reason=upstream.reason, headers=headers
@@ -449,24 +449,3 @@ def _interrupted_message(reason: str) -> str:
     if reason == "stopped":
         return "the worker was stopped (node reclaimed or paused); the answer is incomplete"
     return "the worker failed mid-response; the answer is incomplete"
-
-
-def _request_headers(incoming: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
-    drop = sse.hop_by_hop(incoming)
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in incoming.items():
-        if name.lower() not in drop:
-            out.add(name, value)
-    out[REQUEST_ID_HEADER] = request_id
-    return out
-
-
-def _response_headers(upstream: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
-    drop = sse.hop_by_hop(upstream)
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in upstream.items():
-        low = name.lower()
-        if low not in drop and low != "content-length":
-            out.add(name, value)
-    out[REQUEST_ID_HEADER] = request_id
-    return out

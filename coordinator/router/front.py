@@ -33,11 +33,11 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from spotdrain.coordinator.router.model_routes import ModelRoutes, ModelWatch, Route
 from spotdrain.http import sse
 from spotdrain.http.relay import Ending, StreamRelay, is_stream
+from spotdrain.http.sse import REQUEST_ID_HEADER
 from spotdrain.net.leader import Replicas
 
 log = logging.getLogger("spotdrain.router")
 
-REQUEST_ID_HEADER = "X-Request-Id"
 ROUTE_VERSION_HEADER = "X-Route-Version"
 WORKER_ID_HEADER = "X-Worker-Id"
 
@@ -391,23 +391,15 @@ def _try_elsewhere(status: int, kind: str) -> bool:
 
 
 def _upstream_headers(incoming: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
-    drop = sse.hop_by_hop(incoming, _NOT_FORWARDED) | {ROUTE_VERSION_HEADER.lower()}
-    out: CIMultiDict[str] = CIMultiDict(
-        (name, value) for name, value in incoming.items() if name.lower() not in drop
-    )
-    out[REQUEST_ID_HEADER] = request_id
-    return out
+    # The route version is this router's to stamp, never the client's.
+    return sse.forwarded(incoming, request_id, _NOT_FORWARDED | {ROUTE_VERSION_HEADER.lower()})
 
 
 def _client_headers(
     upstream: CIMultiDictProxy[str], worker_id: str, request_id: str
 ) -> CIMultiDict[str]:
-    drop = sse.hop_by_hop(upstream, _NOT_FORWARDED)
-    out: CIMultiDict[str] = CIMultiDict(
-        (name, value) for name, value in upstream.items() if name.lower() not in drop
-    )
+    out = sse.forwarded(upstream, request_id, _NOT_FORWARDED)
     out[WORKER_ID_HEADER] = worker_id
-    out[REQUEST_ID_HEADER] = request_id
     return out
 
 

@@ -12,7 +12,10 @@ import json
 from collections.abc import Awaitable
 
 from aiohttp import hdrs, web
-from multidict import CIMultiDictProxy
+from multidict import CIMultiDict, CIMultiDictProxy
+
+# Carried from the client through the router and the gate to the worker, and back.
+REQUEST_ID_HEADER = "X-Request-Id"
 
 # RFC 9110 7.6.1, plus what a proxy recomputes or answers itself (Host, Expect).
 HOP_BY_HOP = frozenset(
@@ -43,6 +46,19 @@ def hop_by_hop(
     if not named:
         return base
     return base | {h.strip().lower() for h in named.split(",")}
+
+
+def forwarded(
+    headers: CIMultiDictProxy[str], request_id: str, extra: frozenset[str] = frozenset()
+) -> CIMultiDict[str]:
+    """`headers` to pass on: less the hop-by-hop ones and `extra` (lower-case names), with the
+    request id set."""
+    drop = hop_by_hop(headers, extra)
+    out: CIMultiDict[str] = CIMultiDict(
+        (name, value) for name, value in headers.items() if name.lower() not in drop
+    )
+    out[REQUEST_ID_HEADER] = request_id
+    return out
 
 
 def error_body(kind: str, message: str, request_id: str | None) -> bytes:

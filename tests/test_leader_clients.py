@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from spotdrain.agent.spotctl import main as spotctl
-from spotdrain.coordinator.router.app import ModelWatch, Route, RouteTable
+from spotdrain.coordinator.router.model_routes import ModelRoutes, ModelWatch, Route
 from spotdrain.net.leader import LEADER_KEY, Replicas, addresses
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
@@ -30,7 +30,7 @@ def test_a_snapshot_older_than_the_table_is_held_aside_until_it_is_newer():
     """The router applied version 100 (w2 only). A new leader's snapshot comes at 50: the table
     stays at 100 (w2) while its changes at 60 and 90 are kept with it; its change at 150 makes
     it the table, with every change since its snapshot."""
-    table = RouteTable("m")
+    table = ModelRoutes("m")
     assert table.apply_snapshot(90, [route("w1")])
     assert table.apply_change(100, [route("w2")], ["w1"])
     assert (table.version, set(table.routes)) == (100, {"w2"})
@@ -49,7 +49,7 @@ def test_a_snapshot_older_than_the_table_is_held_aside_until_it_is_newer():
 
 
 def test_a_newer_or_equal_snapshot_is_taken_at_once_and_drops_one_held_aside():
-    table = RouteTable("m")
+    table = ModelRoutes("m")
     table.apply_snapshot(100, [route("w1")])
     table.apply_snapshot(40, [route("w2")])
     assert table.apply_snapshot(100, [route("w3")])  # the same version: the whole truth again

@@ -66,7 +66,8 @@ def completion(text: str) -> dict[str, Any]:
 class FakeWorker:
     """OpenAI-shaped fake inference server. Parameters ride in the JSON body (the SDK's
     extra_body): x_tokens, x_pace_ms, x_delay_ms, x_die ("close", "abort", "mid_event",
-    "no_done"), x_die_after, x_pad (bytes of padding per event)."""
+    "no_done", "error_event", "abort_after_done"), x_die_after, x_pad (bytes of padding per
+    event)."""
 
     seen: list[dict[str, Any]] = field(default_factory=list)
     endings: dict[str, str] = field(default_factory=dict)  # request id -> how its answer ended
@@ -145,7 +146,14 @@ class FakeWorker:
                 await response.write_eof()  # a clean HTTP end, but no [DONE]
                 self.endings[rid] = "no_done"
                 return response
+            if die == "error_event":  # the worker's own error (vLLM's shape), then a clean end
+                await response.write(b'data: {"error": {"type": "InternalServerError"}}\n\n')
+                await response.write_eof()
+                self.endings[rid] = "error_event"
+                return response
             await response.write(b"data: [DONE]\n\n")
+            if die == "abort_after_done":
+                return self.die(request, response, "abort")
             await response.write_eof()
             self.endings[rid] = "complete"
             return response
@@ -621,6 +629,38 @@ async def test_the_worker_dies_mid_stream(
     assert error_events(text)[0]["error"]["type"] == "interrupted"
     assert "[DONE]" not in text
     assert gate.interrupted == [Interrupted(WORKER, f"dies-{how}", True, "upstream_failed")]
+
+
+async def test_a_worker_that_ends_with_its_own_error_event_gets_no_second_one(
+    gate: Gate, client: aiohttp.ClientSession
+) -> None:
+    """The worker says error itself and ends its stream: the client has its explicit error
+    (the openai SDK raises on it), so the gate adds none; still reported, the answer is cut."""
+    async with client.post(
+        f"{gate.url}/v1/chat/completions",
+        json=chat(x_tokens=2, x_die="error_event"),
+        headers={"X-Request-Id": "own-error"},
+    ) as stream:
+        text = (await stream.read()).decode()
+    blocks = [b for b in text.split("\n\n") if b]
+    assert blocks[-1] == 'data: {"error": {"type": "InternalServerError"}}'
+    assert len(blocks) == 3 and not error_events(text)
+    assert gate.interrupted == [Interrupted(WORKER, "own-error", True, "upstream_failed")]
+
+
+async def test_a_worker_killed_after_its_done_went_out_gave_a_complete_answer(
+    gate: Gate, client: aiohttp.ClientSession
+) -> None:
+    """What the client holds decides: [DONE] reached it, so the answer is whole even though
+    the worker's connection then reset; nothing is reported interrupted or appended."""
+    async with client.post(
+        f"{gate.url}/v1/chat/completions",
+        json=chat(x_tokens=2, x_die="abort_after_done"),
+        headers={"X-Request-Id": "done-then-reset"},
+    ) as stream:
+        text = (await stream.read()).decode()
+    assert text.endswith("data: [DONE]\n\n") and not error_events(text)
+    assert gate.interrupted == []
 
 
 async def test_an_unreachable_worker_is_502_and_not_an_interruption(

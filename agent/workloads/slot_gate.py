@@ -30,9 +30,11 @@ How a cut reads for the client (invariant 7: an explicit error, never the normal
   `openai.APIError` (the base class, not `APIStatusError`, since the HTTP status was 200), with
   `body` = the "error" object. It does not look at the event name alone, and a stream that just
   ends without `[DONE]` ends the iteration normally, without an exception: so the data line is
-  what makes a cut stream raise in the SDK. The gate relays whole SSE events only (a partial
-  event is held back until its blank line arrives), so when the worker dies mid-event the
-  client's parser never sees half an event glued to ours.
+  what makes a cut stream raise in the SDK. The gate relays whole SSE events only
+  (spotdrain.http.relay holds a partial event until its blank line arrives), so when the
+  worker dies mid-event the client's parser never sees half an event glued to ours; if the
+  worker's own last event is already an error, the client has its explicit error and no
+  second one is added.
 - A streamed response that is not SSE (chunked) is aborted at the transport, without the
   terminating chunk, so the client sees a truncated body, never a clean end.
 - A request cut before its response began gets 503 (cut by us) or 502 (the worker failed)
@@ -55,13 +57,12 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import hdrs, web
-from multidict import CIMultiDict, CIMultiDictProxy
 
 from spotdrain.http import sse
+from spotdrain.http.relay import Ending, StreamRelay, is_stream
+from spotdrain.http.sse import REQUEST_ID_HEADER
 
 log = logging.getLogger("spotdrain.agent.gate")
-
-REQUEST_ID_HEADER = "X-Request-Id"
 
 # Slot phases. A cut acts on WAITING and RELAYING only: a FINISHING slot has its whole answer
 # and is ending normally, so it is never reported interrupted as well (never both).
@@ -72,10 +73,8 @@ _WAITING, _RELAYING, _FINISHING = 0, 1, 2
 # look like the worker failing mid-request).
 UPSTREAM_KEEPALIVE_S = 4.0
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0
-# A tail of this many bytes of an SSE stream is enough to see "data: [DONE]" at its end.
-_TAIL = 32
-# An SSE "event" this long without a blank line is relayed anyway rather than held.
-_HOLD_MAX = 1 << 20
+# Beyond the hop-by-hop set: aiohttp recomputes Content-Length on the way back.
+_NOT_RETURNED = frozenset({"content-length"})
 
 
 @dataclass(frozen=True)
@@ -318,7 +317,7 @@ class SlotGate:
                 upstream = await self._session.request(
                     request.method,
                     self.upstream + request.raw_path,
-                    headers=_request_headers(request.headers, slot.request_id),
+                    headers=sse.forwarded(request.headers, slot.request_id),
                     data=request.content if request.body_exists else None,
                     allow_redirects=False,
                 )
@@ -332,10 +331,8 @@ class SlotGate:
                 return await self._answer(
                     request, 502, "upstream_unavailable", f"worker unreachable at {self.upstream}"
                 )
-            headers = _response_headers(upstream.headers, slot.request_id)
-            if upstream.content_type == "text/event-stream" or upstream.headers.get(
-                hdrs.TRANSFER_ENCODING, ""
-            ).lower().endswith("chunked"):
+            headers = sse.forwarded(upstream.headers, slot.request_id, _NOT_RETURNED)
+            if is_stream(upstream):
                 response = web.StreamResponse(
                     status=upstream.status, reason=upstream.reason, headers=headers
                 )
@@ -375,71 +372,31 @@ class SlotGate:
         response: web.StreamResponse,
         slot: _Slot,
     ) -> web.StreamResponse:
-        """Relay a streamed answer chunk by chunk as it arrives; decide, once, how it ended:
-        complete, the client gone, or interrupted (never two of these)."""
+        """Relay a streamed answer as it arrives (spotdrain.http.relay); decide, once, how it
+        ended: complete, the client gone, or interrupted (never two of these)."""
         slot.phase = _RELAYING
-        is_sse = upstream.content_type == "text/event-stream"
-        read = upstream.content.readany
-        write = response.write
-        tail = b""  # SSE: the last bytes written, to see "data: [DONE]" at the end
-        held = b""  # SSE: the start of an event whose blank line has not come yet
-        failure = ""
-        try:
-            while True:
-                try:
-                    chunk = await read()
-                except (TimeoutError, aiohttp.ClientError, OSError) as e:
-                    log.warning(
-                        "gate %s: worker broke stream %s: %r", self.worker_id, slot.request_id, e
-                    )
-                    failure = "upstream_failed"
-                    break
-                if is_sse:
-                    if not chunk:
-                        if not held:
-                            break
-                        chunk, held = held, b""  # a last event without its blank line
-                    else:
-                        if held:
-                            chunk, held = held + chunk, b""
-                        if not (chunk.endswith(b"\n\n") or chunk.endswith(b"\r\n\r\n")):
-                            end = sse.event_end(chunk)
-                            if end == 0 and len(chunk) < _HOLD_MAX:
-                                held = chunk
-                                continue
-                            if end:
-                                chunk, held = chunk[:end], chunk[end:]
-                    tail = chunk if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
-                elif not chunk:
-                    break
-                try:
-                    await write(chunk)
-                except ConnectionError:  # aiohttp's ClientConnectionResetError: client gone
-                    return response
-            if is_sse and not failure and not tail.rstrip().endswith(b"[DONE]"):
-                log.warning(
-                    "gate %s: stream %s ended without [DONE]", self.worker_id, slot.request_id
-                )
-                failure = "upstream_failed"
-        except asyncio.CancelledError:
-            if not slot.cut or _uncancel() > 0:
-                raise  # the client went away: release the slot, close the worker's request
-            # What the client holds decides: an SSE stream whose [DONE] is written is complete.
-            if not (is_sse and tail.rstrip().endswith(b"[DONE]")):
-                failure = "stopped"
-        if not failure:
+        relay = StreamRelay(request, response, upstream)
+        # A cancel is the gate's cut only if cut() asked for it and nothing else (the client
+        # going away, the server stopping) cancelled too.
+        ending = await relay.run(stopped=lambda: slot.cut and _uncancel() == 0)
+        if ending is Ending.CLIENT_GONE:
+            return response  # release the slot; the worker's request is closed on the way out
+        message = ""
+        if ending is Ending.COMPLETE:
             slot.phase = _FINISHING
-            try:
-                await response.write_eof()
-            except ConnectionError:
-                pass  # the client went away after the last byte
-            return response
-        upstream.close()
-        self._report_interrupted(slot, True, failure)
-        if not is_sse:
-            sse.abort(request)  # no terminating chunk: the client sees a truncated body
-        elif not await sse.bounded(response.write_eof(_error_event(failure, slot.request_id))):
-            sse.abort(request)
+        else:
+            upstream.close()
+            reason = "stopped" if ending is Ending.STOPPED else "upstream_failed"
+            if reason != "stopped":
+                log.warning(
+                    "gate %s: worker broke stream %s: %s",
+                    self.worker_id,
+                    slot.request_id,
+                    repr(relay.broken) if relay.broken else ending.value,
+                )
+            self._report_interrupted(slot, True, reason)
+            message = _interrupted_message(reason)
+        await relay.end(message, slot.request_id)
         return response
 
     # --- answers of the gate's own -----------------------------------------------------------
@@ -488,32 +445,7 @@ async def _send(request: web.BaseRequest, response: web.StreamResponse) -> None:
     await response.write_eof()
 
 
-def _error_event(reason: str, request_id: str) -> bytes:
-    return sse.interrupted_event(_interrupted_message(reason), request_id)
-
-
 def _interrupted_message(reason: str) -> str:
     if reason == "stopped":
         return "the worker was stopped (node reclaimed or paused); the answer is incomplete"
     return "the worker failed mid-response; the answer is incomplete"
-
-
-def _request_headers(incoming: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
-    drop = sse.hop_by_hop(incoming)
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in incoming.items():
-        if name.lower() not in drop:
-            out.add(name, value)
-    out[REQUEST_ID_HEADER] = request_id
-    return out
-
-
-def _response_headers(upstream: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
-    drop = sse.hop_by_hop(upstream)
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in upstream.items():
-        low = name.lower()
-        if low not in drop and low != "content-length":
-            out.add(name, value)
-    out[REQUEST_ID_HEADER] = request_id
-    return out

@@ -12,7 +12,10 @@ import json
 from collections.abc import Awaitable
 
 from aiohttp import hdrs, web
-from multidict import CIMultiDictProxy
+from multidict import CIMultiDict, CIMultiDictProxy
+
+# Carried from the client through the router and the gate to the worker, and back.
+REQUEST_ID_HEADER = "X-Request-Id"
 
 # RFC 9110 7.6.1, plus what a proxy recomputes or answers itself (Host, Expect).
 HOP_BY_HOP = frozenset(
@@ -45,6 +48,19 @@ def hop_by_hop(
     return base | {h.strip().lower() for h in named.split(",")}
 
 
+def forwarded(
+    headers: CIMultiDictProxy[str], request_id: str, extra: frozenset[str] = frozenset()
+) -> CIMultiDict[str]:
+    """`headers` to pass on: less the hop-by-hop ones and `extra` (lower-case names), with the
+    request id set."""
+    drop = hop_by_hop(headers, extra)
+    out: CIMultiDict[str] = CIMultiDict(
+        (name, value) for name, value in headers.items() if name.lower() not in drop
+    )
+    out[REQUEST_ID_HEADER] = request_id
+    return out
+
+
 def error_body(kind: str, message: str, request_id: str | None) -> bytes:
     error: dict[str, str] = {"type": kind, "message": message}
     if request_id is not None:
@@ -55,15 +71,6 @@ def error_body(kind: str, message: str, request_id: str | None) -> bytes:
 def interrupted_event(message: str, request_id: str) -> bytes:
     """The SSE event that ends an interrupted stream, in place of `data: [DONE]`."""
     return b"event: error\ndata: " + error_body("interrupted", message, request_id) + b"\n\n"
-
-
-def event_end(data: bytes) -> int:
-    """Index just past the last SSE event boundary (a blank line) in data; 0 if none."""
-    return max(
-        data.rfind(b"\n\n") + 2 if b"\n\n" in data else 0,
-        data.rfind(b"\r\n\r\n") + 4 if b"\r\n\r\n" in data else 0,
-        data.rfind(b"\r\r") + 2 if b"\r\r" in data else 0,
-    )
 
 
 # Seconds the last bytes of a cut or refused request may take to be handed to a client's

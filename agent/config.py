@@ -154,8 +154,10 @@ def from_sources(flags: dict[str, Any], doc: dict[str, Any], origin: str = "") -
         raise UsageError(f"{where}[margins] must be a table")
     sources_doc = doc.pop("sources", None)
     if flags.get("dmi_dir") is not None:
-        sources_doc = {**(sources_doc if isinstance(sources_doc, dict) else {}),
-                       "dmi_dir": flags["dmi_dir"]}  # fmt: skip
+        sources_doc = {
+            **(sources_doc if isinstance(sources_doc, dict) else {}),
+            "dmi_dir": flags["dmi_dir"],
+        }
     sources = parse_sources(sources_doc, where, flags.get("sources"))
     advisory = parse_advisory(doc.pop("advisory", None), where)
     known = set(SETTINGS) | {"insecure", "spot"}

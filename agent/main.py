@@ -120,8 +120,13 @@ class Agent:
         self.link.on_command = self.command
         self.link.heartbeat_slots = lambda: self.workers.slots() + self.plain.job_slots()
         self.control = ControlSocket(cfg.socket, cfg.socket_group, self.control_request)
-        self.sources = SourceHub(cfg.node_id, self.drains, cfg.advisory, cfg.state_dir,
-                                 undelivered=lambda: len(self.outbox))  # fmt: skip
+        self.sources = SourceHub(
+            cfg.node_id,
+            self.drains,
+            cfg.advisory,
+            cfg.state_dir,
+            undelivered=lambda: len(self.outbox),
+        )
         self.sources.build(cfg.source_configs)
         file_source = self.sources.sources.get("file")
         # READY waits for the notice file's watch (a notice written after READY is never
@@ -146,7 +151,7 @@ class Agent:
                     ([h["source"]], h["last_ok"])
                     for h in self.sources.status()
                     if h["last_ok"] is not None
-                ],  # fmt: skip
+                ],
             )
         )
         self._tasks = Background()

@@ -162,8 +162,11 @@ class Pauses:
         log.info(
             "gc: the frozen heap thawed and collected (memory had grown): %d objects freed in "
             "%.0f ms; RSS %d MiB, the next full look above %d MiB",
-            freed, (time.perf_counter() - started) * 1000, rss >> 20, self._reclaim_above >> 20,
-        )  # fmt: skip
+            freed,
+            (time.perf_counter() - started) * 1000,
+            rss >> 20,
+            self._reclaim_above >> 20,
+        )
 
     def _look_again_above(self, rss: int) -> None:
         grown = max(RECLAIM_GROWTH_MIN_BYTES, int(rss * RECLAIM_GROWTH_SHARE))

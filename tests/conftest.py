@@ -199,8 +199,11 @@ def pki(tmp_path: Path) -> Pki:
 def coordinator(tmp_path: Path, pki: Pki, request: pytest.FixtureRequest):
     """A coordinator on SQLite; on each backend in turn for a test that also asks for
     `coordinator_db` (the scenarios that must hold on PostgreSQL too)."""
-    db = request.getfixturevalue("coordinator_db") if "coordinator_db" in request.fixturenames \
+    db = (
+        request.getfixturevalue("coordinator_db")
+        if "coordinator_db" in request.fixturenames
         else None
+    )
     coord = start_coordinator(tmp_path / "coordinator", tls=pki, db=db)
     yield coord
     coord.proc.stop()

@@ -111,10 +111,11 @@ class Coordinators:
     def __init__(self, replicas: dict[str, Coordinator], alice, ha: bool) -> None:  # noqa: ANN001
         self.replicas, self.ha = replicas, ha
         self.clients = {
-            name: Clients(c, c.admin(), pb_grpc.AdminStub(c.channel()),
-                          pb_grpc.RentalsStub(c.channel(alice)))
+            name: Clients(
+                c, c.admin(), pb_grpc.AdminStub(c.channel()), pb_grpc.RentalsStub(c.channel(alice))
+            )
             for name, c in replicas.items()
-        }  # fmt: skip
+        }
 
     def everywhere(self) -> Coordinator:
         """The first coordinator with every address, as the router and spotctl take them."""
@@ -127,10 +128,19 @@ class Coordinators:
         """The name of the replica that leads now (waiting for one while it is replaced)."""
         if not self.ha:
             return next(iter(self.replicas))
-        return wait_until(lambda: next((
-            name for name, c in self.replicas.items()
-            if c.proc.popen.poll() is None and leading(c)), None),
-            timeout, "a replica to lead", every=0.02)  # fmt: skip
+        return wait_until(
+            lambda: next(
+                (
+                    name
+                    for name, c in self.replicas.items()
+                    if c.proc.popen.poll() is None and leading(c)
+                ),
+                None,
+            ),
+            timeout,
+            "a replica to lead",
+            every=0.02,
+        )
 
     def call(self, what, retry: bool = True):  # noqa: ANN001, ANN201
         """what(clients of the leader). With --ha, and `retry`, a refusal or a replica gone is
@@ -143,8 +153,7 @@ class Coordinators:
             try:
                 return what(self.clients[self.leader()])
             except grpc.RpcError as e:
-                moved = e.code() in (grpc.StatusCode.UNAVAILABLE,
-                                     grpc.StatusCode.DEADLINE_EXCEEDED)  # fmt: skip
+                moved = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                 if not (retry and moved) or time.monotonic() > given_up:
                     raise
                 time.sleep(0.1)
@@ -216,10 +225,20 @@ class Traffic:
 
 def stream(url: str, tokens: int, pace: float) -> tuple[str, str]:
     """One streamed completion: (completed | interrupted | refused | failed, worker id)."""
-    body = json.dumps({"model": "fake-model", "stream": True, "max_tokens": tokens,
-                       "messages": [{"role": "user", "content": "hello"}]}).encode()
-    req = urllib.request.Request(url, data=body, method="POST", headers={
-        "Content-Type": "application/json", "X-Fake-Tokens-Per-S": str(pace)})
+    body = json.dumps(
+        {
+            "model": "fake-model",
+            "stream": True,
+            "max_tokens": tokens,
+            "messages": [{"role": "user", "content": "hello"}],
+        }
+    ).encode()
+    req = urllib.request.Request(
+        url,
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json", "X-Fake-Tokens-Per-S": str(pace)},
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             worker = resp.headers.get("X-Worker-Id", "")
@@ -246,14 +265,25 @@ print(json.dumps({"accepted": True, "instances": ["i-ondemand-new"]}))
 
 def main() -> int:
     ap = argparse.ArgumentParser(description="spotdrain demo: a pause and a notice, end to end")
-    ap.add_argument("--deadline", type=float, default=30.0,
-                    help="seconds from the pause or notice to its deadline D (default 30)")
-    ap.add_argument("--checkpoint-mb", type=float, default=256.0,
-                    help="state the checkpointing job holds, and writes at its final checkpoint")
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=30.0,
+        help="seconds from the pause or notice to its deadline D (default 30)",
+    )
+    ap.add_argument(
+        "--checkpoint-mb",
+        type=float,
+        default=256.0,
+        help="state the checkpointing job holds, and writes at its final checkpoint",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the work dir for inspection")
-    ap.add_argument("--ha", action="store_true",
-                    help="two coordinator replicas over PostgreSQL; the leader is SIGKILLed in "
-                    "the middle of act 1")
+    ap.add_argument(
+        "--ha",
+        action="store_true",
+        help="two coordinator replicas over PostgreSQL; the leader is SIGKILLed in "
+        "the middle of act 1",
+    )
     args = ap.parse_args()
     if args.deadline < 6:
         ap.error("--deadline must be at least 6 seconds")
@@ -284,7 +314,8 @@ def main() -> int:
         (work / "acquire.py").write_text(ACQUIRE)
         (work / "acquirers.toml").write_text(
             "avoid_s = 300\n[groups.ondemand-b]\n"
-            f'exec = ["{sys.executable}", "{work / "acquire.py"}", "{acquired}"]\n')
+            f'exec = ["{sys.executable}", "{work / "acquire.py"}", "{acquired}"]\n'
+        )
         acquirers = ("--acquirers", str(work / "acquirers.toml"))
         if args.ha:
             postgres = start_postgres()
@@ -295,49 +326,78 @@ def main() -> int:
             replicas["b"] = start_replica(work / "replica-b", db, pki, acquirers)
             started.append(replicas["b"].proc)
             wait_until(lambda: "following" in replicas["b"].proc.log(), 20, "replica b to follow")
-            say(f"coordinator replicas a on {replicas['a'].address} (leading) and b on "
-                f"{replicas['b'].address} (following), mutual TLS, PostgreSQL {db}")
+            say(
+                f"coordinator replicas a on {replicas['a'].address} (leading) and b on "
+                f"{replicas['b'].address} (following), mutual TLS, PostgreSQL {db}"
+            )
         else:
             replicas = {"": start_coordinator(work / "coordinator", tls=pki, extra=acquirers)}
             started.append(replicas[""].proc)
-            say(f"coordinator on {replicas[''].address} (mutual TLS), SQLite at "
-                f"{replicas[''].db}")
+            say(f"coordinator on {replicas[''].address} (mutual TLS), SQLite at {replicas[''].db}")
         fleet = Coordinators(replicas, pki.issue("renter:alice"), args.ha)
         coord = fleet.everywhere()  # what agents, the router and spotctl are given
 
         agents, gpus = {}, {}
-        nodes = {"node-a": ("spot-a", True), "node-b": ("spot-a", True),
-                 "node-c": ("ondemand-b", False)}
+        nodes = {
+            "node-a": ("spot-a", True),
+            "node-b": ("spot-a", True),
+            "node-c": ("ondemand-b", False),
+        }
         for node, (group, spot) in nodes.items():
             options = AgentOptions(
-                grace_s=grace, overrun_s=overrun, observe_every_s=0.25,
+                grace_s=grace,
+                overrun_s=overrun,
+                observe_every_s=0.25,
                 default_notice_s=args.deadline,
-                extra=["--pause-notice-s", str(args.deadline), "--node-group", group,
-                       "--spot", str(spot).lower(), "--provider", f"owner-of-{node}"],
+                extra=[
+                    "--pause-notice-s",
+                    str(args.deadline),
+                    "--node-group",
+                    group,
+                    "--spot",
+                    str(spot).lower(),
+                    "--provider",
+                    f"owner-of-{node}",
+                ],
             )
             gpus[node] = FakeGpus(work / f"{node}.gpus")
             gpus[node].set(gpus=2)
             agents[node] = start_agent(work, node, coord, engine.host, gpus[node], lib, options)
             started.append(agents[node].proc)
-        wait_until(lambda: sum(n.connected for n in fleet.call(lambda c: c.admin.nodes())) == 3,
-                   20, "all three nodes")  # fmt: skip
-        say("agents up: node-a and node-b (spot, group spot-a), node-c (on-demand, group "
-            "ondemand-b), each with 2 fake GPUs (real pynvml)")
+        wait_until(
+            lambda: sum(n.connected for n in fleet.call(lambda c: c.admin.nodes())) == 3,
+            20,
+            "all three nodes",
+        )
+        say(
+            "agents up: node-a and node-b (spot, group spot-a), node-c (on-demand, group "
+            "ondemand-b), each with 2 fake GPUs (real pynvml)"
+        )
 
         client = engine.client
         containers = {
-            "quick": run_workload(client, name=PREFIX + "quick", node_id="node-a",
-                                  kind="exits_on_term"),
-            "ckpt": run_checkpoint_job(client, job_image, agents["node-a"], PREFIX + "ckpt",
-                                       work / "bucket", args.checkpoint_mb),
-            "stubborn": run_workload(client, name=PREFIX + "stubborn", node_id="node-a",
-                                     kind="ignores_term"),
+            "quick": run_workload(
+                client, name=PREFIX + "quick", node_id="node-a", kind="exits_on_term"
+            ),
+            "ckpt": run_checkpoint_job(
+                client,
+                job_image,
+                agents["node-a"],
+                PREFIX + "ckpt",
+                work / "bucket",
+                args.checkpoint_mb,
+            ),
+            "stubborn": run_workload(
+                client, name=PREFIX + "stubborn", node_id="node-a", kind="ignores_term"
+            ),
         }
         for i, c in enumerate(containers.values()):
             c.reload()
             gpus["node-a"].add_process(c.attrs["State"]["Pid"], gpu=i % 2)
-        say(f"node-a runs batch jobs quick, ckpt ({args.checkpoint_mb:.0f} MB of state, its "
-            "bucket a directory) and stubborn, each holding a GPU")
+        say(
+            f"node-a runs batch jobs quick, ckpt ({args.checkpoint_mb:.0f} MB of state, its "
+            "bucket a directory) and stubborn, each holding a GPU"
+        )
 
         router = start_router(work / "router", coord)
         started.append(router.proc)
@@ -349,25 +409,45 @@ def main() -> int:
             return models.models[0].ready >= count
 
         # One worker first, so the long answer lands on node-a; then the second one.
-        subprocess_text([*spotctl, "models", "set-replicas", "fake-model", "1", "--image", image,
-                         "--slots", "8"])
+        subprocess_text(
+            [
+                *spotctl,
+                "models",
+                "set-replicas",
+                "fake-model",
+                "1",
+                "--image",
+                image,
+                "--slots",
+                "8",
+            ]
+        )
         wait_until(lambda: ready(1), 90, "the first worker to be ready", every=0.2)
-        threading.Thread(target=lambda: long_answer.append(
-            stream(router.url + "/v1/chat/completions", tokens=10_000, pace=20)),
-            daemon=True).start()
+        threading.Thread(
+            target=lambda: long_answer.append(
+                stream(router.url + "/v1/chat/completions", tokens=10_000, pace=20)
+            ),
+            daemon=True,
+        ).start()
         time.sleep(0.5)
         subprocess_text([*spotctl, "models", "set-replicas", "fake-model", "2"])
         wait_until(lambda: ready(2), 90, "the second worker to be ready", every=0.2)
         say("`spotctl models set-replicas fake-model 2`: workers on the least-loaded nodes")
         print(subprocess_text([*spotctl, "workers", "list"]))
 
-        rental = fleet.call(lambda c: c.renter.CreateRental(
-            pb.CreateRentalRequest(node_id="node-a", image=rental_image), timeout=30),
-            retry=False)  # fmt: skip
+        rental = fleet.call(
+            lambda c: c.renter.CreateRental(
+                pb.CreateRentalRequest(node_id="node-a", image=rental_image), timeout=30
+            ),
+            retry=False,
+        )
 
         def alices() -> pb.Rental:
-            return fleet.call(lambda c: c.renter.GetRental(
-                pb.GetRentalRequest(rental_id=rental.rental_id), timeout=10))  # fmt: skip
+            return fleet.call(
+                lambda c: c.renter.GetRental(
+                    pb.GetRentalRequest(rental_id=rental.rental_id), timeout=10
+                )
+            )
 
         wait_until(lambda: alices().state == "running", 30, "alice's rental to run")
         say(f"alice rents a GPU on node-a: rental {rental.rental_id}, through the placement gate")
@@ -380,27 +460,40 @@ def main() -> int:
         print()
         say("ACT 1: node-a's owner runs `spotctl pause`")
         paused_at = time.time()
-        answer = subprocess_json([str(BIN / "spotctl"), "--socket", str(agents["node-a"].socket),
-                                  "pause", "--json"])
-        say(f"pause accepted: reclamation {answer.get('reclaim_id')}, "
-            f"D in {args.deadline:.0f} s")
+        answer = subprocess_json(
+            [str(BIN / "spotctl"), "--socket", str(agents["node-a"].socket), "pause", "--json"]
+        )
+        say(f"pause accepted: reclamation {answer.get('reclaim_id')}, D in {args.deadline:.0f} s")
         told = wait_until(lambda: (r := alices()).HasField("reclaim_at") and r, 10, "reclaim_at")
-        say(f"alice is told reclaim_at = pause + {told.reclaim_at - paused_at:.1f} s "
-            "(the grace deadline G), in the API, her watch stream and her deadline file")
-        replaced = fleet.call(lambda c: c.admin.wait_for("worker_starting", node="node-c",
-                                                         timeout=20))  # fmt: skip
-        say(f"the lost worker's replacement {replaced['worker_id']} starts on node-c "
-            f"{replaced['wall_time'] - paused_at:.2f} s after the pause, while node-a drains")
+        say(
+            f"alice is told reclaim_at = pause + {told.reclaim_at - paused_at:.1f} s "
+            "(the grace deadline G), in the API, her watch stream and her deadline file"
+        )
+        replaced = fleet.call(
+            lambda c: c.admin.wait_for("worker_starting", node="node-c", timeout=20)
+        )
+        say(
+            f"the lost worker's replacement {replaced['worker_id']} starts on node-c "
+            f"{replaced['wall_time'] - paused_at:.2f} s after the pause, while node-a drains"
+        )
         failover = None
         if args.ha:
             # Halfway from the pause to G: node-a drains, ckpt checkpoints, alice's rental
             # and the long answer run until G, and node-c's replacement may still be starting.
-            failover = kill_the_leader(fleet, db, paused_at + (args.deadline - grace) / 2,
-                                       paused_at)  # fmt: skip
-        result_a = wait_until(lambda: outcome(fleet, "node-a"), args.deadline + 15,
-                              "node-a's outcome", 0.2)
-        empty_after = next(e["wall_time"] for e in fleet.call(lambda c: c.admin.events(
-            node="node-a")) if e["kind"] == "verified_empty") - paused_at  # fmt: skip
+            failover = kill_the_leader(
+                fleet, db, paused_at + (args.deadline - grace) / 2, paused_at
+            )
+        result_a = wait_until(
+            lambda: outcome(fleet, "node-a"), args.deadline + 15, "node-a's outcome", 0.2
+        )
+        empty_after = (
+            next(
+                e["wall_time"]
+                for e in fleet.call(lambda c: c.admin.events(node="node-a"))
+                if e["kind"] == "verified_empty"
+            )
+            - paused_at
+        )
         print()
         print(subprocess_text([*spotctl, "timeline", answer.get("reclaim_id", "")]))
         print()
@@ -411,14 +504,18 @@ def main() -> int:
         ckpt_ok = bool(manifests)
         if manifests:
             newest = json.loads(manifests[-1].read_bytes())
-            say(f"ckpt's bucket: generation {newest['generation']} committed, "
-                f"{newest['bytes']} bytes in {len(newest['objects'])} objects (manifest last)")
+            say(
+                f"ckpt's bucket: generation {newest['generation']} committed, "
+                f"{newest['bytes']} bytes in {len(newest['objects'])} objects (manifest last)"
+            )
         else:
             say("ckpt's bucket holds no committed generation")
         say(f"the long answer on node-a: {long_answer[0][0] if long_answer else 'still open'}")
         ended = alices()
-        say(f"alice's rental: {ended.state}, ended by {ended.ended_by or '-'}, "
-            f"{(ended.ended_at or 0) - told.reclaim_at:+.2f} s from reclaim_at")
+        say(
+            f"alice's rental: {ended.state}, ended by {ended.ended_by or '-'}, "
+            f"{(ended.ended_at or 0) - told.reclaim_at:+.2f} s from reclaim_at"
+        )
         say(f"node-a verified empty {empty_after:.1f} s after the pause; outcome {result_a}")
         print(subprocess_text([*spotctl, "reputation", "node-a"]))
         act1 = (traffic.completed, traffic.interrupted, traffic.refused, traffic.failed)
@@ -428,17 +525,24 @@ def main() -> int:
         say("ACT 2: the provider gives node-b a hard notice")
         noticed = time.time()
         terminate_at = noticed + args.deadline
-        agents["node-b"].write_notice({
-            "id": f"i-demo-{int(terminate_at)}", "action": "terminate",
-            "terminate_at": terminate_at, "source": "demo-relay",
-        })
+        agents["node-b"].write_notice(
+            {
+                "id": f"i-demo-{int(terminate_at)}",
+                "action": "terminate",
+                "terminate_at": terminate_at,
+                "source": "demo-relay",
+            }
+        )
         wait_until(acquired.exists, 10, "the acquirer to be asked")
         asked = json.loads(acquired.read_text().splitlines()[0])
-        say(f"group {asked['request']['target_group']}'s acquirer asked "
+        say(
+            f"group {asked['request']['target_group']}'s acquirer asked "
             f"{asked['at'] - noticed:.2f} s after the notice, for {asked['request']['models']}; "
-            f"group spot-a is avoided for new placements")
-        result_b = wait_until(lambda: outcome(fleet, "node-b"), args.deadline + 15,
-                              "node-b's outcome", 0.2)
+            f"group spot-a is avoided for new placements"
+        )
+        result_b = wait_until(
+            lambda: outcome(fleet, "node-b"), args.deadline + 15, "node-b's outcome", 0.2
+        )
         wait_until(lambda: ready(2), 60, "the model back at two ready workers", every=0.2)
         time.sleep(1.0)
         traffic.close()
@@ -448,22 +552,37 @@ def main() -> int:
         print(subprocess_text([*spotctl, "nodes"]))
         print(subprocess_text([*spotctl, "models", "list"]))
         stats = json.loads(urllib.request.urlopen(router.url + "/stats", timeout=10).read())
-        say(f"clients, act 1 (pause of node-a): {act1[0]} completed, {act1[1]} interrupted, "
-            f"{act1[2]} refused, {act1[3]} failed")
-        say(f"clients, in all: {traffic.completed} completed, {traffic.interrupted} "
-            f"interrupted, {traffic.refused} refused (no worker), {traffic.failed} failed")
+        say(
+            f"clients, act 1 (pause of node-a): {act1[0]} completed, {act1[1]} interrupted, "
+            f"{act1[2]} refused, {act1[3]} failed"
+        )
+        say(
+            f"clients, in all: {traffic.completed} completed, {traffic.interrupted} "
+            f"interrupted, {traffic.refused} refused (no worker), {traffic.failed} failed"
+        )
         say(f"router: {stats}")
-        say(f"outcomes: node-a {result_a}, node-b {result_b}; alice's rental ended by "
-            f"{ended.ended_by}")
-        ok = (result_a == "drained" and result_b == "drained" and act1[1] == 0 and ckpt_ok
-              and act1[3] == 0 and traffic.failed == 0 and ended.ended_by == "reclaim")
+        say(
+            f"outcomes: node-a {result_a}, node-b {result_b}; alice's rental ended by "
+            f"{ended.ended_by}"
+        )
+        ok = (
+            result_a == "drained"
+            and result_b == "drained"
+            and act1[1] == 0
+            and ckpt_ok
+            and act1[3] == 0
+            and traffic.failed == 0
+            and ended.ended_by == "reclaim"
+        )
         if failover is not None:
             old, new, took_s = failover
             term, holder = lease_term(db)
             wrong = steps_not_once(fleet, answer.get("reclaim_id", ""))
-            say(f"failover: replica {old} SIGKILLed in act 1, replica {new} led {took_s:.2f} s "
+            say(
+                f"failover: replica {old} SIGKILLed in act 1, replica {new} led {took_s:.2f} s "
                 f"later; replica {fleet.leader()} leads now, at term {term} ({holder}); node-a's "
-                f"steps each stored once: {'yes' if not wrong else wrong}")
+                f"steps each stored once: {'yes' if not wrong else wrong}"
+            )
             ok = ok and fleet.leader() == new and holder == replicas[new].address and not wrong
         return 0 if ok else 1
     finally:
@@ -490,19 +609,32 @@ def run_checkpoint_job(client, image: str, agent, name: str, bucket: Path, state
     bucket.mkdir(parents=True, exist_ok=True)
     agent.deadline_file.parent.mkdir(parents=True, exist_ok=True)
     mounts = [
-        docker.types.Mount(CONTAINER_DEADLINE_DIR, str(agent.deadline_file.parent),
-                           type="bind", read_only=True),
+        docker.types.Mount(
+            CONTAINER_DEADLINE_DIR, str(agent.deadline_file.parent), type="bind", read_only=True
+        ),
         docker.types.Mount(CONTAINER_STATUS_DIR, str(agent.status_dir(name)), type="bind"),
         docker.types.Mount("/bucket", str(bucket), type="bind"),
     ]
-    env = {DEADLINE_FILE_ENV: f"{CONTAINER_DEADLINE_DIR}/{agent.deadline_file.name}",
-           STATUS_DIR_ENV: CONTAINER_STATUS_DIR, "CHECKPOINT_BUCKET": "/bucket",
-           "CHECKPOINT_STATE_MB": str(state_mb)}
-    c = client.containers.run(image, name=name, environment=env, mounts=mounts,
-                              labels={NODE_LABEL: agent.node_id, KIND_LABEL: "batch"},
-                              network_mode="none", detach=True)
-    wait_until(lambda: b"job: ready" in c.logs() or c.reload() or c.status == "exited", 120,
-               f"{name} to be ready")
+    env = {
+        DEADLINE_FILE_ENV: f"{CONTAINER_DEADLINE_DIR}/{agent.deadline_file.name}",
+        STATUS_DIR_ENV: CONTAINER_STATUS_DIR,
+        "CHECKPOINT_BUCKET": "/bucket",
+        "CHECKPOINT_STATE_MB": str(state_mb),
+    }
+    c = client.containers.run(
+        image,
+        name=name,
+        environment=env,
+        mounts=mounts,
+        labels={NODE_LABEL: agent.node_id, KIND_LABEL: "batch"},
+        network_mode="none",
+        detach=True,
+    )
+    wait_until(
+        lambda: b"job: ready" in c.logs() or c.reload() or c.status == "exited",
+        120,
+        f"{name} to be ready",
+    )
     if b"job: ready" not in c.logs():
         raise RuntimeError(f"{name} did not start: {c.logs().decode(errors='replace')}")
     return c
@@ -515,13 +647,17 @@ def kill_the_leader(fleet: Coordinators, db: str, at: float, paused_at: float): 
     old = fleet.leader()
     killed, killed_wall = time.monotonic(), time.time()
     fleet.replicas[old].proc.kill()
-    say(f"SIGKILL the leader, replica {old} ({fleet.replicas[old].address}), "
-        f"{killed_wall - paused_at:.1f} s after the pause, mid-drain")
+    say(
+        f"SIGKILL the leader, replica {old} ({fleet.replicas[old].address}), "
+        f"{killed_wall - paused_at:.1f} s after the pause, mid-drain"
+    )
     new = fleet.leader(timeout=30)
     took_s = time.monotonic() - killed
     term, _ = lease_term(db)
-    say(f"replica {new} ({fleet.replicas[new].address}) leads at term {term}, "
-        f"{took_s:.2f} s after the SIGKILL; agents, the router and spotctl follow it")
+    say(
+        f"replica {new} ({fleet.replicas[new].address}) leads at term {term}, "
+        f"{took_s:.2f} s after the SIGKILL; agents, the router and spotctl follow it"
+    )
     return old, new, took_s
 
 

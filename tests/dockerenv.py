@@ -893,6 +893,7 @@ esac
 while :; do sleep 3600 & wait $!; done
 """
 
+
 def ensure_rental_image(client: docker.DockerClient, base: str) -> str:
     """A renter's image: busybox with RENTAL_SCRIPT as its command, rebuilt when the recipe
     (the base image and the script) changes."""

@@ -27,23 +27,36 @@ async def eventually(fetch, ok, timeout: float = 10):
 
 def aio_channel(coordinator, who) -> grpc.aio.Channel:
     creds = grpc.ssl_channel_credentials(
-        Path(who.ca).read_bytes(), Path(who.key).read_bytes(), Path(who.cert).read_bytes())
+        Path(who.ca).read_bytes(), Path(who.key).read_bytes(), Path(who.cert).read_bytes()
+    )
     return grpc.aio.secure_channel(coordinator.address, creds)
 
 
 class FakeNode:
     """An agent as the coordinator sees it: a stream that registers, reports and obeys."""
 
-    def __init__(self, coordinator, pki, node_id: str, spot: bool = True, group: str = "default",
-                 provider: str = "", gpus: int = 2) -> None:
+    def __init__(
+        self,
+        coordinator,
+        pki,
+        node_id: str,
+        spot: bool = True,
+        group: str = "default",
+        provider: str = "",
+        gpus: int = 2,
+    ) -> None:
         self.node_id = node_id
         self.spot, self.group, self.provider, self.gpus = spot, group, provider, gpus
         self.channel = aio_channel(coordinator, pki.issue(f"node:{node_id}"))
         self.stub = pb_grpc.AgentLinkStub(self.channel)
         self.stream = None
 
-    async def connect(self, running: list[pb.WorkerReport] = (),
-                      rentals: list[pb.RentalReport] = (), incomplete: bool = False) -> None:
+    async def connect(
+        self,
+        running: list[pb.WorkerReport] = (),
+        rentals: list[pb.RentalReport] = (),
+        incomplete: bool = False,
+    ) -> None:
         self.outgoing: asyncio.Queue[pb.AgentMessage] = asyncio.Queue()
 
         async def messages():
@@ -51,10 +64,20 @@ class FakeNode:
                 yield await self.outgoing.get()
 
         self.stream = self.stub.Connect(messages())
-        await self.outgoing.put(pb.AgentMessage(register=pb.Register(
-            node_id=self.node_id, gpus=[pb.Gpu(index=i) for i in range(self.gpus)],
-            spot=self.spot, node_group=self.group, provider=self.provider,
-            workers=list(running), rentals=list(rentals), inventory_incomplete=incomplete)))
+        await self.outgoing.put(
+            pb.AgentMessage(
+                register=pb.Register(
+                    node_id=self.node_id,
+                    gpus=[pb.Gpu(index=i) for i in range(self.gpus)],
+                    spot=self.spot,
+                    node_group=self.group,
+                    provider=self.provider,
+                    workers=list(running),
+                    rentals=list(rentals),
+                    inventory_incomplete=incomplete,
+                )
+            )
+        )
         assert (await self.stream.read()).WhichOneof("body") == "registered"
 
     async def command(self, timeout: float = 10) -> pb.CoordinatorMessage:
@@ -65,9 +88,16 @@ class FakeNode:
         msg = await self.command()
         assert msg.WhichOneof("body") == "start_worker", msg
         wid = msg.start_worker.worker_id
-        await self.outgoing.put(pb.AgentMessage(worker=pb.WorkerReport(
-            worker_id=wid, state="started", gate_address=f"127.0.0.1:{msg.start_worker.port}",
-            capacity=msg.start_worker.capacity)))
+        await self.outgoing.put(
+            pb.AgentMessage(
+                worker=pb.WorkerReport(
+                    worker_id=wid,
+                    state="started",
+                    gate_address=f"127.0.0.1:{msg.start_worker.port}",
+                    capacity=msg.start_worker.capacity,
+                )
+            )
+        )
         return wid
 
     async def next_of(self, body: str, timeout: float = 10) -> pb.CoordinatorMessage:
@@ -79,31 +109,64 @@ class FakeNode:
                 return msg
 
     async def report_rental(self, rental_id: str, state: str, exit_code: int = 0) -> None:
-        await self.outgoing.put(pb.AgentMessage(rental=pb.RentalReport(
-            rental_id=rental_id, state=state, container=f"c-{rental_id}", exit_code=exit_code)))
+        await self.outgoing.put(
+            pb.AgentMessage(
+                rental=pb.RentalReport(
+                    rental_id=rental_id,
+                    state=state,
+                    container=f"c-{rental_id}",
+                    exit_code=exit_code,
+                )
+            )
+        )
 
     async def heartbeat(self, worker_id: str) -> None:
-        await self.outgoing.put(pb.AgentMessage(heartbeat=pb.Heartbeat(
-            node_id=self.node_id, workers=[pb.WorkerSlots(worker_id=worker_id, capacity=1,
-                                                          claimed_state="ready")])))
+        await self.outgoing.put(
+            pb.AgentMessage(
+                heartbeat=pb.Heartbeat(
+                    node_id=self.node_id,
+                    workers=[
+                        pb.WorkerSlots(worker_id=worker_id, capacity=1, claimed_state="ready")
+                    ],
+                )
+            )
+        )
 
     async def pause(self, reason: str = "pause", grace_s: float = 110) -> pb.TaintRequest:
         now = time.time()
-        request = pb.TaintRequest(node_id=self.node_id, reclaim_id=f"rcl-{reason}", reason=reason,
-                                  terminate_at=now + grace_s + 10, grace_deadline=now + grace_s)
+        request = pb.TaintRequest(
+            node_id=self.node_id,
+            reclaim_id=f"rcl-{reason}",
+            reason=reason,
+            terminate_at=now + grace_s + 10,
+            grace_deadline=now + grace_s,
+        )
         await self.stub.Taint(request)
         return request
 
     async def resume(self) -> None:
-        await self.stub.SetWorkload(pb.SetWorkloadRequest(
-            node_id=self.node_id, enabled=True, reclaim_id="rcl-pause"))
+        await self.stub.SetWorkload(
+            pb.SetWorkloadRequest(node_id=self.node_id, enabled=True, reclaim_id="rcl-pause")
+        )
 
     async def event(self, kind: str, details: dict, uid: str = "") -> str:
         """One lifecycle event of this node's own, as its outbox sends it; the uid."""
         uid = uid or f"{self.node_id}-{kind}-{time.monotonic_ns()}"
-        await self.outgoing.put(pb.AgentMessage(events=pb.EventBatch(events=[pb.Event(
-            uid=uid, kind=kind, node_id=self.node_id, wall_time=time.time(),
-            details_json=json.dumps(details))])))
+        await self.outgoing.put(
+            pb.AgentMessage(
+                events=pb.EventBatch(
+                    events=[
+                        pb.Event(
+                            uid=uid,
+                            kind=kind,
+                            node_id=self.node_id,
+                            wall_time=time.time(),
+                            details_json=json.dumps(details),
+                        )
+                    ]
+                )
+            )
+        )
         return uid
 
     async def disconnect(self) -> None:
@@ -123,8 +186,9 @@ class Ops:
         self.rentals = pb_grpc.RentalsStub(self.channel)
 
     async def start(self, node: str, kind: str = "inference") -> pb.WorkerInfo:
-        return await self.admin.StartWorker(pb.StartWorkerRequest(
-            node_id=node, model="m", image="img", slots=1, kind=kind))
+        return await self.admin.StartWorker(
+            pb.StartWorkerRequest(node_id=node, model="m", image="img", slots=1, kind=kind)
+        )
 
     async def workers(self) -> dict[str, pb.WorkerInfo]:
         reply = await self.admin.ListWorkers(pb.ListWorkersRequest())
@@ -150,12 +214,21 @@ async def obey_starts(node: FakeNode, started: list[str]) -> None:
         msg = await node.command(timeout=3600)
         if msg.WhichOneof("body") == "start_worker":
             wid = msg.start_worker.worker_id
-            await node.outgoing.put(pb.AgentMessage(worker=pb.WorkerReport(
-                worker_id=wid, state="started", gate_address=f"127.0.0.1:{msg.start_worker.port}",
-                capacity=msg.start_worker.capacity)))
+            await node.outgoing.put(
+                pb.AgentMessage(
+                    worker=pb.WorkerReport(
+                        worker_id=wid,
+                        state="started",
+                        gate_address=f"127.0.0.1:{msg.start_worker.port}",
+                        capacity=msg.start_worker.capacity,
+                    )
+                )
+            )
             started.append(wid)
 
 
 async def events(ops: Ops, kind: str) -> list[dict]:
-    return [json.loads(e.event.details_json) | {"reclaim_id": e.event.reclaim_id}
-            for e in await ops.events(kind)]
+    return [
+        json.loads(e.event.details_json) | {"reclaim_id": e.event.reclaim_id}
+        for e in await ops.events(kind)
+    ]

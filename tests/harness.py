@@ -108,20 +108,37 @@ class Coordinator:
         if self.tls is None:
             return ["--coordinator", self.address, "--insecure"]
         assert self.operator is not None
-        return ["--coordinator", self.address, "--tls-cert", self.operator.cert,
-                "--tls-key", self.operator.key, "--ca", self.operator.ca]
+        return [
+            "--coordinator",
+            self.address,
+            "--tls-cert",
+            self.operator.cert,
+            "--tls-key",
+            self.operator.key,
+            "--ca",
+            self.operator.ca,
+        ]
 
 
 def start_coordinator(
-    work: Path, tls: Pki | None = None, db: Path | str | None = None, port: int = 0,
+    work: Path,
+    tls: Pki | None = None,
+    db: Path | str | None = None,
+    port: int = 0,
     extra: tuple[str, ...] = (),
 ) -> Coordinator:
     """db: a SQLite file (default <work>/coordinator.sqlite) or a URL (`sqlite:///PATH`,
     `postgresql://...`), passed to --db unchanged."""
     work.mkdir(parents=True, exist_ok=True)
     db = db or work / "coordinator.sqlite"
-    argv = [str(BIN / "spotdrain-coordinator"), "--listen", f"127.0.0.1:{port}", "--db", str(db),
-            *extra]
+    argv = [
+        str(BIN / "spotdrain-coordinator"),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--db",
+        str(db),
+        *extra,
+    ]
     operator = None
     if tls is None:
         argv.append("--insecure")
@@ -133,7 +150,8 @@ def start_coordinator(
     proc = Proc("coordinator", argv, log_path, {"PYTHONUNBUFFERED": "1"})
     match = wait_until(
         lambda: re.search(r"listening on (\S+)", proc.log()) or _died(proc),
-        20, "the coordinator to listen",
+        20,
+        "the coordinator to listen",
     )
     return Coordinator(proc, match.group(1), db, tls, operator)
 
@@ -217,26 +235,45 @@ def start_agent(
     status_root = base / "status"
     argv = [
         str(BIN / "spotdrain-agent"),
-        "--coordinator", coordinator.address,
-        "--node-id", node_id,
-        "--notice-file", str(notice_file),
+        "--coordinator",
+        coordinator.address,
+        "--node-id",
+        node_id,
+        "--notice-file",
+        str(notice_file),
         # The file alone: a test machine's DMI or system bus must not turn other sources on.
-        "--sources", "file",
-        "--state-dir", str(state_dir),
-        "--docker-host", docker_host,
-        "--deadline-file", str(deadline_file),
-        "--status-dir", str(status_root),
-        "--grace-s", str(opts.grace_s),
-        "--overrun-s", str(opts.overrun_s),
-        "--default-notice-s", str(opts.default_notice_s),
-        "--taint-answer-s", str(opts.taint_answer_s),
-        "--observe-every-s", str(opts.observe_every_s),
-        "--docker-call-timeout-s", str(opts.docker_call_timeout_s),
-        "--nvml-timeout-s", str(opts.nvml_timeout_s),
-        "--log-level", "DEBUG",
-        "--socket", str(opts.socket or base / "agent.sock"),
-        "--gate-host", "127.0.0.1",
-        "--advertise-host", "127.0.0.1",
+        "--sources",
+        "file",
+        "--state-dir",
+        str(state_dir),
+        "--docker-host",
+        docker_host,
+        "--deadline-file",
+        str(deadline_file),
+        "--status-dir",
+        str(status_root),
+        "--grace-s",
+        str(opts.grace_s),
+        "--overrun-s",
+        str(opts.overrun_s),
+        "--default-notice-s",
+        str(opts.default_notice_s),
+        "--taint-answer-s",
+        str(opts.taint_answer_s),
+        "--observe-every-s",
+        str(opts.observe_every_s),
+        "--docker-call-timeout-s",
+        str(opts.docker_call_timeout_s),
+        "--nvml-timeout-s",
+        str(opts.nvml_timeout_s),
+        "--log-level",
+        "DEBUG",
+        "--socket",
+        str(opts.socket or base / "agent.sock"),
+        "--gate-host",
+        "127.0.0.1",
+        "--advertise-host",
+        "127.0.0.1",
         *opts.extra,
     ]
     if coordinator.tls is None:
@@ -248,11 +285,19 @@ def start_agent(
     log_path = base / "agent.log"
     base.mkdir(parents=True, exist_ok=True)
     agent = Agent(
-        Proc(node_id, argv, log_path, env), node_id, state_dir, notice_file, deadline_file,
-        argv, env, log_path, status_root,
+        Proc(node_id, argv, log_path, env),
+        node_id,
+        state_dir,
+        notice_file,
+        deadline_file,
+        argv,
+        env,
+        log_path,
+        status_root,
     )
-    wait_until(lambda: "agent up" in agent.proc.log() or _died(agent.proc), 20,
-               f"agent {node_id} to start")
+    wait_until(
+        lambda: "agent up" in agent.proc.log() or _died(agent.proc), 20, f"agent {node_id} to start"
+    )
     return agent
 
 
@@ -276,8 +321,9 @@ class Admin:
     def kinds(self, node: str | None = None) -> list[str]:
         return [e["kind"] for e in self.events(node)]
 
-    def wait_for(self, kind: str, node: str | None = None, timeout: float = 20.0,
-                 **match: Any) -> dict:
+    def wait_for(
+        self, kind: str, node: str | None = None, timeout: float = 20.0, **match: Any
+    ) -> dict:
         def find() -> dict | None:
             for ev in self.events(node):
                 if ev["kind"] == kind and all(ev.get(k) == v for k, v in match.items()):
@@ -302,8 +348,13 @@ class Router:
 def start_router(work: Path, coordinator: Coordinator) -> Router:
     """The reference router as a process, with a `router:` identity."""
     work.mkdir(parents=True, exist_ok=True)
-    argv = [str(BIN / "spotdrain-router"), "--listen", "127.0.0.1:0",
-            "--coordinator", coordinator.address]
+    argv = [
+        str(BIN / "spotdrain-router"),
+        "--listen",
+        "127.0.0.1:0",
+        "--coordinator",
+        coordinator.address,
+    ]
     if coordinator.tls is None:
         argv.append("--insecure")
     else:
@@ -312,6 +363,7 @@ def start_router(work: Path, coordinator: Coordinator) -> Router:
     proc = Proc("router", argv, work / "router.log", {"PYTHONUNBUFFERED": "1"})
     match = wait_until(
         lambda: re.search(r"spotdrain-router: listening on (\S+)", proc.log()) or _died(proc),
-        20, "the router to listen",
+        20,
+        "the router to listen",
     )
     return Router(proc, f"http://{match.group(1)}")

@@ -125,8 +125,9 @@ class Cluster:
                 return primary
             for m in self.members:
                 if m.proc is not None and m.proc.poll() is not None and not m.killed:
-                    raise RuntimeError(f"patroni {m.name} exited {m.proc.returncode}:\n"
-                                       f"{self.log(m)}")  # fmt: skip
+                    raise RuntimeError(
+                        f"patroni {m.name} exited {m.proc.returncode}:\n{self.log(m)}"
+                    )
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"no primary{' and sync standby' if standby else ''} within {timeout} s:\n"
@@ -184,22 +185,45 @@ class Cluster:
     def _as_postgres(self, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
         with open(log, "ab") as out:
             return subprocess.Popen(
-                argv, user=self.user.pw_uid, group=self.user.pw_gid, extra_groups=[],
-                cwd=self.root, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                argv,
+                user=self.user.pw_uid,
+                group=self.user.pw_gid,
+                extra_groups=[],
+                cwd=self.root,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": str(self.root)},
                 start_new_session=True,
-            )  # fmt: skip
+            )
 
     def _start_etcd(self) -> None:
         client = f"http://{HOST}:{self.etcd_port}"
         peer = f"http://{HOST}:{self.etcd_peer_port}"
-        self.etcd = self._as_postgres([
-            str(ETCD), "--name", "e1", "--data-dir", str(self.root / "etcd"),
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"e1={peer}", "--initial-cluster-state", "new",
-            "--log-level", "warn",
-        ], self.root / "etcd.log")  # fmt: skip
+        self.etcd = self._as_postgres(
+            [
+                str(ETCD),
+                "--name",
+                "e1",
+                "--data-dir",
+                str(self.root / "etcd"),
+                "--listen-client-urls",
+                client,
+                "--advertise-client-urls",
+                client,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"e1={peer}",
+                "--initial-cluster-state",
+                "new",
+                "--log-level",
+                "warn",
+            ],
+            self.root / "etcd.log",
+        )
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -213,34 +237,49 @@ class Cluster:
             time.sleep(0.1)
 
     def _config(self, m: Member) -> dict:
-        hba = ["local all all trust", f"host all all {HOST}/32 trust",
-               f"host replication all {HOST}/32 trust"]  # fmt: skip
+        hba = [
+            "local all all trust",
+            f"host all all {HOST}/32 trust",
+            f"host replication all {HOST}/32 trust",
+        ]
         return {
             "scope": f"spotdrain-{self.root.name}",
             "name": m.name,
-            "restapi": {"listen": f"{HOST}:{m.rest_port}",
-                        "connect_address": f"{HOST}:{m.rest_port}"},  # fmt: skip
+            "restapi": {
+                "listen": f"{HOST}:{m.rest_port}",
+                "connect_address": f"{HOST}:{m.rest_port}",
+            },
             "etcd3": {"host": f"{HOST}:{self.etcd_port}"},
             "bootstrap": {
                 "dcs": {
-                    "ttl": TTL_S, "loop_wait": LOOP_WAIT_S, "retry_timeout": RETRY_TIMEOUT_S,
+                    "ttl": TTL_S,
+                    "loop_wait": LOOP_WAIT_S,
+                    "retry_timeout": RETRY_TIMEOUT_S,
                     "synchronous_mode": True,
-                    "postgresql": {"use_pg_rewind": False, "parameters": {
-                        "max_connections": 200, "wal_level": "replica", "hot_standby": "on",
-                        "max_wal_senders": 5, "max_replication_slots": 5,
-                    }},
+                    "postgresql": {
+                        "use_pg_rewind": False,
+                        "parameters": {
+                            "max_connections": 200,
+                            "wal_level": "replica",
+                            "hot_standby": "on",
+                            "max_wal_senders": 5,
+                            "max_replication_slots": 5,
+                        },
+                    },
                 },
                 "initdb": [{"encoding": "UTF8"}, {"locale": "C"}],
                 "pg_hba": hba,
-            },  # fmt: skip
+            },
             "postgresql": {
                 "listen": f"{HOST}:{m.pg_port}",
                 "connect_address": f"{HOST}:{m.pg_port}",
                 "data_dir": str(m.data_dir),
                 "bin_dir": str(self.bin_dir),
                 "pgpass": str(m.root / "pgpass"),
-                "authentication": {"superuser": {"username": USER},
-                                   "replication": {"username": USER}},  # fmt: skip
+                "authentication": {
+                    "superuser": {"username": USER},
+                    "replication": {"username": USER},
+                },
                 "parameters": {"unix_socket_directories": str(m.root)},
                 "pg_hba": hba,
             },

@@ -16,8 +16,15 @@ from spotdrain.v1 import spotdrain_pb2 as pb
 
 
 def advisory(key: str, ttl_s: float = 600.0, action: str = "prepare") -> dict:
-    return {"source": "aws", "reason": "rebalance", "key": key, "action": action,
-            "expires_at": time.time() + ttl_s, "not_before": None, "detail": ""}
+    return {
+        "source": "aws",
+        "reason": "rebalance",
+        "key": key,
+        "action": action,
+        "expires_at": time.time() + ttl_s,
+        "not_before": None,
+        "detail": "",
+    }
 
 
 async def fleet_of(coordinator, pki, names):
@@ -43,8 +50,9 @@ async def test_a_rebalance_recommendation_replaces_elsewhere_and_drains_nothing(
     ops = Ops(coordinator)
     nodes, started, obeying = await fleet_of(coordinator, pki, "abc")
     try:
-        await ops.admin.SetModelReplicas(pb.SetModelReplicasRequest(
-            model="m", replicas=2, image="img", slots=4))
+        await ops.admin.SetModelReplicas(
+            pb.SetModelReplicasRequest(model="m", replicas=2, image="img", slots=4)
+        )
         await eventually(lambda: model_counts(ops), lambda c: c == (2, 0))
         assert [len(started[n]) for n in "abc"] == [1, 1, 0]
         on_a = started["a"][0]
@@ -61,8 +69,10 @@ async def test_a_rebalance_recommendation_replaces_elsewhere_and_drains_nothing(
 
         # The agent resends the same event (its ack was lost): one advisory, one replacement.
         await nodes["a"].event("advisory_received", advisory("aws:rebalance:1"), uid=uid)
-        await nodes["a"].event("advisory_lifted", {"source": "aws", "reason": "rebalance",
-                                                   "key": "aws:rebalance:1", "why": "ttl"})
+        await nodes["a"].event(
+            "advisory_lifted",
+            {"source": "aws", "reason": "rebalance", "key": "aws:rebalance:1", "why": "ttl"},
+        )
         await eventually(lambda: model_counts(ops), lambda c: c == (2, 1))
         workers = await ops.workers()
         assert workers[started["c"][0]].state == "draining"
@@ -118,11 +128,13 @@ async def test_an_advisory_with_a_bad_expiry_or_another_action_changes_nothing(c
     node = FakeNode(coordinator, pki, "a")
     try:
         await node.connect()
-        for details in (advisory("k1") | {"expires_at": float("inf")},
-                        advisory("k2") | {"expires_at": "soon"},
-                        advisory("k3", action="ignore"),
-                        advisory("k4") | {"key": ""},
-                        advisory("k5", ttl_s=-10)):
+        for details in (
+            advisory("k1") | {"expires_at": float("inf")},
+            advisory("k2") | {"expires_at": "soon"},
+            advisory("k3", action="ignore"),
+            advisory("k4") | {"key": ""},
+            advisory("k5", ttl_s=-10),
+        ):
             await node.event("advisory_received", details)
         await eventually(lambda: events(ops, "advisory_received"), lambda e: len(e) == 5)
         await ops.start("a")  # none of them put the node at risk

@@ -27,6 +27,7 @@ from spotdrain.agent.workloads.jobs import CONTAINER_DEADLINE_DIR, PlainWorkload
 
 pytestmark = pytest.mark.docker
 
+
 @dataclass
 class Node:
     """One node's plain workloads over the real engine, with every report recorded."""

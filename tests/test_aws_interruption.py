@@ -45,8 +45,12 @@ async def agent_hearing(
     `slept`: the seconds this boot has spent suspended, as the host's clocks tell it."""
     cfg, outbox, _engine, drains = machine or one_machine(tmp_path)
     hub = SourceHub(cfg.node_id, drains, AdvisoryPolicy(), cfg.state_dir)
-    source = aws.Source(aws.Config.from_table({"endpoint": imds.url, "poll_s": 0.1}, ""), hub,
-                        boot=lambda: BOOT, slept=slept)  # fmt: skip
+    source = aws.Source(
+        aws.Config.from_table({"endpoint": imds.url, "poll_s": 0.1}, ""),
+        hub,
+        boot=lambda: BOOT,
+        slept=slept,
+    )
     tasks = [asyncio.create_task(drains.run()), asyncio.create_task(source.run())]
     try:
         yield drains, outbox
@@ -107,8 +111,9 @@ async def test_an_instance_action_re_stamped_on_every_read_is_one_reclamation(tm
             await until("the notice", lambda: events(outbox, "notice_received"))
             first = reads(imds)
             # A barrier, not a sleep: ten more reads of a new document each, all handled.
-            await imds.await_seen(lambda s: s.path == INSTANCE_ACTION and s.status == 200,
-                                  count=first + 10)  # fmt: skip
+            await imds.await_seen(
+                lambda s: s.path == INSTANCE_ACTION and s.status == 200, count=first + 10
+            )
             await until("a later read handled", lambda: heard_again(outbox))
             [received] = events(outbox, "notice_received")
             updated = events(outbox, "notice_updated")
@@ -179,8 +184,10 @@ async def test_a_hibernated_instance_resumed_and_interrupted_again_drains_again(
             if counted:
                 slept.advance(6 * 3600.0)
             else:  # a barrier: the agent has read the notice gone GONE_AFTER times
-                await imds.await_seen(lambda s: s.path == INSTANCE_ACTION and s.status == 404,
-                                      count=gone + aws.GONE_AFTER)  # fmt: skip
+                await imds.await_seen(
+                    lambda s: s.path == INSTANCE_ACTION and s.status == 404,
+                    count=gone + aws.GONE_AFTER,
+                )
             imds.set_instance_action("terminate", iso_utc(time.time() + 3))
             await until("the second drain", lambda: len(events(outbox, "drained")) == 2, 15)
             received = events(outbox, "notice_received")
@@ -224,11 +231,13 @@ async def test_a_notice_missing_from_two_reads_is_still_the_one_interruption(tmp
             await until("the notice", lambda: events(outbox, "notice_received"))
             imds.fail_next(2, 404, path=INSTANCE_ACTION)
             missing = reads(imds, 404)
-            await imds.await_seen(lambda s: s.path == INSTANCE_ACTION and s.status == 404,
-                                  count=missing + 2)  # fmt: skip
+            await imds.await_seen(
+                lambda s: s.path == INSTANCE_ACTION and s.status == 404, count=missing + 2
+            )
             back = reads(imds)
-            await imds.await_seen(lambda s: s.path == INSTANCE_ACTION and s.status == 200,
-                                  count=back + 2)  # fmt: skip
+            await imds.await_seen(
+                lambda s: s.path == INSTANCE_ACTION and s.status == 200, count=back + 2
+            )
             # A barrier: an earlier time, handled after whatever the reads above led to.
             imds.set_instance_action("terminate", iso_utc(t + 200))
             await until("the earlier time", lambda: events(outbox, "notice_updated"))

@@ -15,8 +15,9 @@ from spotdrain.coordinator.fleet.registry import WorkerRegistry
 NOW = 1_000.0
 
 
-def worker(i: int, node: str, model: str = "llama", state: str = wm.READY,
-           kind: str = "inference") -> wm.Worker:  # fmt: skip
+def worker(
+    i: int, node: str, model: str = "llama", state: str = wm.READY, kind: str = "inference"
+) -> wm.Worker:
     return wm.Worker(f"w-{i}", node, model, "img:1", 20000 + i, 4, NOW, state=state, kind=kind)
 
 
@@ -54,10 +55,15 @@ def test_slots_in_use_are_one_total_per_model() -> None:
     """The coordinator's slots gauge: per model over its ready workers (a starting or draining
     worker's gate is not counted), never a series per worker."""
     registry = WorkerRegistry()
-    for i, (model, state, used) in enumerate([
-        ("llama", wm.READY, 3), ("llama", wm.READY, 1), ("llama", wm.STARTING, 2),
-        ("mistral", wm.READY, 4), ("mistral", wm.DRAINING, 2),
-    ]):  # fmt: skip
+    for i, (model, state, used) in enumerate(
+        [
+            ("llama", wm.READY, 3),
+            ("llama", wm.READY, 1),
+            ("llama", wm.STARTING, 2),
+            ("mistral", wm.READY, 4),
+            ("mistral", wm.DRAINING, 2),
+        ]
+    ):
         w = worker(i, f"n{i}", model, state)
         w.slots_in_use = used
         registry.add(w)

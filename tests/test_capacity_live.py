@@ -56,11 +56,11 @@ def two_ready_workers(coordinator, admin, image: str) -> tuple[dict, dict]:
     """fake-model's two workers, ready: the first on node-a, then the second on node-b (the
     least loaded of b and c). Their worker_starting events."""
     events = coordinator.admin()
-    admin.SetModelReplicas(pb.SetModelReplicasRequest(
-        model="fake-model", replicas=1, image=image, slots=4), timeout=30)
+    admin.SetModelReplicas(
+        pb.SetModelReplicasRequest(model="fake-model", replicas=1, image=image, slots=4), timeout=30
+    )
     first = events.wait_for("worker_starting", node="node-a", timeout=20)
-    admin.SetModelReplicas(pb.SetModelReplicasRequest(model="fake-model", replicas=2),
-                           timeout=30)
+    admin.SetModelReplicas(pb.SetModelReplicasRequest(model="fake-model", replicas=2), timeout=30)
     second = events.wait_for("worker_starting", node="node-b", timeout=20)
     for started in (first, second):
         wait_state(coordinator, started["worker_id"], "ready", timeout=90)
@@ -71,8 +71,10 @@ def test_a_paused_nodes_worker_is_replaced_while_it_drains(
     tmp_path, docker_engine, coordinator, pki, gpus, nvml_lib
 ):
     image = ensure_model_image(docker_engine.client)
-    agents = {n: start_agent(tmp_path, n, coordinator, docker_engine.host, gpus, nvml_lib, OPTIONS)
-              for n in ("node-a", "node-b", "node-c")}
+    agents = {
+        n: start_agent(tmp_path, n, coordinator, docker_engine.host, gpus, nvml_lib, OPTIONS)
+        for n in ("node-a", "node-b", "node-c")
+    }
     admin = pb_grpc.AdminStub(coordinator.channel())
     events = coordinator.admin()
     watcher = None
@@ -87,9 +89,18 @@ def test_a_paused_nodes_worker_is_replaced_while_it_drains(
         gate = f"http://{worker.gate_address}/v1/chat/completions"
         holding = threading.Thread(target=_long_request, args=(gate,), daemon=True)
         holding.start()
-        wait_until(lambda: next(w for w in admin.ListWorkers(pb.ListWorkersRequest()).workers
-                                if w.worker_id == first["worker_id"]).slots_in_use == 1,
-                   10, "the long request to hold a slot")
+        wait_until(
+            lambda: (
+                next(
+                    w
+                    for w in admin.ListWorkers(pb.ListWorkersRequest()).workers
+                    if w.worker_id == first["worker_id"]
+                ).slots_in_use
+                == 1
+            ),
+            10,
+            "the long request to hold a slot",
+        )
 
         paused_at = time.time()
         assert spotctl(agents["node-a"], "pause")["paused"] is True
@@ -119,10 +130,20 @@ def _long_request(url: str) -> None:
     import json
     import urllib.request
 
-    body = json.dumps({"model": "fake-model", "stream": True, "max_tokens": 10_000,
-                       "messages": [{"role": "user", "content": "hold"}]}).encode()
-    req = urllib.request.Request(url, data=body, method="POST", headers={
-        "Content-Type": "application/json", "X-Fake-Tokens-Per-S": "20"})
+    body = json.dumps(
+        {
+            "model": "fake-model",
+            "stream": True,
+            "max_tokens": 10_000,
+            "messages": [{"role": "user", "content": "hold"}],
+        }
+    ).encode()
+    req = urllib.request.Request(
+        url,
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json", "X-Fake-Tokens-Per-S": "20"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             for _ in resp:

@@ -37,8 +37,10 @@ class DirView:
     def keys(self, prefix: str) -> list[str]:
         base = self.root
         return sorted(
-            str(p.relative_to(base)) for p in base.rglob("*")
-            if p.is_file() and str(p.relative_to(base)).startswith(prefix)
+            str(p.relative_to(base))
+            for p in base.rglob("*")
+            if p.is_file()
+            and str(p.relative_to(base)).startswith(prefix)
             and not p.name.startswith(".")
         )
 
@@ -65,7 +67,7 @@ class S3View:
 
     def keys(self, prefix: str) -> list[str]:
         got = self.client.list_objects_v2(Bucket=self.bucket, Prefix=f"job-1/{prefix}")
-        return sorted(o["Key"][len("job-1/"):] for o in got.get("Contents", []))
+        return sorted(o["Key"][len("job-1/") :] for o in got.get("Contents", []))
 
     def get(self, key: str) -> bytes | None:
         try:
@@ -93,7 +95,7 @@ def bucket(request, tmp_path):
 
 
 def committed(view) -> list[int]:
-    return [int(k[len("manifests/gen-"):-len(".json")]) for k in view.keys("manifests/")]
+    return [int(k[len("manifests/gen-") : -len(".json")]) for k in view.keys("manifests/")]
 
 
 def summed(doc_object: dict, data: bytes) -> bool:
@@ -113,7 +115,8 @@ def check_generation(view, generation: int) -> dict:
         data = view.get(o["key"])
         assert data is not None, f"generation {generation}: {o['key']} missing"
         assert len(data) == o["size"] and summed(o, data), (
-            f"generation {generation}: {o['key']} is not what its manifest says")
+            f"generation {generation}: {o['key']} is not what its manifest says"
+        )
     return doc
 
 
@@ -123,13 +126,30 @@ class Run:
     def __init__(self, view, status: Path, *extra: str) -> None:
         status.mkdir(parents=True)
         self.status = status
-        env = {**os.environ, **view.env, "SPOTDRAIN_STATUS_DIR": str(status),
-               "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            **view.env,
+            "SPOTDRAIN_STATUS_DIR": str(status),
+            "PYTHONUNBUFFERED": "1",
+        }
         env.pop("SPOTDRAIN_DEADLINE_FILE", None)
         self.proc = subprocess.Popen(
-            [sys.executable, str(JOB), "--bucket", view.arg, "--state-mb", "1",
-             "--object-mb", "0.0625", *extra],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                str(JOB),
+                "--bucket",
+                view.arg,
+                "--state-mb",
+                "1",
+                "--object-mb",
+                "0.0625",
+                *extra,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         while True:
             line = self.proc.stdout.readline()
@@ -200,7 +220,9 @@ def test_sigkill_anywhere_in_a_checkpoint_leaves_a_complete_generation(bucket, t
     # The reports of the final checkpoint: started, then committed, for the new generation.
     names = last.reports()
     assert [n.split("-", 1)[1] for n in names] == [
-        f"checkpoint_started-{newest + 1}.json", f"checkpoint_committed-{newest + 1}.json"]
+        f"checkpoint_started-{newest + 1}.json",
+        f"checkpoint_committed-{newest + 1}.json",
+    ]
 
 
 def test_a_damaged_generation_is_refused_not_resumed(bucket, tmp_path):
@@ -215,8 +237,13 @@ def test_a_damaged_generation_is_refused_not_resumed(bucket, tmp_path):
     bucket.put(key, bytes(data))
     before = bucket.keys("")
     env = {**os.environ, **bucket.env}
-    proc = subprocess.run([sys.executable, str(JOB), "--bucket", bucket.arg], env=env,
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, str(JOB), "--bucket", bucket.arg],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 3
     assert f"generation 1: {key}" in proc.stderr and "does not match" in proc.stderr
     assert bucket.keys("") == before
@@ -252,20 +279,29 @@ def test_a_generation_an_older_job_committed_with_sha256_still_resumes(bucket, t
     data[-1] ^= 0x01
     bucket.put(object_key, bytes(data))
     bucket.delete("manifests/gen-000000000002.json")  # generation 1 the newest again
-    proc = subprocess.run([sys.executable, str(JOB), "--bucket", bucket.arg],
-                          env={**os.environ, **bucket.env}, capture_output=True, text=True,
-                          timeout=30)
+    proc = subprocess.run(
+        [sys.executable, str(JOB), "--bucket", bucket.arg],
+        env={**os.environ, **bucket.env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 3 and "sha256" in proc.stderr, proc.stderr
 
 
 def test_bad_arguments_are_refused(tmp_path):
-    for args, why in [(["--state-mb", "nan"], "state-mb"), (["--object-mb", "0"], "object-mb"),
-                      ([], "--bucket"), (["--keep", "0"], "keep")]:
+    for args, why in [
+        (["--state-mb", "nan"], "state-mb"),
+        (["--object-mb", "0"], "object-mb"),
+        ([], "--bucket"),
+        (["--keep", "0"], "keep"),
+    ]:
         full = args if "--bucket" in args or not args else ["--bucket", str(tmp_path), *args]
         if args == []:
             full = []
         env = {k: v for k, v in os.environ.items() if k != "CHECKPOINT_BUCKET"}
-        proc = subprocess.run([sys.executable, str(JOB), *full], env=env, capture_output=True,
-                              text=True, timeout=30)
+        proc = subprocess.run(
+            [sys.executable, str(JOB), *full], env=env, capture_output=True, text=True, timeout=30
+        )
         assert proc.returncode == 2 and why in proc.stderr, (args, proc.stderr)
     assert not (tmp_path / "manifests").exists() or not list((tmp_path / "manifests").iterdir())

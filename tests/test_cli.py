@@ -16,8 +16,19 @@ from harness import BIN
 from spotdrain.agent import config
 from spotdrain.runtime.cli import UsageError
 
-BASE = ["--coordinator", "127.0.0.1:7000", "--node-id", "n1", "--notice-file", "/tmp/n.json",
-        "--state-dir", "/tmp/s", "--docker-host", "unix:///var/run/docker.sock", "--insecure"]
+BASE = [
+    "--coordinator",
+    "127.0.0.1:7000",
+    "--node-id",
+    "n1",
+    "--notice-file",
+    "/tmp/n.json",
+    "--state-dir",
+    "/tmp/s",
+    "--docker-host",
+    "unix:///var/run/docker.sock",
+    "--insecure",
+]
 
 
 def run(prog: str, *args: str) -> subprocess.CompletedProcess:
@@ -60,8 +71,16 @@ def test_coordinator_bad_acquirers_file_gives_one_line_and_exit_2(tmp_path, body
     path = tmp_path / "acquirers.toml"
     if body is not None:
         path.write_text(body)
-    result = run("spotdrain-coordinator", "--listen", "127.0.0.1:0", "--db",
-                 str(tmp_path / "c.sqlite"), "--insecure", "--acquirers", str(path))
+    result = run(
+        "spotdrain-coordinator",
+        "--listen",
+        "127.0.0.1:0",
+        "--db",
+        str(tmp_path / "c.sqlite"),
+        "--insecure",
+        "--acquirers",
+        str(path),
+    )
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.strip().splitlines() if "WARNING" not in line]
     assert len(lines) == 1 and lines[0].startswith("spotdrain-coordinator: error: ")
@@ -140,9 +159,19 @@ def test_spotctl_events_and_timeline(tmp_path, pki, coordinator):
     stub = pb_grpc.AgentLinkStub(coordinator.channel(pki.issue("node:node-a")))
     t0 = time.time()
     evs = [
-        ("notice_received", 0.0, {"notice_id": "i-1", "source": "aws-imds", "reason": "notice",
-                                  "t0": t0, "terminate_at": t0 + 30, "grace_deadline": t0 + 20,
-                                  "overrun_at": t0 + 28}),
+        (
+            "notice_received",
+            0.0,
+            {
+                "notice_id": "i-1",
+                "source": "aws-imds",
+                "reason": "notice",
+                "t0": t0,
+                "terminate_at": t0 + 30,
+                "grace_deadline": t0 + 20,
+                "overrun_at": t0 + 28,
+            },
+        ),
         ("tainted", 0.004, {"mode": "remote"}),
         ("sigterm_sent", 0.012, {"name": "job", "container": "c" * 64, "via": "api"}),
         ("container_exited", 1.5, {"name": "job", "exit_code": 0}),
@@ -152,9 +181,18 @@ def test_spotctl_events_and_timeline(tmp_path, pki, coordinator):
 
     def messages():
         yield pb.AgentMessage(register=pb.Register(node_id="node-a"))
-        batch = [pb.Event(uid=f"u{i}", kind=k, node_id="node-a", reclaim_id="rcl-1",
-                          wall_time=t0 + dt, t_offset_s=dt, details_json=json.dumps(d))
-                 for i, (k, dt, d) in enumerate(evs)]
+        batch = [
+            pb.Event(
+                uid=f"u{i}",
+                kind=k,
+                node_id="node-a",
+                reclaim_id="rcl-1",
+                wall_time=t0 + dt,
+                t_offset_s=dt,
+                details_json=json.dumps(d),
+            )
+            for i, (k, dt, d) in enumerate(evs)
+        ]
         yield pb.AgentMessage(events=pb.EventBatch(events=batch))
 
     list(stub.Connect(messages(), timeout=5))
@@ -163,10 +201,13 @@ def test_spotctl_events_and_timeline(tmp_path, pki, coordinator):
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert [e["kind"] for e in lines] == [k for k, _, _ in evs]
     assert lines[3]["exit_code"] == 0 and lines[3]["node"] == "node-a"
-    after = run("spotctl", *coordinator.cli_args(), "events", "--json", "--from",
-                str(lines[3]["id"]))
-    assert [json.loads(x)["kind"] for x in after.stdout.splitlines()] == ["verified_empty",
-                                                                          "drained"]
+    after = run(
+        "spotctl", *coordinator.cli_args(), "events", "--json", "--from", str(lines[3]["id"])
+    )
+    assert [json.loads(x)["kind"] for x in after.stdout.splitlines()] == [
+        "verified_empty",
+        "drained",
+    ]
     table = run("spotctl", *coordinator.cli_args(), "timeline")
     assert table.returncode == 0, table.stderr
     out = table.stdout
@@ -192,22 +233,44 @@ def test_spotctl_timeline_shows_a_tenants_file_name_escaped(pki, coordinator):
     t0 = time.time()
     hostile = "\x1b]0;owned\x07\x1b[2J\x9b31m\n" + os.fsdecode(b"\xff") + ".json"
     evs = [
-        ("notice_received", 0.0, {"notice_id": "i-1", "source": "aws-imds", "reason": "notice",
-                                  "t0": t0, "terminate_at": t0 + 30, "grace_deadline": t0 + 20,
-                                  "overrun_at": t0 + 28}),
+        (
+            "notice_received",
+            0.0,
+            {
+                "notice_id": "i-1",
+                "source": "aws-imds",
+                "reason": "notice",
+                "t0": t0,
+                "terminate_at": t0 + 30,
+                "grace_deadline": t0 + 20,
+                "overrun_at": t0 + 28,
+            },
+        ),
         ("workload_report_invalid", 0.5, {"name": "job", "file": hostile, "reason": "not JSON"}),
     ]
 
     def messages():
         yield pb.AgentMessage(register=pb.Register(node_id="node-a"))
-        batch = [pb.Event(uid=f"u{i}", kind=k, node_id="node-a", reclaim_id="rcl-esc",
-                          wall_time=t0 + dt, t_offset_s=dt, details_json=json.dumps(d))
-                 for i, (k, dt, d) in enumerate(evs)]
+        batch = [
+            pb.Event(
+                uid=f"u{i}",
+                kind=k,
+                node_id="node-a",
+                reclaim_id="rcl-esc",
+                wall_time=t0 + dt,
+                t_offset_s=dt,
+                details_json=json.dumps(d),
+            )
+            for i, (k, dt, d) in enumerate(evs)
+        ]
         yield pb.AgentMessage(events=pb.EventBatch(events=batch))
 
     list(stub.Connect(messages(), timeout=5))
-    table = subprocess.run([str(BIN / "spotctl"), *coordinator.cli_args(), "timeline", "rcl-esc"],
-                           capture_output=True, timeout=30)  # bytes: what reaches the terminal
+    table = subprocess.run(
+        [str(BIN / "spotctl"), *coordinator.cli_args(), "timeline", "rcl-esc"],
+        capture_output=True,
+        timeout=30,
+    )  # bytes: what reaches the terminal
     assert table.returncode == 0, table.stderr
     out = table.stdout.decode("utf-8")
     assert "\x1b" not in out and "\x07" not in out and "\x9b" not in out
@@ -231,8 +294,11 @@ def hostile(msg, depth: int = 0):
 
     for f in msg.DESCRIPTOR.fields:
         if f.message_type is not None and f.message_type.GetOptions().map_entry:
-            getattr(msg, f.name)[WIRE_HOSTILE] = WIRE_HOSTILE if f.message_type.fields_by_name[
-                "value"].type == F.TYPE_STRING else 1.0
+            getattr(msg, f.name)[WIRE_HOSTILE] = (
+                WIRE_HOSTILE
+                if f.message_type.fields_by_name["value"].type == F.TYPE_STRING
+                else 1.0
+            )
         elif f.type == F.TYPE_MESSAGE and depth < 3:
             child = getattr(msg, f.name).add() if f.is_repeated else getattr(msg, f.name)
             hostile(child, depth + 1)
@@ -253,15 +319,23 @@ def test_every_table_spotctl_prints_escapes_every_field():
 
     tl = hostile(pb.Timeline())
     tl.events[0].event.details_json = json.dumps({"file": HOSTILE, HOSTILE: HOSTILE})
-    status = {"node": HOSTILE, "state": HOSTILE, "paused": True,
-              "drain": {"reclaim_id": HOSTILE, "reason": HOSTILE, "phase": HOSTILE,
-                        "grace_in_s": 1.0, "deadline_in_s": 2.0},
-              "sources": [{"source": HOSTILE, "up": False, "error": HOSTILE}],
-              "at_risk": [{"reason": HOSTILE, "source": HOSTILE, "expires_at": 1.0}],
-              "workers": [{"worker_id": HOSTILE, "state": HOSTILE, "slots_in_use": 1,
-                           "capacity": 2}],
-              "rentals": [{"rental_id": HOSTILE}],
-              "jobs": [{"kind": HOSTILE, "worker_id": HOSTILE, "draining": True}]}
+    status = {
+        "node": HOSTILE,
+        "state": HOSTILE,
+        "paused": True,
+        "drain": {
+            "reclaim_id": HOSTILE,
+            "reason": HOSTILE,
+            "phase": HOSTILE,
+            "grace_in_s": 1.0,
+            "deadline_in_s": 2.0,
+        },
+        "sources": [{"source": HOSTILE, "up": False, "error": HOSTILE}],
+        "at_risk": [{"reason": HOSTILE, "source": HOSTILE, "expires_at": 1.0}],
+        "workers": [{"worker_id": HOSTILE, "state": HOSTILE, "slots_in_use": 1, "capacity": 2}],
+        "rentals": [{"rental_id": HOSTILE}],
+        "jobs": [{"kind": HOSTILE, "worker_id": HOSTILE, "draining": True}],
+    }
     outputs = {
         "timeline": spotctl.render_timeline(tl),
         "nodes": spotctl.render_nodes([hostile(pb.Node())], 0.0),
@@ -280,7 +354,8 @@ def test_every_table_spotctl_prints_escapes_every_field():
 def test_spotctl_follow_prints_new_events(pki, coordinator):
     follow = subprocess.Popen(
         [str(BIN / "spotctl"), *coordinator.cli_args(), "events", "--json", "--follow"],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         from spotdrain.v1 import spotdrain_pb2 as pb
@@ -290,9 +365,19 @@ def test_spotctl_follow_prints_new_events(pki, coordinator):
 
         def messages():
             yield pb.AgentMessage(register=pb.Register(node_id="node-a"))
-            yield pb.AgentMessage(events=pb.EventBatch(events=[pb.Event(
-                uid="late-1", kind="notice_invalid", node_id="node-a", wall_time=time.time(),
-                details_json='{"reason": "not JSON"}')]))
+            yield pb.AgentMessage(
+                events=pb.EventBatch(
+                    events=[
+                        pb.Event(
+                            uid="late-1",
+                            kind="notice_invalid",
+                            node_id="node-a",
+                            wall_time=time.time(),
+                            details_json='{"reason": "not JSON"}',
+                        )
+                    ]
+                )
+            )
 
         list(stub.Connect(messages(), timeout=5))
         line = json.loads(follow.stdout.readline())
@@ -329,8 +414,17 @@ def test_the_packaged_config_file_names_every_setting_and_parses(tmp_path):
 def test_spotctl_workers_start_and_list(coordinator):
     """An operator's placement goes through the gate: an unknown node is refused with the
     reason, and the list shows what the coordinator holds."""
-    refused = run("spotctl", *coordinator.cli_args(), "workers", "start", "node-x",
-                  "--model", "m", "--image", "img")
+    refused = run(
+        "spotctl",
+        *coordinator.cli_args(),
+        "workers",
+        "start",
+        "node-x",
+        "--model",
+        "m",
+        "--image",
+        "img",
+    )
     assert refused.returncode == 1
     assert "FAILED_PRECONDITION" in refused.stderr and "unknown_node" in refused.stderr
     listed = run("spotctl", *coordinator.cli_args(), "workers", "list", "--json")
@@ -348,14 +442,23 @@ def test_spotctl_status_without_an_agent_says_so(tmp_path):
 def test_spotctl_status_shows_rentals_and_jobs():
     from spotdrain.agent.spotctl.render import render_status
 
-    text = render_status({
-        "node": "node-a", "state": "draining", "paused": True,
-        "drain": {"reclaim_id": "rcl-1", "reason": "pause", "phase": "draining",
-                  "grace_in_s": 5.0, "deadline_in_s": 8.0},
-        "workers": [],
-        "rentals": [{"rental_id": "r-1", "container": "c", "reclaim_at": 1795990000.0}],
-        "jobs": [{"worker_id": "w-1", "kind": "render", "container": "c2", "draining": True}],
-    })
+    text = render_status(
+        {
+            "node": "node-a",
+            "state": "draining",
+            "paused": True,
+            "drain": {
+                "reclaim_id": "rcl-1",
+                "reason": "pause",
+                "phase": "draining",
+                "grace_in_s": 5.0,
+                "deadline_in_s": 8.0,
+            },
+            "workers": [],
+            "rentals": [{"rental_id": "r-1", "container": "c", "reclaim_at": 1795990000.0}],
+            "jobs": [{"worker_id": "w-1", "kind": "render", "container": "c2", "draining": True}],
+        }
+    )
     assert "rental r-1: running, reclaim at 2026-11-29T" in text
     assert "render job w-1: draining" in text
 
@@ -363,14 +466,26 @@ def test_spotctl_status_shows_rentals_and_jobs():
 def test_spotctl_status_names_a_broken_source_and_an_advisory():
     from spotdrain.agent.spotctl.render import render_status
 
-    text = render_status({
-        "node": "node-a", "state": "available", "paused": False, "drain": None,
-        "sources": [{"source": "file", "up": True, "error": "", "last_ok": 1795990000.0},
-                    {"source": "aws", "up": False, "error": "GET ...: no answer in 0.5 s",
-                     "last_ok": None}],
-        "at_risk": [{"key": "k", "source": "aws", "reason": "rebalance",
-                     "expires_at": 1795990000.0}],
-    })
+    text = render_status(
+        {
+            "node": "node-a",
+            "state": "available",
+            "paused": False,
+            "drain": None,
+            "sources": [
+                {"source": "file", "up": True, "error": "", "last_ok": 1795990000.0},
+                {
+                    "source": "aws",
+                    "up": False,
+                    "error": "GET ...: no answer in 0.5 s",
+                    "last_ok": None,
+                },
+            ],
+            "at_risk": [
+                {"key": "k", "source": "aws", "reason": "rebalance", "expires_at": 1795990000.0}
+            ],
+        }
+    )
     assert "notice source file: up, last read 2026-11-29T" in text
     assert "notice source aws: DOWN (GET ...: no answer in 0.5 s)" in text
     assert "at risk: rebalance from aws until 2026-11-29T" in text
@@ -379,11 +494,16 @@ def test_spotctl_status_names_a_broken_source_and_an_advisory():
 def test_the_readme_edits_are_a_whole_agent_config():
     """A packaged agent.toml with only the coordinator, the node id and the TLS files starts:
     the paths a packaged daemon needs have defaults that match the unit's directories."""
-    cfg = config.from_sources({}, {
-        "coordinator": "coordinator.example.internal:7443", "node_id": "gpu-host-17",
-        "tls_cert": "/etc/spotdrain/node.pem", "tls_key": "/etc/spotdrain/node.key",
-        "ca": "/etc/spotdrain/ca.pem",
-    })
+    cfg = config.from_sources(
+        {},
+        {
+            "coordinator": "coordinator.example.internal:7443",
+            "node_id": "gpu-host-17",
+            "tls_cert": "/etc/spotdrain/node.pem",
+            "tls_key": "/etc/spotdrain/node.key",
+            "ca": "/etc/spotdrain/ca.pem",
+        },
+    )
     assert cfg.notice_file == Path("/run/spotdrain/notice.json")
     assert cfg.state_dir == Path("/var/lib/spotdrain")
     assert cfg.docker_host == "unix:///run/docker.sock"
@@ -391,14 +511,17 @@ def test_the_readme_edits_are_a_whole_agent_config():
     assert "StateDirectory=spotdrain" in unit and "RuntimeDirectory=spotdrain" in unit
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--docker-call-timeout-s", "nan"], "--docker-call-timeout-s must be a finite number"),
-    (["--notice-poll-s", "inf"], "--notice-poll-s must be a finite number"),
-    (["--pause-notice-s", "nan"], "--pause-notice-s must be a finite number"),
-    (["--grace-s", "nan"], "--grace-s must be a finite number"),
-    (["--overrun-s=-inf"], "--overrun-s must be a finite number"),
-    (["--gate-port-offset", "inf"], "--gate-port-offset must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--docker-call-timeout-s", "nan"], "--docker-call-timeout-s must be a finite number"),
+        (["--notice-poll-s", "inf"], "--notice-poll-s must be a finite number"),
+        (["--pause-notice-s", "nan"], "--pause-notice-s must be a finite number"),
+        (["--grace-s", "nan"], "--grace-s must be a finite number"),
+        (["--overrun-s=-inf"], "--overrun-s must be a finite number"),
+        (["--gate-port-offset", "inf"], "--gate-port-offset must be a finite number"),
+    ],
+)
 def test_agent_nan_and_infinity_are_refused_at_start(args, message):
     """NaN never compares and infinity never fires: a deadline or timeout made of either would
     let a notice taint but never signal. One line, exit 2, before anything starts."""
@@ -410,27 +533,43 @@ def test_agent_nan_and_infinity_are_refused_at_start(args, message):
 
 def test_agent_margins_nan_in_the_file_and_a_non_utf8_file_are_one_line(tmp_path):
     nan = tmp_path / "nan.toml"
-    nan.write_text('coordinator = "c:1"\nnode_id = "n"\ninsecure = true\n'
-                   '[margins]\ngrace_s = nan\n')
+    nan.write_text(
+        'coordinator = "c:1"\nnode_id = "n"\ninsecure = true\n[margins]\ngrace_s = nan\n'
+    )
     latin = tmp_path / "latin.toml"
     latin.write_bytes(b'coordinator = "c:1"\nnode_id = "n\xe9"\n')
-    for path, message in ((nan, "margins.grace_s must be a finite number"),
-                          (latin, "not UTF-8 at byte")):
+    for path, message in (
+        (nan, "margins.grace_s must be a finite number"),
+        (latin, "not UTF-8 at byte"),
+    ):
         result = run("spotdrain-agent", "--config", str(path))
         assert result.returncode == 2, result.stderr
         [line] = result.stderr.strip().splitlines()
         assert message in line
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--heartbeat-ttl-s", "nan"], "argument --heartbeat-ttl-s: must be a finite number"),
-    (["--node-gone-s", "inf"], "argument --node-gone-s: must be a finite number"),
-    (["--start-timeout-s", "0"], "argument --start-timeout-s: must be a finite number between"),
-    (["--contract-budget", "1.5"], "argument --contract-budget: must be a finite number between"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--heartbeat-ttl-s", "nan"], "argument --heartbeat-ttl-s: must be a finite number"),
+        (["--node-gone-s", "inf"], "argument --node-gone-s: must be a finite number"),
+        (["--start-timeout-s", "0"], "argument --start-timeout-s: must be a finite number between"),
+        (
+            ["--contract-budget", "1.5"],
+            "argument --contract-budget: must be a finite number between",
+        ),
+    ],
+)
 def test_coordinator_nan_infinity_and_out_of_range_are_one_line(tmp_path, args, message):
-    result = run("spotdrain-coordinator", "--listen", "127.0.0.1:0", "--db",
-                 str(tmp_path / "c.sqlite"), "--insecure", *args)
+    result = run(
+        "spotdrain-coordinator",
+        "--listen",
+        "127.0.0.1:0",
+        "--db",
+        str(tmp_path / "c.sqlite"),
+        "--insecure",
+        *args,
+    )
     assert result.returncode == 2
     errors = [ln for ln in result.stderr.splitlines() if ": error: " in ln]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in result.stderr
@@ -444,8 +583,14 @@ def test_coordinator_on_a_port_in_use_is_one_line_and_exit_2(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = run("spotdrain-coordinator", "--listen", f"127.0.0.1:{port}", "--db",
-                     str(tmp_path / "c.sqlite"), "--insecure")
+        result = run(
+            "spotdrain-coordinator",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--db",
+            str(tmp_path / "c.sqlite"),
+            "--insecure",
+        )
     assert result.returncode == 2
     assert f"error: cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr

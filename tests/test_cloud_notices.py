@@ -25,15 +25,23 @@ pytestmark = pytest.mark.docker
 
 def aws_options(tmp_path, node: str, imds: AwsImds, ttl_s: float = 1800) -> AgentOptions:
     toml = tmp_path / f"{node}.toml"
-    toml.write_text(f'[sources.aws]\nendpoint = "{imds.url}"\npoll_s = 0.2\n'
-                    f'[advisory]\naction = "prepare"\nttl_s = {ttl_s}\n')
-    return AgentOptions(grace_s=4.0, overrun_s=1.0, default_notice_s=20.0,
-                        extra=["--config", str(toml), "--sources", "file,aws"])
+    toml.write_text(
+        f'[sources.aws]\nendpoint = "{imds.url}"\npoll_s = 0.2\n'
+        f'[advisory]\naction = "prepare"\nttl_s = {ttl_s}\n'
+    )
+    return AgentOptions(
+        grace_s=4.0,
+        overrun_s=1.0,
+        default_notice_s=20.0,
+        extra=["--config", str(toml), "--sources", "file,aws"],
+    )
 
 
 def worker_states(admin) -> dict[str, tuple[str, str]]:
-    return {w.worker_id: (w.node_id, w.state)
-            for w in admin.ListWorkers(pb.ListWorkersRequest(), timeout=10).workers}
+    return {
+        w.worker_id: (w.node_id, w.state)
+        for w in admin.ListWorkers(pb.ListWorkersRequest(), timeout=10).workers
+    }
 
 
 def test_a_rebalance_recommendation_prepares_and_the_notice_after_it_drains(
@@ -45,11 +53,27 @@ def test_a_rebalance_recommendation_prepares_and_the_notice_after_it_drains(
     router's view never has fewer than two ready workers."""
     image = ensure_model_image(docker_engine.client)
     imds = AwsImds()
-    agents = {"node-a": start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus,
-                                    nvml_lib, aws_options(tmp_path, "node-a", imds))}
+    agents = {
+        "node-a": start_agent(
+            tmp_path,
+            "node-a",
+            coordinator,
+            docker_engine.host,
+            gpus,
+            nvml_lib,
+            aws_options(tmp_path, "node-a", imds),
+        )
+    }
     for n in ("node-b", "node-c"):
-        agents[n] = start_agent(tmp_path, n, coordinator, docker_engine.host, gpus, nvml_lib,
-                                AgentOptions(grace_s=4.0, overrun_s=1.0))
+        agents[n] = start_agent(
+            tmp_path,
+            n,
+            coordinator,
+            docker_engine.host,
+            gpus,
+            nvml_lib,
+            AgentOptions(grace_s=4.0, overrun_s=1.0),
+        )
     admin = pb_grpc.AdminStub(coordinator.channel())
     events = coordinator.admin()
     watcher = None
@@ -62,14 +86,20 @@ def test_a_rebalance_recommendation_prepares_and_the_notice_after_it_drains(
         imds.set_rebalance(iso_utc())
         advised = events.wait_for("advisory_received", node="node-a", timeout=10)
         assert (advised["source"], advised["reason"], advised["action"]) == (
-            "aws", "rebalance", "prepare")
+            "aws",
+            "rebalance",
+            "prepare",
+        )
         replacement = events.wait_for("worker_starting", node="node-c", timeout=20)
         assert replacement["wall_time"] >= advised["wall_time"]
         wait_state(coordinator, replacement["worker_id"], "ready", timeout=90)
         assert worker_states(admin)[first["worker_id"]] == ("node-a", "ready")
         assert spotctl(agents["node-a"], "status")["state"] == "available"
-        assert not [e for e in events.events("node-a") if e["kind"] in (
-            "worker_draining", "tainted", "sigterm_sent")]
+        assert not [
+            e
+            for e in events.events("node-a")
+            if e["kind"] in ("worker_draining", "tainted", "sigterm_sent")
+        ]
 
         time.sleep(5)  # the scenario's own pause between the warning and the notice
         deadline = int(time.time()) + 20  # AWS gives whole seconds
@@ -92,8 +122,15 @@ def test_an_advisory_alone_is_lifted_at_its_ttl_and_the_node_takes_work_again(
     tmp_path, docker_engine, coordinator, gpus, nvml_lib
 ):
     imds = AwsImds()
-    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        aws_options(tmp_path, "node-a", imds, ttl_s=3))
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        aws_options(tmp_path, "node-a", imds, ttl_s=3),
+    )
     admin = pb_grpc.AdminStub(coordinator.channel())
     events = coordinator.admin()
     try:
@@ -101,8 +138,9 @@ def test_an_advisory_alone_is_lifted_at_its_ttl_and_the_node_takes_work_again(
         imds.set_rebalance(iso_utc())
         events.wait_for("advisory_received", node="node-a", timeout=10)
         with pytest.raises(Exception, match="at_risk"):
-            admin.StartWorker(pb.StartWorkerRequest(node_id="node-a", model="m", image="img",
-                                                    slots=1), timeout=10)
+            admin.StartWorker(
+                pb.StartWorkerRequest(node_id="node-a", model="m", image="img", slots=1), timeout=10
+            )
         assert spotctl(agent, "status")["at_risk"][0]["reason"] == "rebalance"
         lifted = events.wait_for("advisory_lifted", node="node-a", timeout=15)
         assert lifted["why"] == "ttl"
@@ -118,8 +156,9 @@ def test_an_advisory_alone_is_lifted_at_its_ttl_and_the_node_takes_work_again(
 
 def _admitted(admin) -> bool:
     try:
-        admin.StartWorker(pb.StartWorkerRequest(node_id="node-a", model="m", image="img",
-                                                slots=1), timeout=10)
+        admin.StartWorker(
+            pb.StartWorkerRequest(node_id="node-a", model="m", image="img", slots=1), timeout=10
+        )
         return True
     except Exception as e:  # noqa: BLE001 - the refusal until the node is open again
         assert "at_risk" in str(e)
@@ -130,14 +169,23 @@ def test_a_broken_source_is_reported_and_a_malformed_notice_taints_nothing(
     tmp_path, docker_engine, coordinator, gpus, nvml_lib
 ):
     imds = AwsImds()
-    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        aws_options(tmp_path, "node-a", imds))
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        aws_options(tmp_path, "node-a", imds),
+    )
     events = coordinator.admin()
     try:
         wait_until(lambda: any(n.connected for n in events.nodes()), 20, "node-a")
         status = spotctl(agent, "status")
-        assert [(s["source"], s["up"]) for s in status["sources"]] == [("file", True),
-                                                                       ("aws", True)]
+        assert [(s["source"], s["up"]) for s in status["sources"]] == [
+            ("file", True),
+            ("aws", True),
+        ]
         imds.refuse()
         down = events.wait_for("notice_source_down", node="node-a", timeout=15)
         assert down["source"] == "aws" and "instance-action" in down["error"]
@@ -151,8 +199,9 @@ def test_a_broken_source_is_reported_and_a_malformed_notice_taints_nothing(
         invalid = events.wait_for("notice_invalid", node="node-a", timeout=10)
         assert "sha256:" in invalid["content_hash"]
         assert spotctl(agent, "status")["state"] == "available"
-        assert not [e for e in events.events("node-a") if e["kind"] in (
-            "notice_received", "tainted")]
+        assert not [
+            e for e in events.events("node-a") if e["kind"] in ("notice_received", "tainted")
+        ]
     finally:
         imds.close()
         agent.proc.stop()
@@ -161,8 +210,12 @@ def test_a_broken_source_is_reported_and_a_malformed_notice_taints_nothing(
 def azure_options(tmp_path, node: str, server: AzureMetadata) -> AgentOptions:
     toml = tmp_path / f"{node}.toml"
     toml.write_text(f'[sources.azure]\nendpoint = "{server.url}"\npoll_s = 0.2\n')
-    return AgentOptions(grace_s=4.0, overrun_s=1.0, default_notice_s=20.0,
-                        extra=["--config", str(toml), "--sources", "file,azure"])
+    return AgentOptions(
+        grace_s=4.0,
+        overrun_s=1.0,
+        default_notice_s=20.0,
+        extra=["--config", str(toml), "--sources", "file,azure"],
+    )
 
 
 def taints(events, node: str) -> list:
@@ -178,14 +231,30 @@ def test_a_terminate_removed_early_from_an_empty_node_lifts_its_taint(
     stopped under it, so the taint is lifted, the timeline says lifted, and the node is
     available again."""
     server = AzureMetadata(vm_name="node-a")
-    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        azure_options(tmp_path, "node-a", server))
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        azure_options(tmp_path, "node-a", server),
+    )
     events = coordinator.admin()
     try:
         wait_until(lambda: any(n.connected for n in events.nodes()), 20, "node-a")
         not_before = int(time.time()) + 120
-        server.set_events([azure_event("T-1", event_type="Terminate", resources=["node-a"],
-                                       not_before=not_before, date_style="iso")])
+        server.set_events(
+            [
+                azure_event(
+                    "T-1",
+                    event_type="Terminate",
+                    resources=["node-a"],
+                    not_before=not_before,
+                    date_style="iso",
+                )
+            ]
+        )
         notice = events.wait_for("notice_received", node="node-a", timeout=15)
         assert (notice["source"], notice["terminate_at"]) == ("azure", not_before)
         events.wait_for("drained", node="node-a", timeout=15)
@@ -208,24 +277,39 @@ def test_a_terminate_removed_after_a_job_was_stopped_keeps_the_taint(
     """A job runs on node-a when the Terminate comes: it gets its SIGTERM and leaves, and the
     node is drained. Then the platform removes the event early. Something was stopped under
     the notice, so the cancel is recorded and the taint stays."""
-    run_workload(docker_engine.client, name=containers + "job", node_id="node-a",
-                 kind="exits_on_term")
+    run_workload(
+        docker_engine.client, name=containers + "job", node_id="node-a", kind="exits_on_term"
+    )
     server = AzureMetadata(vm_name="node-a")
-    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        azure_options(tmp_path, "node-a", server))
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        azure_options(tmp_path, "node-a", server),
+    )
     events = coordinator.admin()
     try:
         wait_until(lambda: any(n.connected for n in events.nodes()), 20, "node-a")
-        server.set_events([azure_event("T-2", event_type="Terminate", resources=["node-a"],
-                                       not_before=time.time() + 120)])
+        server.set_events(
+            [
+                azure_event(
+                    "T-2",
+                    event_type="Terminate",
+                    resources=["node-a"],
+                    not_before=time.time() + 120,
+                )
+            ]
+        )
         events.wait_for("sigterm_sent", node="node-a", timeout=15)
         events.wait_for("drained", node="node-a", timeout=15)
         server.set_events([])
         cancelled = events.wait_for("notice_cancelled", node="node-a", timeout=15)
         assert cancelled["lifted"] is False and cancelled["outcome"] == "drained"
         # Barrier: a later notice's record, stored after the cancel, with the taint still on.
-        agent.write_notice({"id": "later", "action": "terminate",
-                            "terminate_at": time.time() + 60})
+        agent.write_notice({"id": "later", "action": "terminate", "terminate_at": time.time() + 60})
         events.wait_for("notice_received", node="node-a", notice_id="later", timeout=15)
         assert cancelled["reclaim_id"] in {t.reclaim_id for t in taints(events, "node-a")}
     finally:
@@ -245,9 +329,20 @@ def test_a_preemption_from_something_that_is_not_the_metadata_server_opens_nothi
     server.impostor()
     toml = tmp_path / "node-a.toml"
     toml.write_text(f'[sources.gcp]\nendpoint = "{server.url}"\n')
-    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        AgentOptions(grace_s=4.0, overrun_s=1.0, default_notice_s=20.0,
-                                     extra=["--config", str(toml), "--sources", "file,gcp"]))
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        AgentOptions(
+            grace_s=4.0,
+            overrun_s=1.0,
+            default_notice_s=20.0,
+            extra=["--config", str(toml), "--sources", "file,gcp"],
+        ),
+    )
     events = coordinator.admin()
     try:
         down = events.wait_for("notice_source_down", node="node-a", timeout=20)

@@ -28,8 +28,13 @@ EVENTS = "/metadata/scheduledevents?api-version=2020-07-01"
 PREEMPTED = "/computeMetadata/v1/instance/preempted"
 
 
-def call(url: str, method: str = "GET", headers: dict | None = None, data: bytes | None = None,
-         timeout: float = 10) -> tuple[int, dict, bytes]:
+def call(
+    url: str,
+    method: str = "GET",
+    headers: dict | None = None,
+    data: bytes | None = None,
+    timeout: float = 10,
+) -> tuple[int, dict, bytes]:
     """(status, headers, body); an HTTP error status is an answer, not an exception."""
     request = urllib.request.Request(url, data=data, method=method, headers=headers or {})
     try:
@@ -102,8 +107,11 @@ def test_aws_fail_token_put_fails_the_next_n_puts_only():
     with AwsImds() as aws:
         held = token(aws)
         aws.fail_token_put(2, status=503)
-        assert [call(aws.url + cloudmeta.TOKEN_PATH, "PUT", {TTL: "60"})[0]
-                for _ in range(3)] == [503, 503, 200]
+        assert [call(aws.url + cloudmeta.TOKEN_PATH, "PUT", {TTL: "60"})[0] for _ in range(3)] == [
+            503,
+            503,
+            200,
+        ]
         aws.fail_token_put(1)  # default: 403, "not allowed / turned off"
         assert call(aws.url + cloudmeta.TOKEN_PATH, "PUT", {TTL: "60"})[0] == 403
         assert aws_get(aws, "instance-id", held)[0] == 200  # tokens already held still work
@@ -149,8 +157,7 @@ def test_aws_re_stamps_time_and_notice_time_on_every_read_when_told():
         tok = token(aws)
         aws.set_instance_action("terminate", restamp_in_s=120)
         aws.set_rebalance(restamp=True)
-        times = [json.loads(aws_get(aws, "spot/instance-action", tok)[2])["time"]
-                 for _ in range(2)]  # fmt: skip
+        times = [json.loads(aws_get(aws, "spot/instance-action", tok)[2])["time"] for _ in range(2)]
         assert times == [cloudmeta.iso_utc(1_800_000_120), cloudmeta.iso_utc(1_800_000_121)]
         notice = json.loads(aws_get(aws, "events/recommendations/rebalance", tok)[2])
         assert notice == {"noticeTime": cloudmeta.iso_utc(1_800_000_002)}
@@ -166,8 +173,12 @@ def test_a_paced_answer_arrives_whole_and_late(how):
         if how == "trickle":
             aws.trickle_next(1, path="/latest/meta-data/spot/instance-action", every_s=0.01)
         else:
-            aws.split_next(1, path="/latest/meta-data/spot/instance-action", gap_s=0.15,
-                           chunked=how == "chunked")  # fmt: skip
+            aws.split_next(
+                1,
+                path="/latest/meta-data/spot/instance-action",
+                gap_s=0.15,
+                chunked=how == "chunked",
+            )
         started = time.monotonic()
         status, headers, body = aws_get(aws, "spot/instance-action", tok)
         took = time.monotonic() - started
@@ -184,8 +195,14 @@ def test_aws_scheduled_maintenance_is_a_json_list():
         event = cloudmeta.aws_maintenance_event("instance-stop", event_id="instance-event-1")
         aws.set_maintenance([event])
         [got] = json.loads(aws_get(aws, "events/maintenance/scheduled", tok)[2])
-        assert got == event and set(got) == {"Code", "EventId", "NotBefore", "NotAfter",
-                                             "State", "Description"}
+        assert got == event and set(got) == {
+            "Code",
+            "EventId",
+            "NotBefore",
+            "NotAfter",
+            "State",
+            "Description",
+        }
         assert re.fullmatch(r"\d\d [A-Z][a-z]{2} \d{4} \d\d:\d\d:\d\d GMT", got["NotBefore"])
 
 
@@ -298,8 +315,7 @@ def test_gce_refuse_resets_a_hanging_get_and_close_answers_one(pool):
     gce.accept()
     answered = pool.submit(call, url, headers=GOOGLE)
     # the reset GET was never answered (status None); wait for the second one to arrive
-    gce.wait_seen(lambda s: s.status is None and s.query.get("wait_for_change") == "true",
-                  count=2)
+    gce.wait_seen(lambda s: s.status is None and s.query.get("wait_for_change") == "true", count=2)
     gce.close()
     assert answered.result(10)[:1] == (200,)
 
@@ -311,8 +327,9 @@ async def test_gce_from_an_async_test_hang_and_change():
             params = {"wait_for_change": "true", "last_etag": gce.etag("preempted")}
 
             async def hang() -> tuple[str, str]:
-                async with session.get(gce.url + PREEMPTED, headers=GOOGLE,
-                                       params=params) as response:
+                async with session.get(
+                    gce.url + PREEMPTED, headers=GOOGLE, params=params
+                ) as response:
                     return await response.text(), response.headers["ETag"]
 
             task = asyncio.create_task(hang())
@@ -349,11 +366,20 @@ def test_azure_document_and_incarnation():
         azure.set_events([event])
         doc = json.loads(call(azure.url + EVENTS, headers=AZURE)[2])
         assert doc == {"DocumentIncarnation": 2, "Events": [event]}
-        assert set(event) == {"EventId", "EventType", "ResourceType", "Resources",
-                              "EventStatus", "NotBefore", "Description", "EventSource",
-                              "DurationInSeconds"}
-        assert re.fullmatch(r"[A-Z][a-z]{2}, \d\d [A-Z][a-z]{2} \d{4} \d\d:\d\d:\d\d GMT",
-                            event["NotBefore"])
+        assert set(event) == {
+            "EventId",
+            "EventType",
+            "ResourceType",
+            "Resources",
+            "EventStatus",
+            "NotBefore",
+            "Description",
+            "EventSource",
+            "DurationInSeconds",
+        }
+        assert re.fullmatch(
+            r"[A-Z][a-z]{2}, \d\d [A-Z][a-z]{2} \d{4} \d\d:\d\d:\d\d GMT", event["NotBefore"]
+        )
         azure.set_events([dict(event)])  # the same list: the incarnation stays
         assert json.loads(call(azure.url + EVENTS, headers=AZURE)[2])["DocumentIncarnation"] == 2
         azure.bump_incarnation()  # moves without a change to this VM's events
@@ -397,8 +423,12 @@ def test_azure_post_start_requests_acknowledges_and_starts_the_event():
         assert second["EventStatus"] == "Scheduled"
         [post] = azure.wait_seen(lambda s: s.method == "POST")
         assert json.loads(post.body) == {"StartRequests": [{"EventId": "E1"}]}
-        for bad in (b"{", b"{}", b'{"StartRequests": [{"Id": "E1"}]}',
-                    b'{"StartRequests": [{"EventId": "nope"}]}'):
+        for bad in (
+            b"{",
+            b"{}",
+            b'{"StartRequests": [{"Id": "E1"}]}',
+            b'{"StartRequests": [{"EventId": "nope"}]}',
+        ):
             assert call(azure.url + EVENTS, "POST", AZURE, bad)[0] == 400, bad
         assert call(azure.url + EVENTS, "POST", {}, body)[0] == 400  # header still required
         assert azure.acknowledged == ["E1"]
@@ -418,8 +448,9 @@ def test_azure_compute_name_tells_this_vm():
         status, headers, body = call(azure.url + name + "&format=text", headers=AZURE)
         assert (status, body) == (200, b"vm-a") and headers["Content-Type"].startswith("text/")
         assert call(azure.url + name, headers=AZURE)[0] == 400  # a leaf needs format=text
-        assert call(azure.url + "/metadata/instance/compute/name?format=text",
-                    headers=AZURE)[0] == 400  # api-version is mandatory here too
+        assert (
+            call(azure.url + "/metadata/instance/compute/name?format=text", headers=AZURE)[0] == 400
+        )  # api-version is mandatory here too
         assert call(azure.url + name + "&format=text")[0] == 400
         compute = "/metadata/instance/compute?api-version=2021-02-01"
         assert json.loads(call(azure.url + compute, headers=AZURE)[2])["name"] == "vm-a"
@@ -433,8 +464,7 @@ def test_azure_compute_name_tells_this_vm():
 
 
 def _aws_read(aws: AwsImds) -> tuple[str, dict]:
-    return "/latest/meta-data/events/maintenance/scheduled", {
-        cloudmeta.TOKEN_HEADER: token(aws)}
+    return "/latest/meta-data/events/maintenance/scheduled", {cloudmeta.TOKEN_HEADER: token(aws)}
 
 
 READS = {
@@ -500,8 +530,9 @@ def test_the_log_records_what_the_client_sent(cls):
 @pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])
 def test_cli_serves_one_emulator_until_killed(cloud):
     script = Path(__file__).with_name("cloudmeta.py")
-    with subprocess.Popen([sys.executable, str(script), cloud, "--port", "0"],
-                          stdout=subprocess.PIPE, text=True) as proc:
+    with subprocess.Popen(
+        [sys.executable, str(script), cloud, "--port", "0"], stdout=subprocess.PIPE, text=True
+    ) as proc:
         try:
             url = proc.stdout.readline().strip()
             assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url)
@@ -517,21 +548,29 @@ def test_cli_control_channel_calls_setters_and_stamps_the_change_on_the_wall_clo
     the time.time() at which the change became visible; private names and mistakes are
     answered with an error, not fatal; end of input stops it."""
     script = Path(__file__).with_name("cloudmeta.py")
-    with subprocess.Popen([sys.executable, str(script), "gcp", "--control"],
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as proc:
+    with subprocess.Popen(
+        [sys.executable, str(script), "gcp", "--control"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as proc:
+
         def ask(request: dict) -> dict:
             proc.stdin.write(json.dumps(request) + "\n")
             proc.stdin.flush()
             return json.loads(proc.stdout.readline())
 
         url = proc.stdout.readline().strip()
-        assert ask({"call": "value", "args": ["preempted"]}) == {"result": "FALSE",
-                                                               "changed_wall": None}
+        assert ask({"call": "value", "args": ["preempted"]}) == {
+            "result": "FALSE",
+            "changed_wall": None,
+        }
         before = time.time()
         answer = ask({"call": "set_preempted", "args": [True]})
         assert answer["result"] is None and before <= answer["changed_wall"] <= time.time()
-        status, _, body = call(url + "/computeMetadata/v1/instance/preempted",
-                               headers={"Metadata-Flavor": "Google"})
+        status, _, body = call(
+            url + "/computeMetadata/v1/instance/preempted", headers={"Metadata-Flavor": "Google"}
+        )
         assert (status, body) == (200, b"TRUE")
         assert ask({"call": "hanging"})["result"] == 0
         assert [s["status"] for s in ask({"call": "seen"})["result"]] == [200]

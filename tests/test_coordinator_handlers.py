@@ -43,7 +43,8 @@ async def test_the_sqlite_store_is_wal_and_versioned(tmp_path):
     db = sqlite3.connect(path)
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(
-        SCHEMA_VERSION)
+        SCHEMA_VERSION
+    )
     db.close()
 
 
@@ -86,8 +87,7 @@ def test_the_record_keeps_the_earliest_d_the_agent_heard():
     fold(rec, "notice_received", 5.0, {"terminate_at": 305.0, "grace_deadline": 295.0})
     fold(rec, "notice_updated", 6.0, {"terminate_at": 305.0, "moved": False})
     assert rec["terminate_at"] == 305.0
-    fold(rec, "notice_updated", 7.0, {"terminate_at": 65.0, "grace_deadline": 55.0,
-                                      "moved": True})  # fmt: skip
+    fold(rec, "notice_updated", 7.0, {"terminate_at": 65.0, "grace_deadline": 55.0, "moved": True})
     assert (rec["terminate_at"], rec["grace_deadline"]) == (65.0, 55.0)
 
 
@@ -122,12 +122,15 @@ async def test_taint_handler_checks_the_certificate(store, clock):
     ok = FakeContext("node:node-a")
     reply = await servicer.Taint(pb.TaintRequest(node_id="node-a", reclaim_id="rcl-9"), ok)
     assert [t.reclaim_id for t in reply.taints] == ["rcl-9"] and reply.taints[0].since == 1000.0
-    for cn, code in [("node:node-b", grpc.StatusCode.PERMISSION_DENIED),
-                     ("operator:alice", grpc.StatusCode.PERMISSION_DENIED),
-                     ("gibberish", grpc.StatusCode.UNAUTHENTICATED)]:
+    for cn, code in [
+        ("node:node-b", grpc.StatusCode.PERMISSION_DENIED),
+        ("operator:alice", grpc.StatusCode.PERMISSION_DENIED),
+        ("gibberish", grpc.StatusCode.UNAUTHENTICATED),
+    ]:
         ctx = FakeContext(cn)
-        assert await servicer.Taint(
-            pb.TaintRequest(node_id="node-a", reclaim_id="rcl-8"), ctx) is None  # fmt: skip
+        assert (
+            await servicer.Taint(pb.TaintRequest(node_id="node-a", reclaim_id="rcl-8"), ctx) is None
+        )
         assert ctx.ended[0] == code, cn
     assert [t.reclaim_id for t in await store.taints("node-a")] == ["rcl-9"]
     refused = [e for e in await store.events_after(0) if e.kind == "identity_refused"]
@@ -147,8 +150,12 @@ async def test_a_taint_with_deadlines_that_are_not_numbers_changes_nothing(store
     servicer = AgentLinkServicer(Coordinator(store, insecure=False, clock=clock))
     for bad in (float("nan"), float("inf")):
         ctx = FakeContext("node:node-a")
-        assert await servicer.Taint(pb.TaintRequest(
-            node_id="node-a", reclaim_id="rcl-1", terminate_at=bad), ctx) is None
+        assert (
+            await servicer.Taint(
+                pb.TaintRequest(node_id="node-a", reclaim_id="rcl-1", terminate_at=bad), ctx
+            )
+            is None
+        )
         assert ctx.ended[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert await store.taints("node-a") == [] and await store.active_drains() == []
 
@@ -158,8 +165,13 @@ async def test_a_taint_is_answered_only_once_it_is_stored(store, clock):
     and a retry of the same reclamation keeps the first deadlines (invariant 2)."""
     coord = Coordinator(store, insecure=False, clock=clock)
     servicer = AgentLinkServicer(coord)
-    request = pb.TaintRequest(node_id="node-a", reclaim_id="rcl-1", reason="notice",
-                              terminate_at=1120.0, grace_deadline=1110.0)
+    request = pb.TaintRequest(
+        node_id="node-a",
+        reclaim_id="rcl-1",
+        reason="notice",
+        terminate_at=1120.0,
+        grace_deadline=1110.0,
+    )
     await servicer.Taint(request, FakeContext("node:node-a"))
     [drain] = await store.active_drains("node-a")
     assert (drain.terminate_at, drain.grace_deadline) == (1120.0, 1110.0)
@@ -186,8 +198,13 @@ async def test_a_taint_whose_transaction_rolled_back_is_stored_by_its_retry(stor
         raise StoreUnavailable("database gone mid-transaction")
 
     rentals.reclaim = failing_once
-    request = pb.TaintRequest(node_id="node-a", reclaim_id="rcl-1", reason="notice",
-                              terminate_at=1120.0, grace_deadline=1110.0)
+    request = pb.TaintRequest(
+        node_id="node-a",
+        reclaim_id="rcl-1",
+        reason="notice",
+        terminate_at=1120.0,
+        grace_deadline=1110.0,
+    )
     ctx = FakeContext("node:node-a")
     assert await servicer.Taint(request, ctx) is None
     assert ctx.ended[0] == grpc.StatusCode.UNAVAILABLE
@@ -209,8 +226,9 @@ async def test_a_command_reaches_its_agent_only_once_what_led_to_it_is_stored(st
     fleet = Coordinator(store, insecure=True, clock=clock).fleet
     stream: asyncio.Queue = asyncio.Queue()
     fleet.nodes.streams["node-a"] = stream
-    start = msg.StartWorker(worker_id="w-1", model="m", image="img", port=9000, capacity=1,
-                            kind="inference")
+    start = msg.StartWorker(
+        worker_id="w-1", model="m", image="img", port=9000, capacity=1, kind="inference"
+    )
     with pytest.raises(RuntimeError, match="the write failed"):
         async with store.transaction():
             fleet.send("node-a", start)
@@ -240,9 +258,18 @@ async def test_a_failing_reaction_still_acknowledges_the_stored_batch(store, clo
         raise RuntimeError("the risk table is gone")
 
     log.react({"advisory_received": broken})
-    batch = [NewEvent(uid=f"u-{i}", kind=kind, node_id="node-a", reclaim_id="", wall_time=1.0,
-                      t_offset_s=None, details={})
-             for i, kind in enumerate(("advisory_received", "notice_source_down"))]
+    batch = [
+        NewEvent(
+            uid=f"u-{i}",
+            kind=kind,
+            node_id="node-a",
+            reclaim_id="",
+            wall_time=1.0,
+            t_offset_s=None,
+            details={},
+        )
+        for i, kind in enumerate(("advisory_received", "notice_source_down"))
+    ]
     assert await log.accept(batch) == ["u-0", "u-1"]
     assert seen == ["u-0"]
     assert [e.uid for e in await store.events_after(0)] == ["u-0", "u-1"]
@@ -297,6 +324,7 @@ async def test_a_node_reconnecting_with_no_rental_reads_no_rentals(store, clock)
 
     fleet = Coordinator(store, insecure=True, clock=clock).fleet
     gpus = ({"index": 0, "uuid": "GPU-1", "name": "H200", "memory_mib": 143771},)
+
     def reg(node: str) -> msg.Registration:
         return msg.Registration(node, False, "g", "aws", gpus)
 

@@ -16,8 +16,10 @@ from spotdrain.v1 import spotdrain_pb2 as pb
 
 
 async def details(ops: Ops, kind: str) -> list[dict]:
-    return [{**json.loads(e.event.details_json), "_node": e.event.node_id,
-             "_time": e.event.wall_time} for e in await ops.events(kind)]
+    return [
+        {**json.loads(e.event.details_json), "_node": e.event.node_id, "_time": e.event.wall_time}
+        for e in await ops.events(kind)
+    ]
 
 
 def restart(coordinator, tmp_path, pki, extra=()):
@@ -49,10 +51,21 @@ async def test_a_resumed_nodes_draining_worker_is_replaced_after_a_coordinator_c
         coordinator = restart(coordinator, tmp_path, pki)
         node = FakeNode(coordinator, pki, "node-a")
         ops = Ops(coordinator)
-        await node.connect(running=[pb.WorkerReport(
-            worker_id=info.worker_id, state="started", gate_address="127.0.0.1:1", capacity=1)])
-        await node.outgoing.put(pb.AgentMessage(worker=pb.WorkerReport(
-            worker_id=info.worker_id, state="stopped", exit_code=0)))
+        await node.connect(
+            running=[
+                pb.WorkerReport(
+                    worker_id=info.worker_id,
+                    state="started",
+                    gate_address="127.0.0.1:1",
+                    capacity=1,
+                )
+            ]
+        )
+        await node.outgoing.put(
+            pb.AgentMessage(
+                worker=pb.WorkerReport(worker_id=info.worker_id, state="stopped", exit_code=0)
+            )
+        )
         start = await node.next_of("start_worker")
         assert start.start_worker.model == "m"
         starting = await details(ops, "worker_starting")
@@ -72,11 +85,17 @@ async def test_a_models_start_backoff_survives_a_coordinator_crash(tmp_path, pki
     ops = Ops(coordinator)
     try:
         await node.connect()
-        await ops.admin.SetModelReplicas(pb.SetModelReplicasRequest(
-            model="bad", replicas=1, image="no-such-image", slots=1))
+        await ops.admin.SetModelReplicas(
+            pb.SetModelReplicasRequest(model="bad", replicas=1, image="no-such-image", slots=1)
+        )
         start = await node.next_of("start_worker")
-        await node.outgoing.put(pb.AgentMessage(worker=pb.WorkerReport(
-            worker_id=start.start_worker.worker_id, state="refused", reason="no such image")))
+        await node.outgoing.put(
+            pb.AgentMessage(
+                worker=pb.WorkerReport(
+                    worker_id=start.start_worker.worker_id, state="refused", reason="no such image"
+                )
+            )
+        )
         [failed] = await eventually(lambda: details(ops, "capacity_start_failed"), bool)
         retry_at = failed["_time"] + failed["retry_in_s"]
         await ops.channel.close()
@@ -122,12 +141,18 @@ async def test_a_restart_gives_every_node_a_full_heartbeat_ttl(tmp_path, pki, co
         port = int(coordinator.address.rsplit(":", 1)[1])
         coordinator.proc.kill()
         await asyncio.sleep(4)  # past every worker's expiry as the dead coordinator knew it
-        coordinator = start_coordinator(tmp_path / "c", tls=pki, db=coordinator.db, port=port,
-                                        extra=ttl)
+        coordinator = start_coordinator(
+            tmp_path / "c", tls=pki, db=coordinator.db, port=port, extra=ttl
+        )
         a = FakeNode(coordinator, pki, "node-a")
         ops = Ops(coordinator)
-        await a.connect(running=[pb.WorkerReport(
-            worker_id=wa, state="started", gate_address="127.0.0.1:1", capacity=1)])
+        await a.connect(
+            running=[
+                pb.WorkerReport(
+                    worker_id=wa, state="started", gate_address="127.0.0.1:1", capacity=1
+                )
+            ]
+        )
         await a.heartbeat(wa)
         started = time.monotonic()
         missing = await eventually(lambda: details(ops, "worker_missing"), bool, timeout=20)

@@ -45,18 +45,29 @@ def test_an_operator_watches_a_notice_drain_a_rented_node(
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
     coordinator = start_coordinator(
-        tmp_path / "coordinator", tls=pki,
+        tmp_path / "coordinator",
+        tls=pki,
         extra=("--dashboard-listen", "127.0.0.1:0", "--dashboard-token-file", str(token_file)),
-    )  # fmt: skip
+    )
     url = re.search(r"dashboard on (http://\S+)/", coordinator.proc.log()).group(1)
     client = docker_engine.client
-    run_workload(client, name=containers + "ckpt", node_id="node-a", kind="checkpoints",
-                 env={"CHECKPOINT_S": "2"})  # fmt: skip
+    run_workload(
+        client,
+        name=containers + "ckpt",
+        node_id="node-a",
+        kind="checkpoints",
+        env={"CHECKPOINT_S": "2"},
+    )
     run_workload(client, name=containers + "stubborn", node_id="node-a", kind="ignores_term")
     agent = start_agent(
-        tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
         AgentOptions(grace_s=4.0, overrun_s=1.0, extra=["--spot", "true"]),
-    )  # fmt: skip
+    )
     admin = coordinator.admin()
     renter = pb_grpc.RentalsStub(coordinator.channel(pki.issue("renter:alice")))
     rental_id = ""
@@ -66,8 +77,11 @@ def test_an_operator_watches_a_notice_drain_a_rented_node(
         rental_id = renter.CreateRental(
             pb.CreateRentalRequest(node_id="node-a", image=rental_image)
         ).rental_id
-        wait_until(lambda: renter.GetRental(pb.GetRentalRequest(rental_id=rental_id)).state
-                   == "running", 30, "the rental to run")  # fmt: skip
+        wait_until(
+            lambda: renter.GetRental(pb.GetRentalRequest(rental_id=rental_id)).state == "running",
+            30,
+            "the rental to run",
+        )
 
         # Read-only without a credential: the fleet shows; an action is refused, nothing moves.
         page.goto(f"{url}/")
@@ -98,8 +112,14 @@ def test_an_operator_watches_a_notice_drain_a_rented_node(
         page.screenshot(path=str(shots / "fleet-spot-refused.png"), full_page=True)
 
         # The notice; the reclamation's page opened while it runs.
-        agent.write_notice({"id": "i-dash-1", "action": "terminate",
-                            "terminate_at": time.time() + 10, "source": "aws-imds"})  # fmt: skip
+        agent.write_notice(
+            {
+                "id": "i-dash-1",
+                "action": "terminate",
+                "terminate_at": time.time() + 10,
+                "source": "aws-imds",
+            }
+        )
         reclaim_id = admin.wait_for("notice_received", node="node-a", timeout=10)["reclaim_id"]
         page.goto(f"{url}/reclamations/{reclaim_id}")
         page.wait_for_selector("#diagram svg")
@@ -114,8 +134,11 @@ def test_an_operator_watches_a_notice_drain_a_rented_node(
         tl = admin.timeline(reclaim_id)
         rec = tl.reclamation
         # Steps that came after drained (a rental's end) arrive in one more update.
-        wait_until(lambda: len(steps_on_page(page)) == len(admin.timeline(reclaim_id).events),
-                   10, "the last steps on the page")  # fmt: skip
+        wait_until(
+            lambda: len(steps_on_page(page)) == len(admin.timeline(reclaim_id).events),
+            10,
+            "the last steps on the page",
+        )
         tl = admin.timeline(reclaim_id)
         drawn = steps_on_page(page)
         kinds = [e.event.kind for e in tl.events]
@@ -133,8 +156,7 @@ def test_an_operator_watches_a_notice_drain_a_rented_node(
             name: page.locator(f'#diagram g.deadline[data-name="{name}"] line')
             for name in ("G", "O", "D")
         }
-        for name, at in (("G", rec.grace_deadline), ("O", rec.overrun_at),
-                         ("D", rec.terminate_at)):  # fmt: skip
+        for name, at in (("G", rec.grace_deadline), ("O", rec.overrun_at), ("D", rec.terminate_at)):
             x = float(lines[name].get_attribute("x1"))
             assert x == pytest.approx(scale.x(at - rec.t0), abs=0.01), name
         # As the browser lays them out: G, then O, then D, left to right, and the notice at T0
@@ -144,14 +166,17 @@ def test_an_operator_watches_a_notice_drain_a_rented_node(
         assert notice < box["G"] < box["O"] < box["D"]
         assert rec.outcome == "drained" and 0 < rec.spare_s < 6
         outcome = page.inner_text("#outcome")
-        assert outcome == f"outcome: drained, verified empty with {rec.spare_s:.3f} s to spare " \
+        assert (
+            outcome == f"outcome: drained, verified empty with {rec.spare_s:.3f} s to spare "
             "before D"
+        )
         spare = page.locator("#diagram g.shade.spare")
         assert spare.count() == 1
         drained_at = rec.steps["drained"] - rec.t0
         assert float(spare.get_attribute("data-from")) == pytest.approx(drained_at, abs=0.001)
         assert float(spare.get_attribute("data-to")) == pytest.approx(
-            rec.terminate_at - rec.t0, abs=0.001)
+            rec.terminate_at - rec.t0, abs=0.001
+        )
         page.screenshot(path=str(shots / "reclamation-drained.png"), full_page=True)
 
         # The list: newest first, with its outcome.
@@ -161,8 +186,14 @@ def test_an_operator_watches_a_notice_drain_a_rented_node(
 
         # spotctl draws what the dashboard draws.
         svg_file = tmp_path / "timeline.svg"
-        argv = [str(BIN / "spotctl"), *coordinator.cli_args(), "timeline", reclaim_id,
-                "--svg", str(svg_file)]  # fmt: skip
+        argv = [
+            str(BIN / "spotctl"),
+            *coordinator.cli_args(),
+            "timeline",
+            reclaim_id,
+            "--svg",
+            str(svg_file),
+        ]
         subprocess.run(argv, check=True, capture_output=True, timeout=30)
         served = page.request.get(f"{url}/reclamations/{reclaim_id}/svg").text()
         assert svg_file.read_text() == served == timeline_svg.render(admin.timeline(reclaim_id))

@@ -26,12 +26,25 @@ class Tags(HTMLParser):
 def test_an_agents_hostile_names_are_text_on_the_fleet_page():
     """A node registers with markup in its id, group and a worker's model; an advisory key
     and a taint carry it too. The page has no element or handler it did not write."""
-    node = pb.Node(node_id=HOSTILE, node_group=HOSTILE, spot=True, workload_enabled=True,
-                   taints=[pb.Taint(reason=HOSTILE, reclaim_id=HOSTILE)])  # fmt: skip
+    node = pb.Node(
+        node_id=HOSTILE,
+        node_group=HOSTILE,
+        spot=True,
+        workload_enabled=True,
+        taints=[pb.Taint(reason=HOSTILE, reclaim_id=HOSTILE)],
+    )
     worker = pb.WorkerInfo(worker_id=HOSTILE, model=HOSTILE, state="ready", capacity=2)
     model = pb.Model(model=HOSTILE, image=HOSTILE, replicas=1)
-    body = pages.fleet([node], {HOSTILE: [worker]}, {}, {HOSTILE: {HOSTILE: 2e9}},
-                       {HOSTILE: 2e9}, [model], HOSTILE, now=1e9)  # fmt: skip
+    body = pages.fleet(
+        [node],
+        {HOSTILE: [worker]},
+        {},
+        {HOSTILE: {HOSTILE: 2e9}},
+        {HOSTILE: 2e9},
+        [model],
+        HOSTILE,
+        now=1e9,
+    )
     text = pages.layout(HOSTILE, body, actions_on=True)
     parser = Tags()
     parser.feed(text)
@@ -43,8 +56,14 @@ def test_an_agents_hostile_names_are_text_on_the_fleet_page():
 
 
 def test_the_reclamation_list_escapes_ids_and_links_them_quoted():
-    rec = {"reclaim_id": HOSTILE, "node_id": HOSTILE, "reason": HOSTILE, "t0": 0.0,
-           "outcome": "drained", "spare_s": 1.5}  # fmt: skip
+    rec = {
+        "reclaim_id": HOSTILE,
+        "node_id": HOSTILE,
+        "reason": HOSTILE,
+        "t0": 0.0,
+        "outcome": "drained",
+        "spare_s": 1.5,
+    }
     text = pages.reclamations([rec], None)
     assert "<script>" not in text
     assert 'href="/reclamations/%22%3E%3Cscript%3E' in text
@@ -59,8 +78,16 @@ def test_loopback_names_and_addresses():
 def test_a_dashboard_off_loopback_needs_dashboard_public(tmp_path):
     """The fleet is readable without a credential: binding elsewhere is refused at start,
     with the reason, before the store is touched."""
-    argv = [str(BIN / "spotdrain-coordinator"), "--listen", "127.0.0.1:0", "--insecure",
-            "--db", str(tmp_path / "c.sqlite"), "--dashboard-listen", "0.0.0.0:0"]  # fmt: skip
+    argv = [
+        str(BIN / "spotdrain-coordinator"),
+        "--listen",
+        "127.0.0.1:0",
+        "--insecure",
+        "--db",
+        str(tmp_path / "c.sqlite"),
+        "--dashboard-listen",
+        "0.0.0.0:0",
+    ]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     assert out.returncode == 2
     assert "not a loopback address" in out.stderr and "--dashboard-public" in out.stderr
@@ -68,6 +95,10 @@ def test_a_dashboard_off_loopback_needs_dashboard_public(tmp_path):
     token = tmp_path / "token"
     token.write_text("short")
     token.chmod(0o600)
-    out = subprocess.run([*argv[:-1], "127.0.0.1:0", "--dashboard-token-file", str(token)],
-                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    out = subprocess.run(
+        [*argv[:-1], "127.0.0.1:0", "--dashboard-token-file", str(token)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 2 and "at least 16 characters" in out.stderr

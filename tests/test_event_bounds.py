@@ -16,9 +16,14 @@ from spotdrain.v1 import spotdrain_pb2 as pb
 
 
 def event(node_id: str, details: str = "{}", **fields) -> pb.Event:
-    return pb.Event(uid=fields.pop("uid", str(uuid.uuid4())), kind=fields.pop("kind", "tainted"),
-                    node_id=node_id, wall_time=fields.pop("wall_time", 1.0),
-                    details_json=details, **fields)
+    return pb.Event(
+        uid=fields.pop("uid", str(uuid.uuid4())),
+        kind=fields.pop("kind", "tainted"),
+        node_id=node_id,
+        wall_time=fields.pop("wall_time", 1.0),
+        details_json=details,
+        **fields,
+    )
 
 
 async def send(node: FakeNode, events: list[pb.Event]) -> pb.CoordinatorMessage:
@@ -67,12 +72,16 @@ async def test_a_batch_above_a_bound_is_refused_whole(coordinator, pki, what):
             says = f"at most {limits.MAX_BATCH_EVENTS}"
         elif what == "too_many_bytes":
             pad = json.dumps({"pad": "x" * (limits.MAX_DETAILS_BYTES - 100)})
-            batch = [event("node-a", pad) for _ in range(limits.MAX_BATCH_BYTES
-                                                           // limits.MAX_DETAILS_BYTES + 2)]
+            batch = [
+                event("node-a", pad)
+                for _ in range(limits.MAX_BATCH_BYTES // limits.MAX_DETAILS_BYTES + 2)
+            ]
             says = f"at most {limits.MAX_BATCH_BYTES}"
         else:
-            batch = [event("node-a"), event("node-a", json.dumps({"pad": "x" *
-                                                                   limits.MAX_DETAILS_BYTES}))]
+            batch = [
+                event("node-a"),
+                event("node-a", json.dumps({"pad": "x" * limits.MAX_DETAILS_BYTES})),
+            ]
             says = f"at most {limits.MAX_DETAILS_BYTES}"
         error = await refused(node, batch)
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -83,15 +92,19 @@ async def test_a_batch_above_a_bound_is_refused_whole(coordinator, pki, what):
         await ops.channel.close()
 
 
-@pytest.mark.parametrize("details, fields", [
-    ("[" * 30_000 + "]" * 30_000, {}),  # nested far deeper than the decoder recurses
-    ('{"n": ' + "9" * 5000 + "}", {}),  # an integer too long to convert
-    ("[1, 2]", {}),  # not an object
-    ("not json", {}),
-    ("{}", {"wall_time": float("nan")}),
-    ("{}", {"t_offset_s": float("inf")}),
-    ("{}", {"uid": ""}),
-], ids=["deep", "huge-int", "array", "garbage", "nan-time", "inf-offset", "no-uid"])
+@pytest.mark.parametrize(
+    "details, fields",
+    [
+        ("[" * 30_000 + "]" * 30_000, {}),  # nested far deeper than the decoder recurses
+        ('{"n": ' + "9" * 5000 + "}", {}),  # an integer too long to convert
+        ("[1, 2]", {}),  # not an object
+        ("not json", {}),
+        ("{}", {"wall_time": float("nan")}),
+        ("{}", {"t_offset_s": float("inf")}),
+        ("{}", {"uid": ""}),
+    ],
+    ids=["deep", "huge-int", "array", "garbage", "nan-time", "inf-offset", "no-uid"],
+)
 async def test_a_malformed_event_is_refused_and_changes_nothing(coordinator, pki, details, fields):
     """The stream ends INVALID_ARGUMENT (never UNKNOWN with a traceback), nothing of the batch
     is stored, and the coordinator goes on serving the same node."""
@@ -137,15 +150,45 @@ async def test_a_node_cannot_rewrite_another_nodes_reclamation(coordinator, pki)
     try:
         await a.connect()
         await b.connect()
-        notice = {"t0": 100.0, "terminate_at": 220.0, "grace_deadline": 210.0,
-                  "overrun_at": 218.0, "reason": "notice"}
-        await send(b, [event("node-b", json.dumps(notice), kind="notice_received",
-                             reclaim_id="rcl-b", wall_time=100.0)])
+        notice = {
+            "t0": 100.0,
+            "terminate_at": 220.0,
+            "grace_deadline": 210.0,
+            "overrun_at": 218.0,
+            "reason": "notice",
+        }
+        await send(
+            b,
+            [
+                event(
+                    "node-b",
+                    json.dumps(notice),
+                    kind="notice_received",
+                    reclaim_id="rcl-b",
+                    wall_time=100.0,
+                )
+            ],
+        )
         forged = {**notice, "t0": 1.0, "terminate_at": 2.0}
-        await send(a, [event("node-a", json.dumps(forged), kind="notice_received",
-                             reclaim_id="rcl-b", wall_time=101.0),
-                       event("node-a", json.dumps({"spare_s": 99.0}), kind="drained",
-                             reclaim_id="rcl-b", wall_time=102.0)])
+        await send(
+            a,
+            [
+                event(
+                    "node-a",
+                    json.dumps(forged),
+                    kind="notice_received",
+                    reclaim_id="rcl-b",
+                    wall_time=101.0,
+                ),
+                event(
+                    "node-a",
+                    json.dumps({"spare_s": 99.0}),
+                    kind="drained",
+                    reclaim_id="rcl-b",
+                    wall_time=102.0,
+                ),
+            ],
+        )
         timeline = await ops.admin.GetTimeline(pb.GetTimelineRequest(reclaim_id="rcl-b"))
         rec = timeline.reclamation
         assert (rec.node_id, rec.t0, rec.terminate_at, rec.outcome) == ("node-b", 100.0, 220.0, "")
@@ -160,10 +203,18 @@ def test_details_never_pass_for_the_stored_fields():
     stored; the claims are kept beside it, named as details."""
     from spotdrain.protocol.events import stored_event_to_dict
 
-    stored = pb.StoredEvent(id=7, event=pb.Event(
-        uid="u-1", kind="tainted", node_id="node-a", wall_time=1.0,
-        details_json=json.dumps({"kind": "drained", "node": "node-b", "id": -5, "uid": "x",
-                                 "mode": "remote"})))
+    stored = pb.StoredEvent(
+        id=7,
+        event=pb.Event(
+            uid="u-1",
+            kind="tainted",
+            node_id="node-a",
+            wall_time=1.0,
+            details_json=json.dumps(
+                {"kind": "drained", "node": "node-b", "id": -5, "uid": "x", "mode": "remote"}
+            ),
+        ),
+    )
     out = stored_event_to_dict(stored)
     assert (out["kind"], out["node"], out["id"], out["uid"]) == ("tainted", "node-a", 7, "u-1")
     assert out["mode"] == "remote"

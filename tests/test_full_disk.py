@@ -54,8 +54,9 @@ def reports() -> tuple[WriteHealth, list[tuple[str, dict[str, Any]]]]:
 
 
 def rec(key: str = "n-1", now: float = 1000.0) -> Reclamation:
-    notice = Notice(key=key, notice_id=key, action="terminate", terminate_at=now + 30,
-                    source="aws-imds")  # fmt: skip
+    notice = Notice(
+        key=key, notice_id=key, action="terminate", terminate_at=now + 30, source="aws-imds"
+    )
     return Reclamation.begin(notice, NODE, now, Margins())[0]
 
 
@@ -76,8 +77,9 @@ def test_a_bundle_the_disk_refuses_is_kept_in_memory_reported_once_and_written_w
     r.phase = "draining"
     assert store.save(r) is False and store.save(r) is False
     path = str(tmp_path / "reclamations" / f"{r.reclaim_id}.json")
-    assert said == [("state_write_failed", {"path": path, "errno": "ENOSPC",
-                                            "error": said[0][1]["error"]})]  # fmt: skip
+    assert said == [
+        ("state_write_failed", {"path": path, "errno": "ENOSPC", "error": said[0][1]["error"]})
+    ]
     assert store.exists(r.reclaim_id) and not Path(path).exists()
     assert [b.phase for b in store.load_all()] == ["draining"]
 
@@ -157,8 +159,9 @@ def put(outbox: Outbox, kind: str, n: int = 0) -> str:
 
 def stored(outbox: Outbox) -> list[str]:
     assert outbox.db is not None
-    return [json.loads(b)["kind"] for (b,) in
-            outbox.db.execute("SELECT body FROM outbox ORDER BY seq")]  # fmt: skip
+    return [
+        json.loads(b)["kind"] for (b,) in outbox.db.execute("SELECT body FROM outbox ORDER BY seq")
+    ]
 
 
 def test_events_the_outbox_cannot_store_wait_in_memory_are_sent_and_stored_in_order_later(
@@ -208,8 +211,9 @@ def test_acknowledged_events_the_disk_will_not_delete_are_never_sent_again(tmp_p
     outbox = Outbox(tmp_path / "outbox.sqlite")
     uids = [put(outbox, "sigterm_sent", i) for i in range(3)]
     outbox.db.close()  # type: ignore[union-attr]
-    outbox.db = sqlite3.connect(f"file:{tmp_path / 'outbox.sqlite'}?mode=ro", uri=True,
-                                isolation_level=None)  # fmt: skip
+    outbox.db = sqlite3.connect(
+        f"file:{tmp_path / 'outbox.sqlite'}?mode=ro", uri=True, isolation_level=None
+    )
     outbox.acknowledge(uids[:2])
     assert [e.uid for e in outbox.pending()] == uids[2:]
     assert len(outbox) == 1
@@ -231,8 +235,11 @@ def test_an_outbox_that_cannot_even_be_opened_holds_events_in_memory_and_opens_l
     state.chmod(0o500)
     health, said = WriteHealth(), []
     try:
-        outbox = Outbox(state / "outbox.sqlite", health, connect=lambda p: sqlite3.connect(
-            f"file:{p}?mode=rw", uri=True, isolation_level=None))  # fmt: skip
+        outbox = Outbox(
+            state / "outbox.sqlite",
+            health,
+            connect=lambda p: sqlite3.connect(f"file:{p}?mode=rw", uri=True, isolation_level=None),
+        )
         assert outbox.db is None
         uid = put(outbox, "notice_received")
         assert [e.uid for e in outbox.pending()] == [uid]
@@ -302,8 +309,9 @@ class Engine:
             self.signals.append((t.id, signal))
             self.running_now = []
             self.gone.set()
-            yield ContainerSignalled(time.time(), t.id, t.name, signal, "api", image=t.image,
-                                     kind=t.kind)  # fmt: skip
+            yield ContainerSignalled(
+                time.time(), t.id, t.name, signal, "api", image=t.image, kind=t.kind
+            )
 
     async def wait_exit(self, container_id: str, name: str) -> ContainerExited:
         await self.gone.wait()
@@ -350,11 +358,17 @@ async def test_a_notice_on_a_disk_that_refuses_every_write_is_answered_on_time(
     monkeypatch.setattr(runner_module, "write_deadline_file", deadline_file)
     monkeypatch.setattr(runner_module, "RETRY_WRITES_S", 0.05)
 
-    cfg = AgentConfig(coordinator="127.0.0.1:1", node_id=NODE, notice_file=tmp_path / "n.json",
-                      state_dir=tmp_path / "state", insecure=True,
-                      deadline_file=tmp_path / "workload" / "deadline.json",
-                      status_dir=tmp_path / "status", socket=tmp_path / "agent.sock",
-                      margins=Margins(grace_s=3, overrun_s=1, observe_every_s=0.05))  # fmt: skip
+    cfg = AgentConfig(
+        coordinator="127.0.0.1:1",
+        node_id=NODE,
+        notice_file=tmp_path / "n.json",
+        state_dir=tmp_path / "state",
+        insecure=True,
+        deadline_file=tmp_path / "workload" / "deadline.json",
+        status_dir=tmp_path / "status",
+        socket=tmp_path / "agent.sock",
+        margins=Margins(grace_s=3, overrun_s=1, observe_every_s=0.05),
+    )
     health = WriteHealth()
     cfg.state_dir.mkdir()
     outbox = Outbox(cfg.state_dir / "outbox.sqlite", health)
@@ -374,8 +388,15 @@ async def test_a_notice_on_a_disk_that_refuses_every_write_is_answered_on_time(
     loop = asyncio.create_task(drains.run())
     try:
         t0 = time.time()
-        drains.notice(Notice(key="full-1", notice_id="full-1", action="terminate",
-                             terminate_at=t0 + 20, source="aws-imds"))  # fmt: skip
+        drains.notice(
+            Notice(
+                key="full-1",
+                notice_id="full-1",
+                action="terminate",
+                terminate_at=t0 + 20,
+                source="aws-imds",
+            )
+        )
         outcome = await asyncio.wait_for(drains.settled("full-1"), 5)
         assert outcome == "drained"
         assert link.taints and engine.signals == [(engine.job.id, "SIGTERM")]

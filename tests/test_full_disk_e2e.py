@@ -30,8 +30,10 @@ def small_state_dir(tmp_path: Path) -> Iterator[Path]:
     """node-a's state directory (as harness.start_agent lays it out) on its own small tmpfs."""
     state = tmp_path / "node-a" / "state"
     state.mkdir(parents=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE},mode=0700", "tmpfs",
-                    str(state)], check=True)  # fmt: skip
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE},mode=0700", "tmpfs", str(state)],
+        check=True,
+    )
     try:
         yield state
     finally:
@@ -73,19 +75,27 @@ def test_a_notice_on_a_full_state_disk_is_answered_and_nothing_is_lost_when_it_f
     disk fills again and the agent is SIGKILLed: it starts, stays up, and the notice still on
     disk is the same reclamation, not a new one."""
     client = docker_engine.client
-    quick = run_workload(client, name=containers + "quick", node_id="node-a",
-                         kind="exits_on_term")
-    stubborn = run_workload(client, name=containers + "stubborn", node_id="node-a",
-                            kind="ignores_term")
-    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        AgentOptions(grace_s=3.0, overrun_s=1.0))
+    quick = run_workload(client, name=containers + "quick", node_id="node-a", kind="exits_on_term")
+    stubborn = run_workload(
+        client, name=containers + "stubborn", node_id="node-a", kind="ignores_term"
+    )
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        AgentOptions(grace_s=3.0, overrun_s=1.0),
+    )
     assert agent.state_dir == small_state_dir
     admin = coordinator.admin()
     try:
         wait_until(lambda: any(n.connected for n in admin.nodes()), 10, "node-a to register")
         filler = fill(small_state_dir)
-        agent.write_notice({"id": "full-disk-1", "action": "terminate",
-                            "terminate_at": time.time() + 8})
+        agent.write_notice(
+            {"id": "full-disk-1", "action": "terminate", "terminate_at": time.time() + 8}
+        )
         drained = admin.wait_for("drained", node="node-a", timeout=30)
         rid = drained["reclaim_id"]
         bundle = small_state_dir / "reclamations" / f"{rid}.json"
@@ -94,7 +104,9 @@ def test_a_notice_on_a_full_state_disk_is_answered_and_nothing_is_lost_when_it_f
         assert kinds.index("tainted") < kinds.index("sigterm_sent")
         notice = next(e for e in events if e["kind"] == "notice_received")
         assert {e["name"] for e in events if e["kind"] == "sigterm_sent"} == {
-            quick.name, stubborn.name}
+            quick.name,
+            stubborn.name,
+        }
         [kill] = [e for e in events if e["kind"] == "sigkill_sent"]
         assert kill["name"] == stubborn.name and kill["wall_time"] >= notice["grace_deadline"]
         assert drained["spare_s"] > 0
@@ -115,13 +127,17 @@ def test_a_notice_on_a_full_state_disk_is_answered_and_nothing_is_lost_when_it_f
             assert ours.count(kind) == 1, (kind, ours)
         assert ours.count("sigterm_sent") == 2 and ours.count("container_exited") == 2
         assert [e["path"] for e in everything if e["kind"] == "state_write_failed"].count(
-            str(bundle)) == 1
+            str(bundle)
+        ) == 1
 
         fill(small_state_dir)
         agent.proc.kill()
         agent.restart()
-        wait_until(lambda: agent.proc.log().count("agent up") == 2 or agent.proc.popen.poll(),
-                   20, "the agent to start again on the full disk")
+        wait_until(
+            lambda: agent.proc.log().count("agent up") == 2 or agent.proc.popen.poll(),
+            20,
+            "the agent to start again on the full disk",
+        )
         time.sleep(2.0)  # a crash loop would show here
         assert agent.proc.popen.poll() is None
         assert [e["kind"] for e in admin.events(node="node-a")].count("notice_received") == 1

@@ -52,13 +52,14 @@ STREAM_TIMEOUT_S = 0.5
 STREAM_READS = 3
 # What a servicer exception looks like to a client: never acceptable.
 CRASH_CODES = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
-REJECTED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-            grpc.StatusCode.INTERNAL)
+REJECTED = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.INTERNAL,
+)
 
 METHODS = [
-    method
-    for service in pb.DESCRIPTOR.services_by_name.values()
-    for method in service.methods
+    method for service in pb.DESCRIPTOR.services_by_name.values() for method in service.methods
 ]
 
 
@@ -70,22 +71,57 @@ def method_id(method: pbd.MethodDescriptor) -> str:
 
 FD = pbd.FieldDescriptor
 INT_RANGES = {
-    FD.TYPE_INT32: (-(2**31), 2**31 - 1), FD.TYPE_SINT32: (-(2**31), 2**31 - 1),
-    FD.TYPE_SFIXED32: (-(2**31), 2**31 - 1), FD.TYPE_ENUM: (-(2**31), 2**31 - 1),
-    FD.TYPE_INT64: (-(2**63), 2**63 - 1), FD.TYPE_SINT64: (-(2**63), 2**63 - 1),
+    FD.TYPE_INT32: (-(2**31), 2**31 - 1),
+    FD.TYPE_SINT32: (-(2**31), 2**31 - 1),
+    FD.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
+    FD.TYPE_ENUM: (-(2**31), 2**31 - 1),
+    FD.TYPE_INT64: (-(2**63), 2**63 - 1),
+    FD.TYPE_SINT64: (-(2**63), 2**63 - 1),
     FD.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
-    FD.TYPE_UINT32: (0, 2**32 - 1), FD.TYPE_FIXED32: (0, 2**32 - 1),
-    FD.TYPE_UINT64: (0, 2**64 - 1), FD.TYPE_FIXED64: (0, 2**64 - 1),
+    FD.TYPE_UINT32: (0, 2**32 - 1),
+    FD.TYPE_FIXED32: (0, 2**32 - 1),
+    FD.TYPE_UINT64: (0, 2**64 - 1),
+    FD.TYPE_FIXED64: (0, 2**64 - 1),
 }
 # Names the coordinator knows, so that some calls get past "no such node" into the code below.
-KNOWN = ["", NODE_ID, "node-b", "model-a", "rcl-1", "notice", "pause", "inference", "batch",
-         "platform", "renter", "started", "stopped", "refused", "drained", "notice_received",
-         "tainted", '{"t0": 1e400}', '{"n": ' + "9" * 500 + "}", "[" * 2000,
-         "/".join(["..", "..", "etc", "passwd"])]  # a traversal, built so no file names it
+KNOWN = [
+    "",
+    NODE_ID,
+    "node-b",
+    "model-a",
+    "rcl-1",
+    "notice",
+    "pause",
+    "inference",
+    "batch",
+    "platform",
+    "renter",
+    "started",
+    "stopped",
+    "refused",
+    "drained",
+    "notice_received",
+    "tainted",
+    '{"t0": 1e400}',
+    '{"n": ' + "9" * 500 + "}",
+    "[" * 2000,
+    "/".join(["..", "..", "etc", "passwd"]),
+]  # a traversal, built so no file names it
 # Proto strings are UTF-8: a lone surrogate cannot be sent at all, so it is left out.
 CHARS = st.characters(exclude_categories=("Cs",))
-SPECIAL_FLOATS = [math.nan, math.inf, -math.inf, 0.0, -0.0, 1e308, -1e308, 5e-324, 2.0**63,
-                  1.7e9, 4e9]
+SPECIAL_FLOATS = [
+    math.nan,
+    math.inf,
+    -math.inf,
+    0.0,
+    -0.0,
+    1e308,
+    -1e308,
+    5e-324,
+    2.0**63,
+    1.7e9,
+    4e9,
+]
 
 
 def strings(small: bool) -> st.SearchStrategy[str]:
@@ -98,9 +134,14 @@ def strings(small: bool) -> st.SearchStrategy[str]:
         return few
     # Huge, cheaply: a short piece repeated (Hypothesis's own buffer stays small). The
     # largest pass the 4 MiB message limit now and then.
-    return st.one_of(few, st.builds(lambda piece, n: piece * n,
-                                    st.text(CHARS, min_size=1, max_size=4),
-                                    st.sampled_from([257, 10_000, 70_000, 400_000])))
+    return st.one_of(
+        few,
+        st.builds(
+            lambda piece, n: piece * n,
+            st.text(CHARS, min_size=1, max_size=4),
+            st.sampled_from([257, 10_000, 70_000, 400_000]),
+        ),
+    )
 
 
 def scalars(f: pbd.FieldDescriptor, small: bool = False) -> st.SearchStrategy:
@@ -112,8 +153,10 @@ def scalars(f: pbd.FieldDescriptor, small: bool = False) -> st.SearchStrategy:
         return st.booleans()
     if f.type in (FD.TYPE_DOUBLE, FD.TYPE_FLOAT):
         width = 64 if f.type == FD.TYPE_DOUBLE else 32
-        return st.one_of(st.sampled_from(SPECIAL_FLOATS if width == 64 else SPECIAL_FLOATS[:6]),
-                         st.floats(width=width))
+        return st.one_of(
+            st.sampled_from(SPECIAL_FLOATS if width == 64 else SPECIAL_FLOATS[:6]),
+            st.floats(width=width),
+        )
     lo, hi = INT_RANGES[f.type]
     return st.one_of(st.sampled_from([lo, hi, 0, 1, max(lo, -1)]), st.integers(lo, hi))
 
@@ -124,9 +167,11 @@ def many(f: pbd.FieldDescriptor, depth: int, small: bool) -> st.SearchStrategy[l
     few = st.lists(value_of(f, depth, small), max_size=4)
     if small:
         return few
-    thousands = st.builds(lambda items, times: items * times,
-                          st.lists(value_of(f, depth, small=True), min_size=1, max_size=4),
-                          st.sampled_from([200, 1000]))
+    thousands = st.builds(
+        lambda items, times: items * times,
+        st.lists(value_of(f, depth, small=True), min_size=1, max_size=4),
+        st.sampled_from([200, 1000]),
+    )
     return st.one_of(few, few, thousands)
 
 
@@ -137,8 +182,9 @@ def messages(descriptor: pbd.Descriptor, depth: int = 0, small: bool = False) ->
         if f.message_type is not None and f.message_type.GetOptions().map_entry:
             entry = f.message_type.fields_by_name
             key, value = entry["key"], entry["value"]
-            fields[f.name] = st.dictionaries(scalars(key, small), value_of(value, depth, small),
-                                             max_size=5)
+            fields[f.name] = st.dictionaries(
+                scalars(key, small), value_of(value, depth, small), max_size=5
+            )
         elif f.is_repeated:
             fields[f.name] = many(f, depth, small)
         else:
@@ -164,14 +210,19 @@ def raw_bodies(descriptor: pbd.Descriptor) -> st.SearchStrategy[bytes]:
             return body[:i]
         if how == "flip" and body:
             i %= len(body)
-            return body[:i] + bytes([body[i] ^ 0xFF]) + body[i + 1:]
+            return body[:i] + bytes([body[i] ^ 0xFF]) + body[i + 1 :]
         return body + junk
 
     valid = messages(descriptor).map(lambda m: m.SerializeToString())
     return st.one_of(
         st.binary(max_size=512),
-        st.builds(mutate, valid, st.sampled_from(["cut", "flip", "append"]),
-                  st.integers(0, 2**16), st.binary(min_size=1, max_size=32)),
+        st.builds(
+            mutate,
+            valid,
+            st.sampled_from(["cut", "flip", "append"]),
+            st.integers(0, 2**16),
+            st.binary(min_size=1, max_size=32),
+        ),
     )
 
 
@@ -201,18 +252,32 @@ def rss_bytes(pid: int) -> int:
 def fuzzed(tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("fuzz")
     pki = Pki(work / "pki")
-    coordinator = start_coordinator(work / "coordinator", tls=pki,
-                                    extra=("--metrics-listen", "127.0.0.1:0"))
+    coordinator = start_coordinator(
+        work / "coordinator", tls=pki, extra=("--metrics-listen", "127.0.0.1:0")
+    )
     try:
-        metrics = wait_until(lambda: re.search(r"metrics on (\S+)", coordinator.proc.log()), 10,
-                             "the metrics address")
-        identities = {"operator": coordinator.operator, "node": pki.issue(f"node:{NODE_ID}"),
-                      "router": pki.issue("router:fuzz")}
+        metrics = wait_until(
+            lambda: re.search(r"metrics on (\S+)", coordinator.proc.log()),
+            10,
+            "the metrics address",
+        )
+        identities = {
+            "operator": coordinator.operator,
+            "node": pki.issue(f"node:{NODE_ID}"),
+            "router": pki.issue("router:fuzz"),
+        }
         channels = {who: coordinator.channel(ident) for who, ident in identities.items()}
         # One ordinary call first, so the baseline is a coordinator that has served.
         pb_grpc.AdminStub(channels["operator"]).ListNodes(pb.ListNodesRequest(), timeout=10)
-        yield Fuzzed(coordinator, pki, identities, channels, f"http://{metrics.group(1)}/metrics",
-                     rss_bytes(coordinator.proc.pid), time.monotonic())
+        yield Fuzzed(
+            coordinator,
+            pki,
+            identities,
+            channels,
+            f"http://{metrics.group(1)}/metrics",
+            rss_bytes(coordinator.proc.pid),
+            time.monotonic(),
+        )
         for channel in channels.values():
             channel.close()
     finally:
@@ -258,8 +323,11 @@ def fuzz_settings(examples: int):
         deadline=None,
         derandomize=CI,
         database=None if CI else settings.default.database,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                               HealthCheck.large_base_example],
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.large_base_example,
+        ],
     )
 
 
@@ -292,8 +360,9 @@ def test_generated_messages_never_crash_a_method(fuzzed: Fuzzed, method):
 def test_raw_bodies_never_crash_a_method(fuzzed: Fuzzed, method):
     """Bytes that are not a message of the method's type: INVALID_ARGUMENT (or a refusal of
     whatever they happen to decode to), never UNKNOWN."""
-    bodies = st.lists(raw_bodies(method.input_type), min_size=1,
-                      max_size=3 if method.client_streaming else 1)
+    bodies = st.lists(
+        raw_bodies(method.input_type), min_size=1, max_size=3 if method.client_streaming else 1
+    )
 
     @fuzz_settings(max(10, EXAMPLES // 2))
     @given(who=WHO, raw=bodies)
@@ -329,9 +398,16 @@ async def test_the_coordinator_still_serves_after_the_fuzz(fuzzed: Fuzzed):
     node = FakeNode(coordinator, fuzzed.pki, "after-fuzz")
     try:
         await node.connect()
-        reply = await node.stub.Taint(pb.TaintRequest(
-            node_id="after-fuzz", reclaim_id="rcl-after", reason="notice",
-            terminate_at=time.time() + 120, grace_deadline=time.time() + 110), timeout=10)
+        reply = await node.stub.Taint(
+            pb.TaintRequest(
+                node_id="after-fuzz",
+                reclaim_id="rcl-after",
+                reason="notice",
+                terminate_at=time.time() + 120,
+                grace_deadline=time.time() + 110,
+            ),
+            timeout=10,
+        )
         assert [t.reclaim_id for t in reply.taints] == ["rcl-after"]
     finally:
         await node.close()
@@ -347,13 +423,18 @@ async def test_the_coordinator_still_serves_after_the_fuzz(fuzzed: Fuzzed):
     # after its last read may be counted without the client seeing it).
     counted = rejected_counted(fuzzed.metrics_url)
     assert fuzzed.rejected, "the fuzz met no rejection at all: it reached nothing"
-    short = {key: (n, counted.get(key, 0)) for key, n in fuzzed.rejected.items()
-             if counted.get(key, 0) < n}
+    short = {
+        key: (n, counted.get(key, 0))
+        for key, n in fuzzed.rejected.items()
+        if counted.get(key, 0) < n
+    }
     assert not short, f"rejections seen by clients but not counted (seen, counted): {short}"
 
     growth = rss_bytes(coordinator.proc.pid) - fuzzed.rss_before
-    print(f"fuzz: {fuzzed.calls} calls in {elapsed_min * 60:.0f} s, "
-          f"{dict((getattr(c, 'name', c), n) for c, n in fuzzed.codes.most_common())}, "
-          f"RSS {fuzzed.rss_before / 2**20:.0f} MiB -> +{growth / 2**20:.0f} MiB, "
-          f"log {len(log)} bytes, {lines} rejection lines")
+    print(
+        f"fuzz: {fuzzed.calls} calls in {elapsed_min * 60:.0f} s, "
+        f"{dict((getattr(c, 'name', c), n) for c, n in fuzzed.codes.most_common())}, "
+        f"RSS {fuzzed.rss_before / 2**20:.0f} MiB -> +{growth / 2**20:.0f} MiB, "
+        f"log {len(log)} bytes, {lines} rejection lines"
+    )
     assert growth < RSS_GROWTH_BOUND

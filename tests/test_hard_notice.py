@@ -34,15 +34,24 @@ def test_whole_timeline_on_one_node(
     other_node = mk("other", "node-b", "exits_on_term")
     unlabelled = mk("unlabelled", "node-a", "exits_on_term", labels={"spotdrain.node": ""})
     agent = start_agent(
-        tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
         AgentOptions(grace_s=4.0, overrun_s=1.0),
     )
     admin = coordinator.admin()
     try:
         t_notice = time.time()
         agent.write_notice(
-            {"id": "i-0abc-1", "action": "terminate", "terminate_at": t_notice + 8,
-             "source": "aws-imds"}
+            {
+                "id": "i-0abc-1",
+                "action": "terminate",
+                "terminate_at": t_notice + 8,
+                "source": "aws-imds",
+            }
         )
         drained = admin.wait_for("drained", node="node-a", timeout=30)
         everything = admin.events(node="node-a", reclaim_id=drained["reclaim_id"])
@@ -61,15 +70,19 @@ def test_whole_timeline_on_one_node(
         killed = [e["name"] for e in events if e["kind"] == "sigkill_sent"]
         assert killed == [containers + "stubborn"]
         exits = {e["name"]: e["exit_code"] for e in events if e["kind"] == "container_exited"}
-        assert exits == {containers + "quick": 0, containers + "ckpt": 0,
-                         containers + "stubborn": 137}
+        assert exits == {
+            containers + "quick": 0,
+            containers + "ckpt": 0,
+            containers + "stubborn": 137,
+        }
         assert kinds[-2:] == ["verified_empty", "drained"]
         notice = events[0]
         # G = D - 4: the SIGKILL went out at G, not before.
         kill_ev = next(e for e in events if e["kind"] == "sigkill_sent")
         assert kill_ev["wall_time"] >= notice["grace_deadline"]
         assert drained["spare_s"] == pytest.approx(
-            notice["terminate_at"] - drained["wall_time"], abs=0.01)
+            notice["terminate_at"] - drained["wall_time"], abs=0.01
+        )
         assert 0 < drained["spare_s"] < 4
         other_node.reload()
         unlabelled.reload()
@@ -94,16 +107,25 @@ def test_coordinator_frozen_local_taint_then_remote(
     """The coordinator hangs (SIGSTOP: calls neither answer nor fail) just as the notice lands.
     The agent waits 800 ms for the taint, then taints locally and signals right after; when the
     coordinator comes back the remote taint lands and every event made meanwhile arrives, once."""
-    quick = run_workload(docker_engine.client, name=containers + "quick", node_id="node-a",
-                         kind="exits_on_term")
-    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        AgentOptions(grace_s=3.0, overrun_s=1.0))
+    quick = run_workload(
+        docker_engine.client, name=containers + "quick", node_id="node-a", kind="exits_on_term"
+    )
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        AgentOptions(grace_s=3.0, overrun_s=1.0),
+    )
     admin = coordinator.admin()
     try:
         wait_until(lambda: any(n.connected for n in admin.nodes()), 10, "node-a to register")
         coordinator.proc.signal(signal.SIGSTOP)
-        agent.write_notice({"id": "frozen-1", "action": "terminate",
-                            "terminate_at": time.time() + 10})
+        agent.write_notice(
+            {"id": "frozen-1", "action": "terminate", "terminate_at": time.time() + 10}
+        )
         wait_until(lambda: quick.reload() or quick.status == "exited", 10, "the SIGTERM")
         coordinator.proc.signal(signal.SIGCONT)
         drained = admin.wait_for("drained", node="node-a", timeout=20)
@@ -135,16 +157,25 @@ def test_gpu_process_outlives_every_container(
     """A CUDA process outside any container keeps a GPU busy after the jobs exit. The node is
     not empty, so there is no `drained`; at O the agent records `overrun`, once. When the
     process finally dies the node is seen empty, but it is still not `drained`."""
-    run_workload(docker_engine.client, name=containers + "quick", node_id="node-a",
-                 kind="exits_on_term")
+    run_workload(
+        docker_engine.client, name=containers + "quick", node_id="node-a", kind="exits_on_term"
+    )
     holder = subprocess.Popen(["sleep", "120"])
     gpus.add_process(holder.pid, gpu=1)
-    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        AgentOptions(grace_s=2.0, overrun_s=1.0))
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        AgentOptions(grace_s=2.0, overrun_s=1.0),
+    )
     admin = coordinator.admin()
     try:
-        agent.write_notice({"id": "gpu-hold", "action": "terminate",
-                            "terminate_at": time.time() + 4})
+        agent.write_notice(
+            {"id": "gpu-hold", "action": "terminate", "terminate_at": time.time() + 4}
+        )
         overrun = admin.wait_for("overrun", node="node-a", timeout=20)
         holder.kill()
         holder.wait()
@@ -169,17 +200,26 @@ def test_nvml_failing_is_never_drained(
     """NVML cannot answer (the GPU fell off the bus, the driver will not load, or every call
     hangs past its timeout). Docker says the containers are gone, but an observation that
     failed is not "empty": no `drained`, the failure is recorded, and the node overruns."""
-    run_workload(docker_engine.client, name=containers + "quick", node_id="node-a",
-                 kind="exits_on_term")
+    run_workload(
+        docker_engine.client, name=containers + "quick", node_id="node-a", kind="exits_on_term"
+    )
     if fault == "init_failed":
         gpus.fault("init_failed")
-    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        AgentOptions(grace_s=2.0, overrun_s=1.0, nvml_timeout_s=0.3))
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        AgentOptions(grace_s=2.0, overrun_s=1.0, nvml_timeout_s=0.3),
+    )
     admin = coordinator.admin()
     try:
         gpus.fault(fault, 1500) if fault == "slow_ms" else gpus.fault(fault)
-        agent.write_notice({"id": f"nvml-{fault}", "action": "terminate",
-                            "terminate_at": time.time() + 4})
+        agent.write_notice(
+            {"id": f"nvml-{fault}", "action": "terminate", "terminate_at": time.time() + 4}
+        )
         admin.wait_for("overrun", node="node-a", timeout=20)
         events = admin.events(node="node-a")
         kinds = [e["kind"] for e in events]
@@ -198,18 +238,35 @@ def test_agent_killed_mid_reclamation_resumes_with_same_deadlines(
     bundle: the same T0, D, G and O, no second SIGTERM to anything, the stubborn job still
     killed at the original G, and the reclamation completes."""
     client = docker_engine.client
-    ckpt = run_workload(client, name=containers + "ckpt", node_id="node-a", kind="checkpoints",
-                        env={"CHECKPOINT_S": "2"})
-    stubborn = run_workload(client, name=containers + "stubborn", node_id="node-a",
-                            kind="ignores_term")
-    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        AgentOptions(grace_s=4.0, overrun_s=1.0))
+    ckpt = run_workload(
+        client,
+        name=containers + "ckpt",
+        node_id="node-a",
+        kind="checkpoints",
+        env={"CHECKPOINT_S": "2"},
+    )
+    stubborn = run_workload(
+        client, name=containers + "stubborn", node_id="node-a", kind="ignores_term"
+    )
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        AgentOptions(grace_s=4.0, overrun_s=1.0),
+    )
     admin = coordinator.admin()
     try:
-        agent.write_notice({"id": "restart-1", "action": "terminate",
-                            "terminate_at": time.time() + 7})
-        wait_until(lambda: len(by_kind(admin.events(node="node-a"), "sigterm_sent")) == 2, 10,
-                   "both SIGTERMs")
+        agent.write_notice(
+            {"id": "restart-1", "action": "terminate", "terminate_at": time.time() + 7}
+        )
+        wait_until(
+            lambda: len(by_kind(admin.events(node="node-a"), "sigterm_sent")) == 2,
+            10,
+            "both SIGTERMs",
+        )
         bundle_path = next((agent.state_dir / "reclamations").glob("rcl-*.json"))
         before = json.loads(bundle_path.read_text())
         agent.proc.kill()
@@ -243,20 +300,32 @@ def test_events_made_while_the_coordinator_is_down_arrive_once_it_is_back(
 
     coord = start_coordinator(tmp_path / "coordinator", tls=pki, db=coordinator_db)
     port = int(coord.address.rsplit(":", 1)[1])
-    run_workload(docker_engine.client, name=containers + "job", node_id="node-a",
-                 kind="exits_on_term")
-    agent = start_agent(tmp_path, "node-a", coord, docker_engine.host, gpus, nvml_lib,
-                        AgentOptions(grace_s=3.0, overrun_s=1.0))
+    run_workload(
+        docker_engine.client, name=containers + "job", node_id="node-a", kind="exits_on_term"
+    )
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coord,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        AgentOptions(grace_s=3.0, overrun_s=1.0),
+    )
     try:
         wait_until(lambda: any(n.connected for n in coord.admin().nodes()), 10, "registration")
         coord.proc.kill()
-        agent.write_notice({"id": "away-1", "action": "terminate",
-                            "terminate_at": time.time() + 20})
+        agent.write_notice(
+            {"id": "away-1", "action": "terminate", "terminate_at": time.time() + 20}
+        )
         wait_until(lambda: "drained" in agent.proc.log(), 15, "the drain under the local taint")
 
         def stored() -> int:
-            return sqlite3.connect(agent.state_dir / "outbox.sqlite").execute(
-                "SELECT count(*) FROM outbox").fetchone()[0]
+            return (
+                sqlite3.connect(agent.state_dir / "outbox.sqlite")
+                .execute("SELECT count(*) FROM outbox")
+                .fetchone()[0]
+            )
 
         # A step's events reach SQLite a moment after the step (its bundle holds them until
         # then): notice, tainted, deadline file, sigterm, exit, verified, drained.
@@ -266,12 +335,25 @@ def test_events_made_while_the_coordinator_is_down_arrive_once_it_is_back(
         admin.wait_for("tainted", node="node-a", mode="remote", timeout=20)
         events = admin.events(node="node-a")
         kinds = [e["kind"] for e in events]
-        for kind in ("notice_received", "sigterm_sent", "container_exited", "verified_empty",
-                     "drained"):
+        for kind in (
+            "notice_received",
+            "sigterm_sent",
+            "container_exited",
+            "verified_empty",
+            "drained",
+        ):
             assert kinds.count(kind) == 1, kind
         assert [e["mode"] for e in by_kind(events, "tainted")] == ["local", "remote"]
-        wait_until(lambda: sqlite3.connect(agent.state_dir / "outbox.sqlite").execute(
-            "SELECT count(*) FROM outbox").fetchone()[0] == 0, 10, "the outbox to empty")
+        wait_until(
+            lambda: (
+                sqlite3.connect(agent.state_dir / "outbox.sqlite")
+                .execute("SELECT count(*) FROM outbox")
+                .fetchone()[0]
+                == 0
+            ),
+            10,
+            "the outbox to empty",
+        )
         timeline = admin.timeline()
         assert timeline.reclamation.outcome == "drained"
     finally:
@@ -286,15 +368,24 @@ def test_a_job_started_by_hand_during_the_drain_is_stopped_too(
     no new work: the agent's next look finds it and signals it like the rest."""
     client = docker_engine.client
     run_workload(client, name=containers + "stubborn", node_id="node-a", kind="ignores_term")
-    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        AgentOptions(grace_s=4.0, overrun_s=1.0))
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        AgentOptions(grace_s=4.0, overrun_s=1.0),
+    )
     admin = coordinator.admin()
     try:
-        agent.write_notice({"id": "late-start", "action": "terminate",
-                            "terminate_at": time.time() + 8})
+        agent.write_notice(
+            {"id": "late-start", "action": "terminate", "terminate_at": time.time() + 8}
+        )
         admin.wait_for("sigterm_sent", node="node-a")
-        late = run_workload(client, name=containers + "late", node_id="node-a",
-                            kind="exits_on_term")
+        late = run_workload(
+            client, name=containers + "late", node_id="node-a", kind="exits_on_term"
+        )
         admin.wait_for("sigterm_sent", node="node-a", name=containers + "late")
         drained = admin.wait_for("drained", node="node-a")
         late.reload()
@@ -310,23 +401,33 @@ def test_an_agent_with_the_wrong_certificate_still_answers_notices(
     """node-a was given node-b's certificate by mistake. The coordinator refuses everything it
     says (and records the attempts), but the provider's deadline does not care: the agent stays
     up, taints locally (the refused Taint call is no answer), and drains its node."""
-    job = run_workload(docker_engine.client, name=containers + "job", node_id="node-a",
-                       kind="exits_on_term")
-    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        AgentOptions(grace_s=3.0, overrun_s=1.0),
-                        identity=pki.issue("node:node-b"))
+    job = run_workload(
+        docker_engine.client, name=containers + "job", node_id="node-a", kind="exits_on_term"
+    )
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        AgentOptions(grace_s=3.0, overrun_s=1.0),
+        identity=pki.issue("node:node-b"),
+    )
     admin = coordinator.admin()
     try:
         admin.wait_for("identity_refused", claimed_node="node-a", call="Register", timeout=10)
-        agent.write_notice({"id": "wrong-cert", "action": "terminate",
-                            "terminate_at": time.time() + 10})
+        agent.write_notice(
+            {"id": "wrong-cert", "action": "terminate", "terminate_at": time.time() + 10}
+        )
         wait_until(lambda: "drained" in agent.proc.log(), 15, "the local drain")
         assert "tainted {'mode': 'local'" in agent.proc.log()
         job.reload()
         assert job.status == "exited"
         assert agent.proc.popen.poll() is None
-        assert not [e for e in admin.events() if e["node"] == "node-a"
-                    and e["kind"] != "identity_refused"]
+        assert not [
+            e for e in admin.events() if e["node"] == "node-a" and e["kind"] != "identity_refused"
+        ]
         assert admin.nodes() == []
     finally:
         agent.proc.stop()

@@ -10,8 +10,13 @@ from spotdrain.coordinator.api.health import HealthServicer
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-SERVICES = {"", "spotdrain.v1.AgentLink", "spotdrain.v1.Admin", "spotdrain.v1.Routes",
-            "spotdrain.v1.Rentals"}  # fmt: skip
+SERVICES = {
+    "",
+    "spotdrain.v1.AgentLink",
+    "spotdrain.v1.Admin",
+    "spotdrain.v1.Routes",
+    "spotdrain.v1.Rentals",
+}
 
 
 def test_a_probe_lists_every_service_the_coordinator_serves(coordinator):
@@ -47,8 +52,10 @@ async def test_list_follows_a_service_set_down_and_the_shutdown():
             await servicer.set("spotdrain.v1.Admin", SERVING)
             await servicer.set("spotdrain.v1.Routes", NOT_SERVING)
             assert await listed() == {
-                "": SERVING, "spotdrain.v1.Admin": SERVING, "spotdrain.v1.Routes": NOT_SERVING
-            }  # fmt: skip
+                "": SERVING,
+                "spotdrain.v1.Admin": SERVING,
+                "spotdrain.v1.Routes": NOT_SERVING,
+            }
             await servicer.enter_graceful_shutdown()
             await servicer.set("spotdrain.v1.Admin", SERVING)  # ignored once shutting down
             assert await listed() == dict.fromkeys(

@@ -15,7 +15,8 @@ from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
 def aio_channel(coordinator, who) -> grpc.aio.Channel:
     creds = grpc.ssl_channel_credentials(
-        Path(who.ca).read_bytes(), Path(who.key).read_bytes(), Path(who.cert).read_bytes())
+        Path(who.ca).read_bytes(), Path(who.key).read_bytes(), Path(who.cert).read_bytes()
+    )
     return grpc.aio.secure_channel(coordinator.address, creds)
 
 
@@ -32,17 +33,24 @@ async def test_a_heartbeat_storm_claiming_ready_never_ends_a_drain(coordinator, 
             yield await outgoing.get()
 
     stream = pb_grpc.AgentLinkStub(node).Connect(messages())
-    await outgoing.put(pb.AgentMessage(register=pb.Register(
-        node_id="node-a", gpus=[pb.Gpu(index=0, name="fake")])))
+    await outgoing.put(
+        pb.AgentMessage(register=pb.Register(node_id="node-a", gpus=[pb.Gpu(index=0, name="fake")]))
+    )
     assert (await stream.read()).WhichOneof("body") == "registered"
 
     admin = pb_grpc.AdminStub(ops)
-    info = await admin.StartWorker(pb.StartWorkerRequest(
-        node_id="node-a", model="m", image="img", slots=2))
+    info = await admin.StartWorker(
+        pb.StartWorkerRequest(node_id="node-a", model="m", image="img", slots=2)
+    )
     start = await stream.read()
     assert start.start_worker.worker_id == info.worker_id
-    await outgoing.put(pb.AgentMessage(worker=pb.WorkerReport(
-        worker_id=info.worker_id, state="started", gate_address="127.0.0.1:1", capacity=2)))
+    await outgoing.put(
+        pb.AgentMessage(
+            worker=pb.WorkerReport(
+                worker_id=info.worker_id, state="started", gate_address="127.0.0.1:1", capacity=2
+            )
+        )
+    )
 
     routes = pb_grpc.RoutesStub(ops)
 
@@ -59,17 +67,35 @@ async def test_a_heartbeat_storm_claiming_ready_never_ends_a_drain(coordinator, 
     assert await snapshot() == [info.worker_id]
 
     now = time.time()
-    await pb_grpc.AgentLinkStub(node).Taint(pb.TaintRequest(
-        node_id="node-a", reclaim_id="rcl-p", reason="pause", terminate_at=now + 120,
-        grace_deadline=now + 110))
+    await pb_grpc.AgentLinkStub(node).Taint(
+        pb.TaintRequest(
+            node_id="node-a",
+            reclaim_id="rcl-p",
+            reason="pause",
+            terminate_at=now + 120,
+            grace_deadline=now + 110,
+        )
+    )
     drain = await stream.read()
     assert drain.drain_worker.worker_id == info.worker_id
     assert drain.drain_worker.grace_deadline == now + 110
 
     for i in range(1000):
-        await outgoing.put(pb.AgentMessage(heartbeat=pb.Heartbeat(node_id="node-a", workers=[
-            pb.WorkerSlots(worker_id=info.worker_id, slots_in_use=i % 2, capacity=2,
-                           claimed_state="ready")])))
+        await outgoing.put(
+            pb.AgentMessage(
+                heartbeat=pb.Heartbeat(
+                    node_id="node-a",
+                    workers=[
+                        pb.WorkerSlots(
+                            worker_id=info.worker_id,
+                            slots_in_use=i % 2,
+                            capacity=2,
+                            claimed_state="ready",
+                        )
+                    ],
+                )
+            )
+        )
     # The coordinator answers the storm by repeating the drain, never by serving again.
     again = await asyncio.wait_for(stream.read(), 10)
     assert again.drain_worker.worker_id == info.worker_id

@@ -19,8 +19,14 @@ def node_stub(coordinator, pki, node_id: str) -> pb_grpc.AgentLinkStub:
 
 
 def event(node_id: str, uid: str, kind: str = "notice_received") -> pb.Event:
-    return pb.Event(uid=uid, kind=kind, node_id=node_id, reclaim_id="rcl-x",
-                    wall_time=time.time(), details_json="{}")
+    return pb.Event(
+        uid=uid,
+        kind=kind,
+        node_id=node_id,
+        reclaim_id="rcl-x",
+        wall_time=time.time(),
+        details_json="{}",
+    )
 
 
 def test_node_taints_only_itself(coordinator, pki):
@@ -47,8 +53,9 @@ def test_node_reports_only_for_itself(coordinator, pki):
 
     def messages():
         yield pb.AgentMessage(register=pb.Register(node_id="node-b", node_group="g"))
-        yield pb.AgentMessage(events=pb.EventBatch(events=[event("node-b", "u-1"),
-                                                           event("node-a", "u-2")]))
+        yield pb.AgentMessage(
+            events=pb.EventBatch(events=[event("node-b", "u-1"), event("node-a", "u-2")])
+        )
 
     with pytest.raises(grpc.RpcError) as err:
         list(stub_b.Connect(messages(), timeout=5))
@@ -61,8 +68,11 @@ def test_node_reports_only_for_itself(coordinator, pki):
 def test_node_registering_as_another_is_refused(coordinator, pki):
     stub_b = node_stub(coordinator, pki, "node-b")
     with pytest.raises(grpc.RpcError) as err:
-        list(stub_b.Connect(iter([pb.AgentMessage(register=pb.Register(node_id="node-a"))]),
-                            timeout=5))
+        list(
+            stub_b.Connect(
+                iter([pb.AgentMessage(register=pb.Register(node_id="node-a"))]), timeout=5
+            )
+        )
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert coordinator.admin().nodes() == []
 
@@ -100,7 +110,8 @@ def test_a_certificate_from_another_ca_is_refused(coordinator, tmp_path):
 
     rogue = Pki(tmp_path / "rogue").issue("operator:mallory")
     creds = grpc.ssl_channel_credentials(
-        open(coordinator.operator.ca, "rb").read(), open(rogue.key, "rb").read(),
+        open(coordinator.operator.ca, "rb").read(),
+        open(rogue.key, "rb").read(),
         open(rogue.cert, "rb").read(),
     )
     stub = pb_grpc.AdminStub(grpc.secure_channel(coordinator.address, creds))
@@ -112,8 +123,16 @@ def test_a_certificate_from_another_ca_is_refused(coordinator, tmp_path):
 def test_coordinator_needs_tls_or_an_explicit_insecure(tmp_path):
     """Started with neither TLS flags nor --insecure: one clear line, exit code 2."""
     run = subprocess.run(
-        [str(BIN / "spotdrain-coordinator"), "--listen", "127.0.0.1:0",
-         "--db", str(tmp_path / "c.sqlite")], capture_output=True, text=True, timeout=30,
+        [
+            str(BIN / "spotdrain-coordinator"),
+            "--listen",
+            "127.0.0.1:0",
+            "--db",
+            str(tmp_path / "c.sqlite"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
@@ -142,6 +161,7 @@ def test_health_and_reflection_are_served(coordinator):
         assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
     replies = stub.ServerReflectionInfo(
-        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+    )
     names = {s.name for r in replies for s in r.list_services_response.service}
     assert {"spotdrain.v1.AgentLink", "spotdrain.v1.Admin", "grpc.health.v1.Health"} <= names

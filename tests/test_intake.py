@@ -62,10 +62,12 @@ def test_a_budget_that_is_not_a_positive_number_is_refused(rate: float, burst: f
 
 
 def batch(node_id: str, n: int) -> pb.EventBatch:
-    return pb.EventBatch(events=[
-        pb.Event(uid=f"u-{i}", kind="k", node_id=node_id, wall_time=1.0, details_json="{}")
-        for i in range(n)
-    ])  # fmt: skip
+    return pb.EventBatch(
+        events=[
+            pb.Event(uid=f"u-{i}", kind="k", node_id=node_id, wall_time=1.0, details_json="{}")
+            for i in range(n)
+        ]
+    )
 
 
 async def test_the_stream_waits_out_its_budget_then_takes_the_batch_in_whole(

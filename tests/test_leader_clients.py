@@ -176,8 +176,9 @@ async def test_a_follower_alone_sends_the_call_to_the_leader_it_names(fleet):
     follower.leader = leader.address
     replicas = Replicas([follower.address], insecure)
     try:
-        reply = await replicas.until_leader(pb_grpc.AdminStub, "ListNodes",
-                                            pb.ListNodesRequest(), wait_s=2)  # fmt: skip
+        reply = await replicas.until_leader(
+            pb_grpc.AdminStub, "ListNodes", pb.ListNodesRequest(), wait_s=2
+        )
         assert [n.node_id for n in reply.nodes] == [f"node-{leader.port}"]
         assert replicas.leader == leader.address
     finally:
@@ -194,8 +195,9 @@ async def test_a_call_waits_for_a_new_leader_within_the_window(fleet):
     asyncio.get_running_loop().call_later(0.6, setattr, follower, "leader", None)
     try:
         started = asyncio.get_running_loop().time()
-        reply = await replicas.until_leader(pb_grpc.AdminStub, "ListNodes",
-                                            pb.ListNodesRequest(), wait_s=5, timeout=2)  # fmt: skip
+        reply = await replicas.until_leader(
+            pb_grpc.AdminStub, "ListNodes", pb.ListNodesRequest(), wait_s=5, timeout=2
+        )
         waited = asyncio.get_running_loop().time() - started
         assert reply.nodes[0].node_id == f"node-{follower.port}" and 0.5 < waited < 2
         assert replicas.leader == follower.address
@@ -206,8 +208,9 @@ async def test_a_call_waits_for_a_new_leader_within_the_window(fleet):
     try:
         started = asyncio.get_running_loop().time()
         with pytest.raises(grpc.aio.AioRpcError) as failed:
-            await alone.until_leader(pb_grpc.AdminStub, "ListNodes", pb.ListNodesRequest(),
-                                     wait_s=5, timeout=2)  # fmt: skip
+            await alone.until_leader(
+                pb_grpc.AdminStub, "ListNodes", pb.ListNodesRequest(), wait_s=5, timeout=2
+            )
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
         assert asyncio.get_running_loop().time() - started < 1.5
     finally:
@@ -224,16 +227,15 @@ async def test_a_call_that_may_have_run_at_the_leader_is_not_sent_again(fleet):
     replicas = Replicas([follower.address, leader.address], insecure)
     try:
         with pytest.raises(grpc.aio.AioRpcError):
-            await replicas.until_leader(pb_grpc.AdminStub, "StartWorker",
-                                        pb.StartWorkerRequest(), wait_s=3, once_only=True)
+            await replicas.until_leader(
+                pb_grpc.AdminStub, "StartWorker", pb.StartWorkerRequest(), wait_s=3, once_only=True
+            )
         assert leader.calls.count("StartWorker") == 1
     finally:
         await replicas.close()
 
 
-async def test_spotctl_follow_carries_on_at_another_replica_from_the_last_event(
-    fleet, capsys
-):
+async def test_spotctl_follow_carries_on_at_another_replica_from_the_last_event(fleet, capsys):
     """`spotctl events --follow` on two replicas: the one it reads from dies after event 2;
     it opens the stream again at the other from id 2, and prints every event once."""
     first, second = await fleet(2)
@@ -245,8 +247,15 @@ async def test_spotctl_follow_carries_on_at_another_replica_from_the_last_event(
     second.events = [stored(1), stored(2), stored(3)]
     asyncio.get_running_loop().call_later(0.5, first.follow.set)
     asyncio.get_running_loop().call_later(1.0, second.follow.set)
-    argv = ["--coordinator", f"{first.address},{second.address}", "--insecure",
-            "--leader-wait-s", "0.5", "events", "--follow"]  # fmt: skip
+    argv = [
+        "--coordinator",
+        f"{first.address},{second.address}",
+        "--insecure",
+        "--leader-wait-s",
+        "0.5",
+        "events",
+        "--follow",
+    ]
     rc = await spotctl.run(spotctl.parser().parse_args(argv))
     printed = [json.loads(line)["id"] for line in capsys.readouterr().out.splitlines()]
     assert printed == [1, 2, 3]
@@ -259,18 +268,22 @@ async def test_spotctl_follow_carries_on_at_another_replica_from_the_last_event(
 
 def snapshot(version: int, *workers: str) -> pb.RouteUpdate:
     return pb.RouteUpdate(
-        version=version, snapshot=True,
-        upsert=[pb.Route(worker_id=w, node_id="n", address="127.0.0.1:1", capacity=4)
-                for w in workers],
-    )  # fmt: skip
+        version=version,
+        snapshot=True,
+        upsert=[
+            pb.Route(worker_id=w, node_id="n", address="127.0.0.1:1", capacity=4) for w in workers
+        ],
+    )
 
 
 def change(version: int, upsert: tuple[str, ...] = (), removed: tuple[str, ...] = ()):
     return pb.RouteUpdate(
-        version=version, removed=list(removed),
-        upsert=[pb.Route(worker_id=w, node_id="n", address="127.0.0.1:1", capacity=4)
-                for w in upsert],
-    )  # fmt: skip
+        version=version,
+        removed=list(removed),
+        upsert=[
+            pb.Route(worker_id=w, node_id="n", address="127.0.0.1:1", capacity=4) for w in upsert
+        ],
+    )
 
 
 async def until(predicate: Callable[[], bool], what: str, timeout: float = 5.0) -> None:

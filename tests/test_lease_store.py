@@ -122,18 +122,24 @@ async def test_a_takeover_waits_for_the_write_in_flight(two_stores):
 
 async def lock_waiters(store, name: str) -> int:
     """How many database sessions named `name` are waiting for a lock."""
-    [(n,)] = (await store.backend.read(
-        "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = ? "
-        "AND wait_event_type = 'Lock'", (name,)
-    )).rows  # fmt: skip
+    [(n,)] = (
+        await store.backend.read(
+            "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = ? "
+            "AND wait_event_type = 'Lock'",
+            (name,),
+        )
+    ).rows
     return n
 
 
 async def sessions(store, name: str) -> list[tuple[int, str]]:
     """(pid, state) of the database sessions whose application_name is `name`."""
-    return (await store.backend.read(
-        "SELECT pid, state FROM pg_stat_activity WHERE application_name = ? ORDER BY pid", (name,)
-    )).rows  # fmt: skip
+    return (
+        await store.backend.read(
+            "SELECT pid, state FROM pg_stat_activity WHERE application_name = ? ORDER BY pid",
+            (name,),
+        )
+    ).rows
 
 
 async def test_a_leader_stopped_inside_a_write_is_ended_by_the_takeover(two_stores):
@@ -156,8 +162,11 @@ async def test_a_leader_stopped_inside_a_write_is_ended_by_the_takeover(two_stor
 
     writer = asyncio.create_task(stopped_write())
     await asyncio.wait_for(inside.wait(), 10)
-    [stopped] = [pid for pid, state in await sessions(b, a.backend.session_name)
-                 if state == "idle in transaction"]  # fmt: skip
+    [stopped] = [
+        pid
+        for pid, state in await sessions(b, a.backend.session_name)
+        if state == "idle in transaction"
+    ]
 
     tries: list[object] = []
     taken = False

@@ -22,8 +22,9 @@ def scrape(url: str) -> str:
 
 
 def promtool_check(text: str) -> None:
-    run = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
-                         text=True, timeout=30)
+    run = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
+    )
     assert run.returncode == 0, run.stdout + run.stderr
 
 
@@ -32,8 +33,10 @@ def sample(text: str, name: str, **labels: str) -> float:
         if not line.startswith(name):
             continue
         match = re.match(r"([a-z_]+)(\{[^}]*\})? (\S+)", line)
-        if match and match.group(1) == name and all(
-            f'{k}="{v}"' in (match.group(2) or "") for k, v in labels.items()
+        if (
+            match
+            and match.group(1) == name
+            and all(f'{k}="{v}"' in (match.group(2) or "") for k, v in labels.items())
         ):
             return float(match.group(3))
     raise AssertionError(f"{name} {labels} not in the scrape")
@@ -48,22 +51,31 @@ def test_both_daemons_serve_metrics_that_promtool_accepts(
     agent = None
     try:
         coord_port = re.search(r"metrics on \S+:(\d+)", coord.proc.log()).group(1)
-        run_workload(docker_engine.client, name=containers + "job", node_id="node-a",
-                     kind="exits_on_term")
-        agent = start_agent(tmp_path, "node-a", coord, docker_engine.host, gpus, nvml_lib,
-                            AgentOptions(grace_s=2.0, overrun_s=1.0,
-                                         extra=["--metrics-listen", "127.0.0.1:0"]))
-        agent_port = wait_until(lambda: re.search(r"metrics on \S+:(\d+)", agent.proc.log()),
-                                10, "the agent's metrics").group(1)
+        run_workload(
+            docker_engine.client, name=containers + "job", node_id="node-a", kind="exits_on_term"
+        )
+        agent = start_agent(
+            tmp_path,
+            "node-a",
+            coord,
+            docker_engine.host,
+            gpus,
+            nvml_lib,
+            AgentOptions(grace_s=2.0, overrun_s=1.0, extra=["--metrics-listen", "127.0.0.1:0"]),
+        )
+        agent_port = wait_until(
+            lambda: re.search(r"metrics on \S+:(\d+)", agent.proc.log()), 10, "the agent's metrics"
+        ).group(1)
         agent.write_notice({"id": "m-1", "action": "terminate", "terminate_at": time.time() + 6})
         coord.admin().wait_for("drained", node="node-a", timeout=20)
         for port in (agent_port, coord_port):
             text = scrape(f"http://127.0.0.1:{port}/metrics")
             promtool_check(text)
-            assert sample(text, "spotdrain_reclamations_total", reason="notice",
-                          outcome="drained") == 1.0
-            assert sample(text, "spotdrain_notice_to_sigterm_seconds_count",
-                          reason="notice") == 1.0
+            assert (
+                sample(text, "spotdrain_reclamations_total", reason="notice", outcome="drained")
+                == 1.0
+            )
+            assert sample(text, "spotdrain_notice_to_sigterm_seconds_count", reason="notice") == 1.0
             assert sample(text, "spotdrain_local_taints_total") == 0.0
         coord_text = scrape(f"http://127.0.0.1:{coord_port}/metrics")
         assert sample(coord_text, "spotdrain_nodes_connected") == 1.0

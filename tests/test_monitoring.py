@@ -284,8 +284,11 @@ def test_the_agent_says_whether_it_reaches_the_coordinator(daemons):
     are there at 0 before any reclamation, so increase() sees the first overrun."""
     coord, _agent, ports = daemons
     # The metrics port opens before the stream is registered: wait for the registration.
-    wait_until(lambda: sample(scrape(ports["agent"]), "spotdrain_coordinator_connected") == 1.0,
-               15, "the agent to register with the coordinator")
+    wait_until(
+        lambda: sample(scrape(ports["agent"]), "spotdrain_coordinator_connected") == 1.0,
+        15,
+        "the agent to register with the coordinator",
+    )
     text = scrape(ports["agent"])
     for outcome in ("drained", "overrun"):
         assert (

@@ -154,61 +154,117 @@ MALFORMED = [
     pytest.param(b"1795977840", "not a JSON object but int", id="number"),
     pytest.param(b'"terminate"', "not a JSON object but str", id="string"),
     pytest.param(b"null", "not a JSON object", id="null"),
-    pytest.param(b'{"id": "n-1"}',
-                 "action must be one of terminate, stop, hibernate, cancel, got null",
-                 id="missing-action"),
+    pytest.param(
+        b'{"id": "n-1"}',
+        "action must be one of terminate, stop, hibernate, cancel, got null",
+        id="missing-action",
+    ),
     pytest.param(b'{"id": "n-1", "action": "reboot"}', 'got "reboot"', id="unknown-action"),
     pytest.param(b'{"id": "n-1", "action": "TERMINATE"}', 'got "TERMINATE"', id="action-case"),
-    pytest.param(b'{"id": 42, "action": "terminate"}', "id must be a non-empty string, got 42",
-                 id="id-not-string"),
-    pytest.param(b'{"id": "", "action": "terminate"}', "id must be a non-empty string",
-                 id="id-empty"),
-    pytest.param(b'{"id": "   ", "action": "terminate"}', "id must be a non-empty string",
-                 id="id-blank"),
-    pytest.param(json.dumps({"id": "x" * 257, "action": "terminate"}).encode(),
-                 "id longer than 256 characters", id="id-too-long"),
-    pytest.param(b'{"id": "i-1\\n", "action": "terminate"}', "id has control characters",
-                 id="id-newline"),
-    pytest.param(b'{"id": "i-\\u001b[31m", "action": "terminate"}', "id has control characters",
-                 id="id-escape-sequence"),
-    pytest.param(terminate(terminate_at=True), "terminate_at must be a time, got true",
-                 id="terminate-at-bool"),
-    pytest.param(terminate(terminate_at={"at": 1795977840}),
-                 "terminate_at must be an ISO 8601 string or epoch seconds",
-                 id="terminate-at-object"),
-    pytest.param(terminate(terminate_at=[1795977840]),
-                 "terminate_at must be an ISO 8601 string or epoch seconds",
-                 id="terminate-at-list"),
-    pytest.param(terminate(terminate_at="2026-11-29T18:44:00"), "terminate_at has no time zone",
-                 id="naive-time"),
-    pytest.param(terminate(terminate_at="soon"), "terminate_at is not an ISO 8601 time: \"soon\"",
-                 id="garbage-time"),
-    pytest.param(terminate(terminate_at=""), "terminate_at is not an ISO 8601 time",
-                 id="empty-time"),
-    pytest.param(b'{"action": "terminate", "terminate_at": NaN}',
-                 "terminate_at is out of range: nan", id="nan"),
-    pytest.param(b'{"action": "terminate", "terminate_at": Infinity}',
-                 "terminate_at is out of range: inf", id="infinity"),
-    pytest.param(b'{"action": "terminate", "terminate_at": -Infinity}',
-                 "terminate_at is out of range: -inf", id="minus-infinity"),
-    pytest.param(b'{"action": "terminate", "terminate_at": 1e400}', "terminate_at is out of range",
-                 id="float-overflows-to-infinity"),
-    pytest.param(terminate(terminate_at="1970-01-01T00:02:00Z"), "terminate_at is out of range",
-                 id="year-1970"),
+    pytest.param(
+        b'{"id": 42, "action": "terminate"}',
+        "id must be a non-empty string, got 42",
+        id="id-not-string",
+    ),
+    pytest.param(
+        b'{"id": "", "action": "terminate"}', "id must be a non-empty string", id="id-empty"
+    ),
+    pytest.param(
+        b'{"id": "   ", "action": "terminate"}', "id must be a non-empty string", id="id-blank"
+    ),
+    pytest.param(
+        json.dumps({"id": "x" * 257, "action": "terminate"}).encode(),
+        "id longer than 256 characters",
+        id="id-too-long",
+    ),
+    pytest.param(
+        b'{"id": "i-1\\n", "action": "terminate"}', "id has control characters", id="id-newline"
+    ),
+    pytest.param(
+        b'{"id": "i-\\u001b[31m", "action": "terminate"}',
+        "id has control characters",
+        id="id-escape-sequence",
+    ),
+    pytest.param(
+        terminate(terminate_at=True),
+        "terminate_at must be a time, got true",
+        id="terminate-at-bool",
+    ),
+    pytest.param(
+        terminate(terminate_at={"at": 1795977840}),
+        "terminate_at must be an ISO 8601 string or epoch seconds",
+        id="terminate-at-object",
+    ),
+    pytest.param(
+        terminate(terminate_at=[1795977840]),
+        "terminate_at must be an ISO 8601 string or epoch seconds",
+        id="terminate-at-list",
+    ),
+    pytest.param(
+        terminate(terminate_at="2026-11-29T18:44:00"),
+        "terminate_at has no time zone",
+        id="naive-time",
+    ),
+    pytest.param(
+        terminate(terminate_at="soon"),
+        'terminate_at is not an ISO 8601 time: "soon"',
+        id="garbage-time",
+    ),
+    pytest.param(
+        terminate(terminate_at=""), "terminate_at is not an ISO 8601 time", id="empty-time"
+    ),
+    pytest.param(
+        b'{"action": "terminate", "terminate_at": NaN}',
+        "terminate_at is out of range: nan",
+        id="nan",
+    ),
+    pytest.param(
+        b'{"action": "terminate", "terminate_at": Infinity}',
+        "terminate_at is out of range: inf",
+        id="infinity",
+    ),
+    pytest.param(
+        b'{"action": "terminate", "terminate_at": -Infinity}',
+        "terminate_at is out of range: -inf",
+        id="minus-infinity",
+    ),
+    pytest.param(
+        b'{"action": "terminate", "terminate_at": 1e400}',
+        "terminate_at is out of range",
+        id="float-overflows-to-infinity",
+    ),
+    pytest.param(
+        terminate(terminate_at="1970-01-01T00:02:00Z"),
+        "terminate_at is out of range",
+        id="year-1970",
+    ),
     pytest.param(terminate(terminate_at=120), "terminate_at is out of range: 120", id="epoch-120"),
-    pytest.param(terminate(terminate_at=1795977840000), "terminate_at is out of range",
-                 id="epoch-milliseconds"),
-    pytest.param(terminate(terminate_at="3000-01-01T00:00:00Z"), "terminate_at is out of range",
-                 id="year-3000"),
-    pytest.param(b'{"action": "terminate", "time": "2026-11-29T18:44:00Z",'
-                 b' "terminate_at": "2026-11-29T18:44:00Z"}', "both terminate_at and time given",
-                 id="time-and-terminate-at"),
-    pytest.param(b'{"action": "terminate", "time": "tomorrow"}', "time is not an ISO 8601 time",
-                 id="aws-time-garbage"),
+    pytest.param(
+        terminate(terminate_at=1795977840000),
+        "terminate_at is out of range",
+        id="epoch-milliseconds",
+    ),
+    pytest.param(
+        terminate(terminate_at="3000-01-01T00:00:00Z"),
+        "terminate_at is out of range",
+        id="year-3000",
+    ),
+    pytest.param(
+        b'{"action": "terminate", "time": "2026-11-29T18:44:00Z",'
+        b' "terminate_at": "2026-11-29T18:44:00Z"}',
+        "both terminate_at and time given",
+        id="time-and-terminate-at",
+    ),
+    pytest.param(
+        b'{"action": "terminate", "time": "tomorrow"}',
+        "time is not an ISO 8601 time",
+        id="aws-time-garbage",
+    ),
     pytest.param(b'{"action": "cancel"}', "a cancel notice needs the id", id="cancel-without-id"),
     pytest.param(terminate(source=7), "source must be a short string, got 7", id="source-number"),
-    pytest.param(terminate(source=None), "source must be a short string, got null",
-                 id="source-null"),
+    pytest.param(
+        terminate(source=None), "source must be a short string, got null", id="source-null"
+    ),
     pytest.param(terminate(source="x" * 129), "source must be a short string", id="source-long"),
 ]
 
@@ -254,8 +310,9 @@ json_scalars = (
 )
 json_values = st.recursive(
     json_scalars,
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
     max_leaves=20,
 )
 notice_shaped = st.fixed_dictionaries(

@@ -65,16 +65,23 @@ class CountingEngine(Engine):
     def _signalled(self, t: ContainerInfo, signal: str) -> Any:
         from spotdrain.agent.workloads.docker_engine import ContainerSignalled
 
-        return ContainerSignalled(time.time(), t.id, t.name, signal, "api", image=t.image,
-                                  kind=t.kind)  # fmt: skip
+        return ContainerSignalled(
+            time.time(), t.id, t.name, signal, "api", image=t.image, kind=t.kind
+        )
 
 
 def config(tmp_path: Path) -> AgentConfig:
-    cfg = AgentConfig(coordinator="127.0.0.1:1", node_id=NODE, notice_file=tmp_path / "n.json",
-                      state_dir=tmp_path / "state", insecure=True,
-                      deadline_file=tmp_path / "workload" / "deadline.json",
-                      status_dir=tmp_path / "status", socket=tmp_path / "agent.sock",
-                      margins=Margins(grace_s=3, overrun_s=1, observe_every_s=0.05))  # fmt: skip
+    cfg = AgentConfig(
+        coordinator="127.0.0.1:1",
+        node_id=NODE,
+        notice_file=tmp_path / "n.json",
+        state_dir=tmp_path / "state",
+        insecure=True,
+        deadline_file=tmp_path / "workload" / "deadline.json",
+        status_dir=tmp_path / "status",
+        socket=tmp_path / "agent.sock",
+        margins=Margins(grace_s=3, overrun_s=1, observe_every_s=0.05),
+    )
     cfg.state_dir.mkdir()
     return cfg
 
@@ -108,8 +115,15 @@ async def test_containers_are_listed_while_the_taint_is_in_flight(tmp_path: Path
     engine, link = CountingEngine(), HeldLink()
     drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers())  # type: ignore[arg-type]
     async with running(drains, outbox):
-        drains.notice(Notice(key="n-1", notice_id="n-1", action="terminate",
-                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        drains.notice(
+            Notice(
+                key="n-1",
+                notice_id="n-1",
+                action="terminate",
+                terminate_at=time.time() + 20,
+                source="file",
+            )
+        )
         await asyncio.wait_for(link.asked.wait(), 5)
         await until(lambda: engine.listings, "a listing while the Taint is unanswered")
         assert engine.listings == [(engine.job.id,)]
@@ -121,7 +135,8 @@ async def test_containers_are_listed_while_the_taint_is_in_flight(tmp_path: Path
         assert outcome == "drained"
         assert engine.signals[0] == (engine.job.id, "SIGTERM")  # the listed one, first
         assert sorted(engine.signals) == sorted(
-            [(engine.job.id, "SIGTERM"), (engine.late.id, "SIGTERM")])  # each once
+            [(engine.job.id, "SIGTERM"), (engine.late.id, "SIGTERM")]
+        )  # each once
         kinds = [e.kind for e in outbox.pending()]
         assert kinds.index("tainted") < kinds.index("sigterm_sent")
 
@@ -134,16 +149,25 @@ async def test_a_cancel_before_the_answer_signals_nothing(tmp_path: Path) -> Non
     engine, link = CountingEngine(), HeldLink()
     drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers())  # type: ignore[arg-type]
     async with running(drains, outbox):
-        drains.notice(Notice(key="n-2", notice_id="n-2", action="terminate",
-                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        drains.notice(
+            Notice(
+                key="n-2",
+                notice_id="n-2",
+                action="terminate",
+                terminate_at=time.time() + 20,
+                source="file",
+            )
+        )
         await asyncio.wait_for(link.asked.wait(), 5)
-        drains.notice(Notice(key="n-2", notice_id="n-2", action="cancel", terminate_at=None,
-                             source="file"))  # fmt: skip
+        drains.notice(
+            Notice(key="n-2", notice_id="n-2", action="cancel", terminate_at=None, source="file")
+        )
         outcome = await asyncio.wait_for(drains.settled("n-2"), 5)
         assert outcome == "cancelled"
         link.answer.set()
-        await until(lambda: "notice_cancelled" in [e.kind for e in outbox.pending()],
-                    "the cancel recorded")  # fmt: skip
+        await until(
+            lambda: "notice_cancelled" in [e.kind for e in outbox.pending()], "the cancel recorded"
+        )
         await until(lambda: not drains._listed_ahead, "the listing made ahead dropped")
         assert engine.signals == []
 
@@ -156,13 +180,21 @@ async def test_one_step_puts_its_events_in_one_transaction(tmp_path: Path) -> No
     outbox = Outbox(cfg.state_dir / "outbox.sqlite")
     commits: list[str] = []
     assert outbox.db is not None
-    outbox.db.set_trace_callback(lambda sql: commits.append(sql) if sql in (
-        "COMMIT",) or sql.startswith("INSERT") else None)  # fmt: skip
+    outbox.db.set_trace_callback(
+        lambda sql: commits.append(sql) if sql in ("COMMIT",) or sql.startswith("INSERT") else None
+    )
     engine, link = CountingEngine(), HeldLink()
     drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers())  # type: ignore[arg-type]
     async with running(drains, outbox):
-        drains.notice(Notice(key="n-3", notice_id="n-3", action="terminate",
-                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        drains.notice(
+            Notice(
+                key="n-3",
+                notice_id="n-3",
+                action="terminate",
+                terminate_at=time.time() + 20,
+                source="file",
+            )
+        )
         await asyncio.wait_for(link.asked.wait(), 5)
         await until(lambda: not outbox.held_in_memory, "the notice's own events stored")
         before = len(commits)
@@ -175,8 +207,12 @@ async def test_one_step_puts_its_events_in_one_transaction(tmp_path: Path) -> No
         # The answer's step: both events in one transaction (no COMMIT between), then one COMMIT.
         assert "COMMIT" not in step[min(tainted, written) : max(tainted, written)], step
         assert "COMMIT" in step[max(tainted, written) :], step
-        stored = [row[0] for row in sqlite3.connect(cfg.state_dir / "outbox.sqlite").execute(
-            "SELECT body FROM outbox ORDER BY seq")]  # fmt: skip
+        stored = [
+            row[0]
+            for row in sqlite3.connect(cfg.state_dir / "outbox.sqlite").execute(
+                "SELECT body FROM outbox ORDER BY seq"
+            )
+        ]
         assert any('"kind": "tainted"' in b for b in stored)
         assert any('"kind": "deadline_file_written"' in b for b in stored)
 
@@ -202,12 +238,18 @@ async def test_every_event_the_outbox_has_not_stored_rides_in_the_bundle(tmp_pat
     engine, link = CountingEngine(), Link()
     bundles = BundleStore(cfg.state_dir)
     engine.running_now = [engine.job]
-    drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers(),
-                         bundles=bundles)  # type: ignore[arg-type]  # fmt: skip
+    drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers(), bundles=bundles)  # type: ignore[arg-type]
     loop = asyncio.create_task(drains.run())
     try:
-        drains.notice(Notice(key="n-5", notice_id="n-5", action="terminate",
-                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        drains.notice(
+            Notice(
+                key="n-5",
+                notice_id="n-5",
+                action="terminate",
+                terminate_at=time.time() + 20,
+                source="file",
+            )
+        )
         await asyncio.wait_for(drains.settled("n-5"), 5)
     finally:
         loop.cancel()  # killed: no close(), nothing more reaches the disk
@@ -216,8 +258,11 @@ async def test_every_event_the_outbox_has_not_stored_rides_in_the_bundle(tmp_pat
     carried = [e["kind"] for e in json.loads(bundles.path(rid).read_text())[STEP_EVENTS]]
     assert carried[0] == "notice_received"
     assert {"tainted", "sigterm_sent", "drained"} <= set(carried)
-    stored = sqlite3.connect(cfg.state_dir / "outbox.sqlite").execute(
-        "SELECT count(*) FROM outbox").fetchone()[0]  # fmt: skip
+    stored = (
+        sqlite3.connect(cfg.state_dir / "outbox.sqlite")
+        .execute("SELECT count(*) FROM outbox")
+        .fetchone()[0]
+    )
     assert stored == 0
     outbox.close()
 
@@ -241,8 +286,15 @@ async def test_the_drain_loop_stops_when_cancelled_between_two_wakeups(tmp_path:
     drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers())  # type: ignore[arg-type]
     loop = asyncio.create_task(drains.run())
     try:
-        drains.notice(Notice(key="n-4", notice_id="n-4", action="terminate",
-                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        drains.notice(
+            Notice(
+                key="n-4",
+                notice_id="n-4",
+                action="terminate",
+                terminate_at=time.time() + 20,
+                source="file",
+            )
+        )
         await asyncio.wait_for(link.asked.wait(), 5)
         link.answer.set()
         await until(lambda: engine.signals, "the SIGTERM")
@@ -256,7 +308,6 @@ async def test_the_drain_loop_stops_when_cancelled_between_two_wakeups(tmp_path:
         loop.cancel()
         await drains.close()
         outbox.close()
-
 
 
 async def test_the_first_sigterm_round_is_announced_in_the_answers_own_save(
@@ -277,11 +328,17 @@ async def test_the_first_sigterm_round_is_announced_in_the_answers_own_save(
     outbox = Outbox(cfg.state_dir / "outbox.sqlite")
     engine, link = CountingEngine(), HeldLink()
     bundles = CountingBundles(cfg.state_dir)
-    drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers(),
-                         bundles=bundles)  # type: ignore[arg-type]  # fmt: skip
+    drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers(), bundles=bundles)  # type: ignore[arg-type]
     async with running(drains, outbox):
-        drains.notice(Notice(key="n-8", notice_id="n-8", action="terminate",
-                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        drains.notice(
+            Notice(
+                key="n-8",
+                notice_id="n-8",
+                action="terminate",
+                terminate_at=time.time() + 20,
+                source="file",
+            )
+        )
         await asyncio.wait_for(link.asked.wait(), 5)
         await until(lambda: engine.listings, "the listing made ahead")
         before = len(bundles.saves)
@@ -321,8 +378,15 @@ async def test_the_notice_path_holds_the_events_from_its_taint_to_its_sigterms(
     link = HoldRecordingLink(engine)
     drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers())  # type: ignore[arg-type]
     async with running(drains, outbox):
-        drains.notice(Notice(key="n-9", notice_id="n-9", action="terminate",
-                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        drains.notice(
+            Notice(
+                key="n-9",
+                notice_id="n-9",
+                action="terminate",
+                terminate_at=time.time() + 20,
+                source="file",
+            )
+        )
         await asyncio.wait_for(link.asked.wait(), 5)
         rid = reclaim_id_for(NODE, "n-9")
         assert link.holds == []  # the notice's events go at once
@@ -332,11 +396,19 @@ async def test_the_notice_path_holds_the_events_from_its_taint_to_its_sigterms(
 
         link.answer.clear()
         link.asked.clear()
-        drains.notice(Notice(key="n-10", notice_id="n-10", action="terminate",
-                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        drains.notice(
+            Notice(
+                key="n-10",
+                notice_id="n-10",
+                action="terminate",
+                terminate_at=time.time() + 20,
+                source="file",
+            )
+        )
         await asyncio.wait_for(link.asked.wait(), 5)
-        drains.notice(Notice(key="n-10", notice_id="n-10", action="cancel", terminate_at=None,
-                             source="file"))  # fmt: skip
+        drains.notice(
+            Notice(key="n-10", notice_id="n-10", action="cancel", terminate_at=None, source="file")
+        )
         other = reclaim_id_for(NODE, "n-10")
         await asyncio.wait_for(drains.settled("n-10"), 5)
         link.answer.set()

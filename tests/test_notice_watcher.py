@@ -39,12 +39,16 @@ async def collect(path, poll_s: float, writes: list, settle: float = 0.3) -> lis
 
 async def test_inotify_sees_renames_and_skips_repeats(tmp_path):
     path = tmp_path / "run" / "notice.json"
-    seen = await collect(path, poll_s=60, writes=[
-        {"id": "a", "action": "terminate"},
-        {"id": "a", "action": "terminate"},  # the same bytes again: one result
-        b"garbage",
-        {"id": "b", "action": "terminate"},
-    ])
+    seen = await collect(
+        path,
+        poll_s=60,
+        writes=[
+            {"id": "a", "action": "terminate"},
+            {"id": "a", "action": "terminate"},  # the same bytes again: one result
+            b"garbage",
+            {"id": "b", "action": "terminate"},
+        ],
+    )
     assert [type(s) for s in seen] == [Notice, NoticeInvalid, Notice]
     assert [s.notice_id for s in seen if isinstance(s, Notice)] == ["a", "b"]
 

@@ -31,20 +31,27 @@ class StubbornEngine(Engine):
             if signal == "SIGKILL":
                 self.running_now = []
                 self.gone.set()
-            yield ContainerSignalled(time.time(), t.id, t.name, signal, "api", image=t.image,
-                                     kind=t.kind)  # fmt: skip
+            yield ContainerSignalled(
+                time.time(), t.id, t.name, signal, "api", image=t.image, kind=t.kind
+            )
 
 
 def one_machine(
     tmp_path: Path, **settings: Any
 ) -> tuple[AgentConfig, Outbox, StubbornEngine, DrainRunner]:
     """One node's drain runner over in-memory adapters, its job ignoring SIGTERM."""
-    cfg = AgentConfig(coordinator="127.0.0.1:1", node_id=NODE, notice_file=tmp_path / "n.json",
-                      state_dir=tmp_path / "state", insecure=True,
-                      deadline_file=tmp_path / "workload" / "deadline.json",
-                      status_dir=tmp_path / "status", socket=tmp_path / "agent.sock",
-                      margins=Margins(grace_s=2, overrun_s=1, observe_every_s=0.05),
-                      **settings)  # fmt: skip
+    cfg = AgentConfig(
+        coordinator="127.0.0.1:1",
+        node_id=NODE,
+        notice_file=tmp_path / "n.json",
+        state_dir=tmp_path / "state",
+        insecure=True,
+        deadline_file=tmp_path / "workload" / "deadline.json",
+        status_dir=tmp_path / "status",
+        socket=tmp_path / "agent.sock",
+        margins=Margins(grace_s=2, overrun_s=1, observe_every_s=0.05),
+        **settings,
+    )
     cfg.state_dir.mkdir()
     outbox = Outbox(cfg.state_dir / "outbox.sqlite")
     engine = StubbornEngine()
@@ -57,8 +64,15 @@ async def test_one_machine_two_notices_one_sigterm_and_the_earlier_g(tmp_path: P
     loop = asyncio.create_task(drains.run())
     try:
         t0 = time.time()
-        drains.notice(Notice(key="gcp:preempted:boot-1", notice_id="gcp-preempted",
-                             action="terminate", terminate_at=t0 + 4, source="gcp"))
+        drains.notice(
+            Notice(
+                key="gcp:preempted:boot-1",
+                notice_id="gcp-preempted",
+                action="terminate",
+                terminate_at=t0 + 4,
+                source="gcp",
+            )
+        )
         for _ in range(200):
             if engine.signals:
                 break
@@ -66,8 +80,15 @@ async def test_one_machine_two_notices_one_sigterm_and_the_earlier_g(tmp_path: P
         assert engine.signals == [(engine.job.id, "SIGTERM")]
         first_g = json.loads(cfg.deadline_file.read_text())["grace_deadline"]
         # The host's shutdown for the same preemption, with a later D of its own.
-        drains.notice(Notice(key="shutdown:boot-1", notice_id="shutdown-boot-1",
-                             action="terminate", terminate_at=t0 + 6, source="shutdown"))
+        drains.notice(
+            Notice(
+                key="shutdown:boot-1",
+                notice_id="shutdown-boot-1",
+                action="terminate",
+                terminate_at=t0 + 6,
+                source="shutdown",
+            )
+        )
         outcome = await asyncio.wait_for(drains.settled("gcp:preempted:boot-1"), 10)
         await asyncio.wait_for(drains.settled("shutdown:boot-1"), 10)
         assert outcome in ("drained", "overrun")
@@ -95,8 +116,15 @@ async def test_a_lift_leaves_the_deadline_file_to_the_drain_still_in_force(tmp_p
                 break
             await asyncio.sleep(0.01)
         assert engine.signals == [(engine.job.id, "SIGTERM")]
-        drains.notice(Notice(key="aws:i-1", notice_id="aws-1", action="terminate",
-                             terminate_at=time.time() + 8, source="aws-imds"))  # fmt: skip
+        drains.notice(
+            Notice(
+                key="aws:i-1",
+                notice_id="aws-1",
+                action="terminate",
+                terminate_at=time.time() + 8,
+                source="aws-imds",
+            )
+        )
         for _ in range(200):
             if len(drains.live) == 2 and all(r.phase == "draining" for r in drains.live.values()):
                 break

@@ -308,7 +308,6 @@ def test_a_long_free_text_report_is_shortened_not_refused():
     assert report["state"] == "stopped" and report["exit_code"] == 137
 
 
-
 class HoldingLink(RecordingLink):
     """RecordingLink with a Taint that waits for the test's word, and the order in which the
     coordinator saw things: the Taint, each worker report, each event batch."""
@@ -343,9 +342,14 @@ async def linked(tmp_path: Path) -> AsyncIterator[tuple[CoordinatorLink, Holding
     pb_grpc.add_AgentLinkServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    cfg = AgentConfig(coordinator=f"127.0.0.1:{port}", node_id=NODE,
-                      notice_file=tmp_path / "notice.json", state_dir=tmp_path,
-                      docker_host="", insecure=True)  # fmt: skip
+    cfg = AgentConfig(
+        coordinator=f"127.0.0.1:{port}",
+        node_id=NODE,
+        notice_file=tmp_path / "notice.json",
+        state_dir=tmp_path,
+        docker_host="",
+        insecure=True,
+    )
 
     async def registration() -> pb.Register:
         return pb.Register(node_id=NODE)

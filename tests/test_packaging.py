@@ -169,8 +169,9 @@ def host(
         _, shipped = system.sh("cat /etc/spotdrain/agent.toml")
         system.put(
             "/etc/spotdrain/agent.toml",
-            (f'coordinator = "{coordinator}"\nnode_id = "{NODE}"\ninsecure = true\n'
-             + shipped).encode(),
+            (
+                f'coordinator = "{coordinator}"\nnode_id = "{NODE}"\ninsecure = true\n' + shipped
+            ).encode(),
         )
         started = time.monotonic()
         system.sh("systemctl daemon-reload")

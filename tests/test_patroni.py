@@ -29,8 +29,11 @@ def patroni_cluster():
     try:
         cluster = start_cluster()
     except Exception as e:  # noqa: BLE001 (any reason it could not start: one clear failure)
-        where = "CI must run the Patroni test" if os.environ.get("CI") == "true" else \
-            "tests/setup.sh installs Debian's patroni and etcd-server"  # fmt: skip
+        where = (
+            "CI must run the Patroni test"
+            if os.environ.get("CI") == "true"
+            else "tests/setup.sh installs Debian's patroni and etcd-server"
+        )
         pytest.fail(f"could not start a Patroni cluster: {e}\n({where})", pytrace=False)
     yield cluster
     cluster.stop()
@@ -54,9 +57,13 @@ class TaintProbe:
             while not self._stop.is_set():
                 i += 1
                 reclaim_id, now = f"probe-{i}", time.time()
-                request = pb.TaintRequest(node_id=self.node_id, reclaim_id=reclaim_id,
-                                          reason="notice", terminate_at=now + 600,
-                                          grace_deadline=now + 590)  # fmt: skip
+                request = pb.TaintRequest(
+                    node_id=self.node_id,
+                    reclaim_id=reclaim_id,
+                    reason="notice",
+                    terminate_at=now + 600,
+                    grace_deadline=now + 590,
+                )
                 sent = time.monotonic()
                 try:
                     await node.stub.Taint(request, timeout=0.8)
@@ -88,7 +95,6 @@ def stored(admin, kind: str, node: str, timeout: float) -> dict:
     return wait_until(find, timeout, f"{kind} on {node}", every=0.2)
 
 
-
 def test_the_primary_killed_mid_drain_patroni_promotes_and_the_drain_completes_inside_d(
     tmp_path, patroni_cluster: Cluster, pki, docker_engine, gpus, nvml_lib, containers
 ):
@@ -102,20 +108,41 @@ def test_the_primary_killed_mid_drain_patroni_promotes_and_the_drain_completes_i
     cluster = patroni_cluster
     url = cluster.create_database("spotdrain")
     coordinator = start_coordinator(tmp_path / "coordinator", tls=pki, db=url)
-    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        AgentOptions(grace_s=10.0, overrun_s=2.0))  # fmt: skip
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        AgentOptions(grace_s=10.0, overrun_s=2.0),
+    )
     probe = None
     try:
         admin = coordinator.admin()
-        wait_until(lambda: any(n.node_id == "node-a" and n.connected for n in admin.nodes()),
-                   20, "node-a to register")  # fmt: skip
-        run_workload(docker_engine.client, name=containers + "job", node_id="node-a",
-                     kind="checkpoints", env={"CHECKPOINT_S": "12"})
+        wait_until(
+            lambda: any(n.node_id == "node-a" and n.connected for n in admin.nodes()),
+            20,
+            "node-a to register",
+        )
+        run_workload(
+            docker_engine.client,
+            name=containers + "job",
+            node_id="node-a",
+            kind="checkpoints",
+            env={"CHECKPOINT_S": "12"},
+        )
         probe = TaintProbe(coordinator, pki)
         wait_until(lambda: any(a[2] == "OK" for a in probe.answers), 10, "a probe answered")
         terminate_at = time.time() + 40
-        agent.write_notice({"id": "i-patroni-1", "action": "terminate",
-                            "terminate_at": terminate_at, "source": "aws-imds"})  # fmt: skip
+        agent.write_notice(
+            {
+                "id": "i-patroni-1",
+                "action": "terminate",
+                "terminate_at": terminate_at,
+                "source": "aws-imds",
+            }
+        )
         tainted = admin.wait_for("tainted", node="node-a", timeout=10)
         assert tainted["mode"] == "remote"
 
@@ -129,21 +156,37 @@ def test_the_primary_killed_mid_drain_patroni_promotes_and_the_drain_completes_i
         drained = stored(admin, "drained", "node-a", timeout=60)
         assert killed_wall < drained["wall_time"] <= terminate_at
         wait_until(lambda: agent.outbox_left() == 0, 30, "the agent's outbox to empty")
-        wait_until(lambda: any(a[0] > killed + promoted_s and a[2] == "OK"
-                               for a in probe.answers), 30, "a probe answered after")  # fmt: skip
+        wait_until(
+            lambda: any(a[0] > killed + promoted_s and a[2] == "OK" for a in probe.answers),
+            30,
+            "a probe answered after",
+        )
         answers = probe.stop()
-        print(f"primary killed: standby promoted after {promoted_s:.1f} s; probes: "
-              + ", ".join(f"{code} {took * 1000:.0f} ms" for _, _, code, took in answers
-                          if code != "OK"))  # fmt: skip
+        print(
+            f"primary killed: standby promoted after {promoted_s:.1f} s; probes: "
+            + ", ".join(
+                f"{code} {took * 1000:.0f} ms" for _, _, code, took in answers if code != "OK"
+            )
+        )
 
         with psycopg.connect(url, connect_timeout=5) as conn:
             rows = conn.execute("SELECT uid, kind, node_id, reclaim_id FROM events").fetchall()
-            stored_taints = {r for (r,) in conn.execute(
-                "SELECT reclaim_id FROM taints WHERE node_id = 'node-probe'").fetchall()}
+            stored_taints = {
+                r
+                for (r,) in conn.execute(
+                    "SELECT reclaim_id FROM taints WHERE node_id = 'node-probe'"
+                ).fetchall()
+            }
         # (A uid is stored once by the schema; a fact made twice would be two uids.)
         kinds = [k for _, k, n, r in rows if n == "node-a" and r == drained["reclaim_id"]]
-        for once in ("notice_received", "tainted", "sigterm_sent", "container_exited",
-                     "verified_empty", "drained"):  # fmt: skip
+        for once in (
+            "notice_received",
+            "tainted",
+            "sigterm_sent",
+            "container_exited",
+            "verified_empty",
+            "drained",
+        ):
             assert kinds.count(once) == 1, (once, kinds)
         assert "overrun" not in kinds
 

@@ -38,8 +38,12 @@ def workers_cleanup(docker_engine):
 
 
 def spotctl(agent, *args: str) -> dict:
-    run = subprocess.run([str(BIN / "spotctl"), "--socket", str(agent.socket), *args, "--json"],
-                         capture_output=True, text=True, timeout=30)
+    run = subprocess.run(
+        [str(BIN / "spotctl"), "--socket", str(agent.socket), *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     return json.loads(run.stdout) if run.stdout else {"ok": False, "error": run.stderr}
 
 
@@ -49,10 +53,17 @@ def start_worker(
     from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
     admin = pb_grpc.AdminStub(coordinator.channel())
-    wait_until(lambda: any(n.node_id == node and n.connected
-                           for n in coordinator.admin().nodes()), 20, f"{node} to register")
-    info = admin.StartWorker(pb.StartWorkerRequest(node_id=node, model="fake-model", image=image,
-                                                   slots=slots, port=port), timeout=30)
+    wait_until(
+        lambda: any(n.node_id == node and n.connected for n in coordinator.admin().nodes()),
+        20,
+        f"{node} to register",
+    )
+    info = admin.StartWorker(
+        pb.StartWorkerRequest(
+            node_id=node, model="fake-model", image=image, slots=slots, port=port
+        ),
+        timeout=30,
+    )
     return info
 
 
@@ -67,7 +78,9 @@ def worker(coordinator, worker_id: str) -> pb.WorkerInfo | None:
 def wait_state(coordinator, worker_id: str, state: str, timeout: float = 60) -> pb.WorkerInfo:
     return wait_until(
         lambda: (w := worker(coordinator, worker_id)) is not None and w.state == state and w,
-        timeout, f"worker {worker_id} {state}", every=0.1,
+        timeout,
+        f"worker {worker_id} {state}",
+        every=0.1,
     )
 
 
@@ -78,10 +91,18 @@ class Stream:
         self.lines: list[str] = []
         self.error: Exception | None = None
         self.status: int | None = None
-        body = json.dumps({"model": "fake-model", "stream": True, "max_tokens": tokens,
-                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+        body = json.dumps(
+            {
+                "model": "fake-model",
+                "stream": True,
+                "max_tokens": tokens,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+        ).encode()
         self.request = urllib.request.Request(
-            f"http://{address}/v1/chat/completions", data=body, method="POST",
+            f"http://{address}/v1/chat/completions",
+            data=body,
+            method="POST",
             headers={"Content-Type": "application/json", "X-Fake-Tokens-Per-S": str(tokens_per_s)},
         )
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -151,14 +172,27 @@ def test_pause_cuts_a_stream_longer_than_the_ceiling_and_frees_the_node_by_d(
 
 
 def test_pause_with_short_requests_completes_every_one(
-    tmp_path, docker_engine, coordinator, gpus, nvml_lib, model_image, workers_cleanup,
+    tmp_path,
+    docker_engine,
+    coordinator,
+    gpus,
+    nvml_lib,
+    model_image,
+    workers_cleanup,
     coordinator_db,
 ):
     """The owner pauses while short requests (about a second each) are in flight. None is
     cut: the worker is stopped the moment its last slot is released, and the node is verified
     empty within seconds, long before the grace deadline."""
-    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        AgentOptions(grace_s=10.0, overrun_s=2.0, extra=["--pause-notice-s", "30"]))
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        AgentOptions(grace_s=10.0, overrun_s=2.0, extra=["--pause-notice-s", "30"]),
+    )
     admin = coordinator.admin()
     try:
         info = start_worker(coordinator, "node-a", model_image)
@@ -211,8 +245,15 @@ def test_a_worker_starting_when_the_owner_pauses_serves_nothing(
 ):
     """An operator places a worker; while its container is still starting, the owner pauses.
     The worker registers, is drained the moment it appears, and never becomes routable."""
-    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        AgentOptions(grace_s=3.0, overrun_s=1.0, extra=["--pause-notice-s", "15"]))
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        AgentOptions(grace_s=3.0, overrun_s=1.0, extra=["--pause-notice-s", "15"]),
+    )
     admin = coordinator.admin()
     from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
@@ -231,11 +272,15 @@ def test_a_worker_starting_when_the_owner_pauses_serves_nothing(
     try:
         info = start_worker(coordinator, "node-a", model_image)
         assert spotctl(agent, "pause")["ok"] is True
-        wait_until(lambda: (w := worker(coordinator, info.worker_id)) and w.state == "stopped",
-                   60, "the late worker stopped")
+        wait_until(
+            lambda: (w := worker(coordinator, info.worker_id)) and w.state == "stopped",
+            60,
+            "the late worker stopped",
+        )
         assert not any(u.upsert for u in seen_routes)  # never routable
-        kinds = [e["kind"] for e in admin.events(node="node-a")
-                 if e.get("worker_id") == info.worker_id]
+        kinds = [
+            e["kind"] for e in admin.events(node="node-a") if e.get("worker_id") == info.worker_id
+        ]
         assert "worker_ready" not in kinds
         admin.wait_for("drained", node="node-a", timeout=20)
     finally:
@@ -244,7 +289,13 @@ def test_a_worker_starting_when_the_owner_pauses_serves_nothing(
 
 
 def test_coordinator_unreachable_when_the_owner_pauses(
-    tmp_path, docker_engine, coordinator, gpus, nvml_lib, model_image, containers,
+    tmp_path,
+    docker_engine,
+    coordinator,
+    gpus,
+    nvml_lib,
+    model_image,
+    containers,
     workers_cleanup,
 ):
     """The coordinator hangs (SIGSTOP) when the owner pauses. The owner's promise does not
@@ -255,8 +306,9 @@ def test_coordinator_unreachable_when_the_owner_pauses(
     try:
         info = start_worker(coordinator, "node-a", model_image)
         wait_state(coordinator, info.worker_id, "ready")
-        run_workload(docker_engine.client, name=containers + "job", node_id="node-a",
-                     kind="exits_on_term")
+        run_workload(
+            docker_engine.client, name=containers + "job", node_id="node-a", kind="exits_on_term"
+        )
         coordinator.proc.signal(signal.SIGSTOP)
         paused_at = time.time()
         try:
@@ -299,9 +351,13 @@ def test_coordinator_killed_mid_drain_recovers_inside_the_deadline(
         drained = coord.admin().wait_for("drained", node="node-a", timeout=20)
         assert drained["wall_time"] <= paused_at + 8
         assert stopped.state == "stopped"
-        assert all(w.state != "draining" for w in
-                   __import__("spotdrain.v1.spotdrain_pb2_grpc", fromlist=["x"]).AdminStub(
-                       coord.channel()).ListWorkers(pb.ListWorkersRequest(), timeout=5).workers)
+        assert all(
+            w.state != "draining"
+            for w in __import__("spotdrain.v1.spotdrain_pb2_grpc", fromlist=["x"])
+            .AdminStub(coord.channel())
+            .ListWorkers(pb.ListWorkersRequest(), timeout=5)
+            .workers
+        )
         stream.join(10)
         assert stream.interrupted and not stream.done_marker
     finally:
@@ -329,14 +385,25 @@ def as_nobody(socket_path: Path, command: str) -> subprocess.CompletedProcess:
     system_python = shutil.which("python3", path="/usr/bin:/bin")
     assert system_python, "the system's python3 (Debian's python3 package) is needed"
     return subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", system_python, "-c",
-         OUTSIDER, str(socket_path), command],
-        capture_output=True, text=True, timeout=30, cwd="/",
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            system_python,
+            "-c",
+            OUTSIDER,
+            str(socket_path),
+            command,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd="/",
     )
 
 
-def test_spotctl_from_an_outsider_is_refused(tmp_path, docker_engine, coordinator, gpus,
-                                             nvml_lib):
+def test_spotctl_from_an_outsider_is_refused(tmp_path, docker_engine, coordinator, gpus, nvml_lib):
     """A uid that is neither root nor in group spotdrain cannot pause the machine: the socket
     is mode 0660, and the agent checks the caller with SO_PEERCRED anyway."""
     # A directory every user may traverse, so only the socket's own checks decide.
@@ -354,8 +421,12 @@ def test_spotctl_from_an_outsider_is_refused(tmp_path, docker_engine, coordinato
         run = as_nobody(agent.socket, "pause")
         assert run.returncode == 1 and "neither root nor in group" in run.stderr
         assert spotctl(agent, "status")["paused"] is False
-        table = subprocess.run([str(BIN / "spotctl"), "--socket", str(agent.socket), "status"],
-                               capture_output=True, text=True, timeout=30)
+        table = subprocess.run(
+            [str(BIN / "spotctl"), "--socket", str(agent.socket), "status"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert table.returncode == 0 and table.stdout.startswith("node node-a: available")
     finally:
         agent.proc.stop()

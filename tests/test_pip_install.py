@@ -17,17 +17,32 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 # What a toolchain or a -dev package would answer to; each shim fails loudly instead.
-HIDDEN_TOOLS = ("cc", "gcc", "c++", "g++", "x86_64-linux-gnu-gcc", "aarch64-linux-gnu-gcc",
-                "pkg-config", "x86_64-linux-gnu-pkg-config", "aarch64-linux-gnu-pkg-config")
+HIDDEN_TOOLS = (
+    "cc",
+    "gcc",
+    "c++",
+    "g++",
+    "x86_64-linux-gnu-gcc",
+    "aarch64-linux-gnu-gcc",
+    "pkg-config",
+    "x86_64-linux-gnu-pkg-config",
+    "aarch64-linux-gnu-pkg-config",
+)
 
 
 def clone_tree(dest: Path) -> Path:
     """The files a clone would have (tracked, plus new files not ignored), copied: the build
     then sees what a clone sees, and writes nothing into the shared checkout."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO, check=True, capture_output=True,
-    ).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         src = REPO / name
         if src.is_file():
@@ -67,12 +82,20 @@ def test_pip_install_in_a_clean_venv_needs_no_compiler_and_no_libsystemd(tmp_pat
     subprocess.run([system_python(), "-m", "venv", str(venv)], check=True, env=env, timeout=120)
     install = subprocess.run(
         [str(venv / "bin" / "pip"), "install", "--disable-pip-version-check", str(source)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
     for command in ("spotdrain-agent", "spotdrain-coordinator", "spotctl", "spotdrain-router"):
-        answer = subprocess.run([str(venv / "bin" / command), "--help"], env=env,
-                                capture_output=True, text=True, timeout=60)
+        answer = subprocess.run(
+            [str(venv / "bin" / command), "--help"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert answer.returncode == 0, (command, answer.stderr)
         assert "usage:" in answer.stdout, (command, answer.stdout)
     # pip's cache may hold a wheel compiled here earlier (systemd-python's, from before), which
@@ -85,9 +108,16 @@ def test_pip_install_in_a_clean_venv_needs_no_compiler_and_no_libsystemd(tmp_pat
     ]
     assert built_here == [], "compiled at install time, needs a toolchain: " + str(built_here)
     found = subprocess.run(
-        [str(venv / "bin" / "python"), "-c",
-         "import importlib.util, spotdrain.runtime.systemd; "
-         "print(importlib.util.find_spec('systemd'))"],
-        env=env, capture_output=True, text=True, timeout=60, check=True,
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import importlib.util, spotdrain.runtime.systemd; "
+            "print(importlib.util.find_spec('systemd'))",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     assert found.stdout.strip() == "None", "systemd-python was installed: " + found.stdout

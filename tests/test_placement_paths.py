@@ -23,8 +23,7 @@ async def ops(coordinator):
     await o.channel.close()
 
 
-@pytest.mark.parametrize("reason, refusal", [("pause", "workload_disabled"),
-                                             ("notice", "tainted")])
+@pytest.mark.parametrize("reason, refusal", [("pause", "workload_disabled"), ("notice", "tainted")])
 async def test_an_operator_cannot_place_on_a_paused_or_tainted_node(
     coordinator, pki, ops, reason, refusal
 ):
@@ -124,8 +123,10 @@ async def test_the_recovery_loop_replaces_a_missing_worker_through_the_gate(tmp_
         assert (await ops.workers())[replacement].node_id == "node-c"
         assert await ops.events("worker_missing")
         refused = await ops.events("placement_refused")
-        assert any(r.event.node_id == "node-b" and b"recovery" in r.event.details_json.encode()
-                   for r in refused)
+        assert any(
+            r.event.node_id == "node-b" and b"recovery" in r.event.details_json.encode()
+            for r in refused
+        )
     finally:
         for n in nodes.values():
             await n.close()
@@ -185,16 +186,24 @@ async def test_render_is_refused_on_spot_through_every_path_that_can_carry_it(tm
         replacement = await od2.start_next()
         assert (await ops.workers())[replacement].kind == "render"
         refused = [r.event for r in await ops.events("placement_refused")]
-        assert any(e.node_id == "node-a-spot" and '"path": "recovery"' in e.details_json
-                   and "render_on_spot" in e.details_json for e in refused)
+        assert any(
+            e.node_id == "node-a-spot"
+            and '"path": "recovery"' in e.details_json
+            and "render_on_spot" in e.details_json
+            for e in refused
+        )
 
         # Re-registration: od2 reboots (its job gone) and comes back as a spot node.
         await od2.disconnect()
         od2.spot = True
         await od2.connect(running=[])
         refused = [r.event for r in await ops.events("placement_refused")]
-        assert any(e.node_id == "node-c-od" and '"path": "reregistration"' in e.details_json
-                   and "render_on_spot" in e.details_json for e in refused)
+        assert any(
+            e.node_id == "node-c-od"
+            and '"path": "reregistration"' in e.details_json
+            and "render_on_spot" in e.details_json
+            for e in refused
+        )
         assert (await ops.workers())[replacement].state == "stopped"
         with pytest.raises(asyncio.TimeoutError):
             while True:  # anything but a start is fine

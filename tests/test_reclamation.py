@@ -711,9 +711,15 @@ def test_a_rewritten_notice_with_a_later_d_is_recorded_and_moves_nothing(story: 
     story.begin(notice(terminate_at=T0 + 60))
     story(TaintAnswered(T0 + 0.05))
     assert story(NoticeHeard(T0 + 1, "terminate", T0 + 300)) == [
-        emit("notice_updated", action="terminate", heard_terminate_at=T0 + 300,
-             terminate_at=T0 + 60, moved=False, unrecorded=0),
-    ]  # fmt: skip
+        emit(
+            "notice_updated",
+            action="terminate",
+            heard_terminate_at=T0 + 300,
+            terminate_at=T0 + 60,
+            moved=False,
+            unrecorded=0,
+        ),
+    ]
     assert story.rec.terminate_at == T0 + 60
     # The same document read again (the next poll, an agent restart): nothing at all.
     assert story(NoticeHeard(T0 + 2, "terminate", T0 + 300)) == []
@@ -731,12 +737,18 @@ def test_an_earlier_d_heard_mid_drain_moves_d_g_and_o_earlier_and_tells_the_work
     assert match(WriteDeadlineFile, terminate_at=T0 + 300) in tainted_with_d
     grace, overrun = MARGINS.grace_s, MARGINS.overrun_s
     assert story(NoticeHeard(T0 + 1, "terminate", T0 + 60)) == [
-        emit("notice_updated", heard_terminate_at=T0 + 60, terminate_at=T0 + 60,
-             grace_deadline=T0 + 60 - grace, overrun_at=T0 + 60 - overrun, moved=True),
+        emit(
+            "notice_updated",
+            heard_terminate_at=T0 + 60,
+            terminate_at=T0 + 60,
+            grace_deadline=T0 + 60 - grace,
+            overrun_at=T0 + 60 - overrun,
+            moved=True,
+        ),
         match(WriteDeadlineFile, terminate_at=T0 + 60, grace_deadline=T0 + 60 - grace),
         emit("deadline_file_written", terminate_at=T0 + 60, grace_deadline=T0 + 60 - grace),
         match(DrainWorkers, grace_deadline=T0 + 60 - grace),
-    ]  # fmt: skip
+    ]
     assert story.rec.next_wakeup() == T0 + 60 - grace
     # A later one again never moves it back.
     story(NoticeHeard(T0 + 2, "terminate", T0 + 300))
@@ -1423,8 +1435,9 @@ def test_a_listing_made_during_the_taint_is_announced_in_the_taints_own_step() -
     listed but never announced for SIGTERM."""
     story = Story(strict=True)
     story.begin()
-    answer = TaintAnswered(T0 + 0.05, listed=(job("c1"), job("w1", "inference"),
-                                              job("r1", "rental"), job("c2")))  # fmt: skip
+    answer = TaintAnswered(
+        T0 + 0.05, listed=(job("c1"), job("w1", "inference"), job("r1", "rental"), job("c2"))
+    )
     commands = story(answer)
     assert commands[-1] == SignalContainers(SIGTERM, announced=("c1", "c2"))
     bundle = json.loads(json.dumps(story.rec.to_json()))
@@ -1475,7 +1488,8 @@ def test_a_restart_sends_the_announced_sigterms_the_engine_never_received() -> N
     assert story.rec.ledger("c1") == TERM_BY_PREVIOUS_RUN
     assert story.rec.ledger("c2") is None
     assert story(Observed(T0 + 1.1, running=("c1", "c2"))) == [
-        SignalContainers(SIGTERM, frozenset({"c1"}))]  # fmt: skip
+        SignalContainers(SIGTERM, frozenset({"c1"}))
+    ]
     assert story(listed(T0 + 1.2, "c2")) == [DeliverSignals(SIGTERM, ("c2",))]
     story.check()
 
@@ -1503,7 +1517,8 @@ def test_a_listing_handed_in_with_a_late_answer_announces_nothing() -> None:
     story.begin()
     story(TaintUnanswered(T0 + 0.8, "deadline"))
     assert story(TaintAnswered(T0 + 3, listed=(job("c9"),))) == [
-        emit("tainted", mode="remote", after_local=True)]  # fmt: skip
+        emit("tainted", mode="remote", after_local=True)
+    ]
     assert story.rec.ledger("c9") is None
     story.check()
 

@@ -7,9 +7,15 @@ from spotdrain.coordinator.store import NewEvent, open_store
 
 
 def notice(reclaim_id: str, node_id: str, t0: float) -> NewEvent:
-    return NewEvent(uid=f"u-{reclaim_id}", kind="notice_received", node_id=node_id,
-                    reclaim_id=reclaim_id, wall_time=t0, t_offset_s=0.0,
-                    details={"t0": t0, "terminate_at": t0 + 120, "reason": "notice"})  # fmt: skip
+    return NewEvent(
+        uid=f"u-{reclaim_id}",
+        kind="notice_received",
+        node_id=node_id,
+        reclaim_id=reclaim_id,
+        wall_time=t0,
+        t_offset_s=0.0,
+        details={"t0": t0, "terminate_at": t0 + 120, "reason": "notice"},
+    )
 
 
 async def test_pages_walk_every_reclamation_newest_first_once(store_url):
@@ -17,8 +23,15 @@ async def test_pages_walk_every_reclamation_newest_first_once(store_url):
     walk them newest first, each once, and the walk ends with an empty page."""
     store = await open_store(store_url)
     try:
-        t0s = {"r-a": 10.0, "r-b": 20.0, "r-c": 30.0, "r-d": 30.0, "r-e": 40.0, "r-f": 50.0,
-               "r-g": 60.0}  # fmt: skip
+        t0s = {
+            "r-a": 10.0,
+            "r-b": 20.0,
+            "r-c": 30.0,
+            "r-d": 30.0,
+            "r-e": 40.0,
+            "r-f": 50.0,
+            "r-g": 60.0,
+        }
         for i, (rid, t0) in enumerate(t0s.items()):
             await store.add_events([notice(rid, f"node-{i}", t0)])
         seen, before = [], None

@@ -32,7 +32,6 @@ class LateWaitEngine(Engine):
         return ContainerExited(time.time(), container_id, name, 0)
 
 
-
 def kinds(outbox: Outbox) -> list[str]:
     return [e.kind for e in outbox.pending(limit=1000)]
 
@@ -45,8 +44,15 @@ async def test_an_exit_reported_after_the_node_was_verified_empty_is_recorded(
     engine = LateWaitEngine()
     drains = DrainRunner(cfg, outbox, Link(), engine, Gpus(), Workers())  # type: ignore[arg-type]
     async with running(drains, outbox):
-        drains.notice(Notice(key="late-exit", notice_id="late-exit", action="terminate",
-                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        drains.notice(
+            Notice(
+                key="late-exit",
+                notice_id="late-exit",
+                action="terminate",
+                terminate_at=time.time() + 20,
+                source="file",
+            )
+        )
         assert await asyncio.wait_for(drains.settled("late-exit"), 5) == "drained"
         await until(lambda: not drains.live, "the reclamation finished")
         assert "container_exited" not in kinds(outbox)
@@ -68,12 +74,14 @@ async def test_a_cancel_read_again_after_a_restart_is_recorded_once(tmp_path: Pa
 
     cfg = config(tmp_path)
     outbox = Outbox(cfg.state_dir / "outbox.sqlite")
-    notice = Notice(key="cx", notice_id="cx", action="terminate",
-                    terminate_at=time.time() + 20, source="file")  # fmt: skip
+    notice = Notice(
+        key="cx", notice_id="cx", action="terminate", terminate_at=time.time() + 20, source="file"
+    )
     cancel = Notice(key="cx", notice_id="cx", action="cancel", terminate_at=None, source="file")
     for run in range(3):
-        drains = DrainRunner(cfg, outbox, Unlifting() if run < 2 else Link(), Engine(), Gpus(),
-                             Workers())  # type: ignore[arg-type]  # fmt: skip
+        drains = DrainRunner(
+            cfg, outbox, Unlifting() if run < 2 else Link(), Engine(), Gpus(), Workers()
+        )  # type: ignore[arg-type]
         loop = asyncio.create_task(drains.run())
         try:
             if run == 0:
@@ -114,19 +122,28 @@ async def test_a_cancel_after_an_empty_node_finished_its_drain_lifts_it(tmp_path
     engine.running_now = []
     drains = DrainRunner(cfg, outbox, link, engine, Gpus(), Workers())  # type: ignore[arg-type]
     async with running(drains, outbox):
-        drains.notice(Notice(key="early", notice_id="early", action="terminate",
-                             terminate_at=time.time() + 120, source="azure"))  # fmt: skip
+        drains.notice(
+            Notice(
+                key="early",
+                notice_id="early",
+                action="terminate",
+                terminate_at=time.time() + 120,
+                source="azure",
+            )
+        )
         assert await asyncio.wait_for(drains.settled("early"), 5) == "drained"
         await until(lambda: not drains.live, "the drain finished")
         assert cfg.deadline_file.exists()
-        drains.notice(Notice(key="early", notice_id="early", action="cancel",
-                             terminate_at=None, source="azure"))  # fmt: skip
+        drains.notice(
+            Notice(
+                key="early", notice_id="early", action="cancel", terminate_at=None, source="azure"
+            )
+        )
         await until(lambda: link.lifted and not drains.live, "the lift confirmed")
         [rec] = drains.recent.values()
         assert rec.lifted and rec.finished and link.lifted == [rec.reclaim_id]
         assert not cfg.deadline_file.exists()
-        cancelled = [e.details for e in outbox.pending(limit=1000)
-                     if e.kind == "notice_cancelled"]  # fmt: skip
+        cancelled = [e.details for e in outbox.pending(limit=1000) if e.kind == "notice_cancelled"]
         assert cancelled == [{"lifted": True, "outcome": "drained"}]
         assert engine.signals == []
 
@@ -152,11 +169,19 @@ async def test_a_step_whose_agent_died_before_the_outbox_loses_no_event(tmp_path
     cfg = config(tmp_path)
     outbox = DyingOutbox(cfg.state_dir / "outbox.sqlite")
     engine = Engine()
-    drains = DrainRunner(cfg, outbox, Link(), engine, Gpus(), Workers(),
-                         bundles=DyingBundles(cfg.state_dir))  # type: ignore[arg-type]  # fmt: skip
+    drains = DrainRunner(
+        cfg, outbox, Link(), engine, Gpus(), Workers(), bundles=DyingBundles(cfg.state_dir)
+    )  # type: ignore[arg-type]
     async with running(drains, outbox):
-        drains.notice(Notice(key="died", notice_id="died", action="terminate",
-                             terminate_at=time.time() + 20, source="file"))  # fmt: skip
+        drains.notice(
+            Notice(
+                key="died",
+                notice_id="died",
+                action="terminate",
+                terminate_at=time.time() + 20,
+                source="file",
+            )
+        )
         await until(lambda: outbox.dead, "the agent died after the SIGTERM step's bundle")
     assert "sigterm_sent" not in kinds(Outbox(cfg.state_dir / "outbox.sqlite"))
 

@@ -30,9 +30,16 @@ async def a_ready_worker(store, node_id: str, worker_id: str = "") -> str:
     """A node with a ready worker, as a coordinator before the restart left it."""
     await store.upsert_node(node_id, True, "group-1", [{"index": 0}])
     worker = wm.Worker(
-        worker_id or f"w-{node_id}", node_id, "llama", "img:1", 9000, 4, T0 - 60, state=wm.READY,
+        worker_id or f"w-{node_id}",
+        node_id,
+        "llama",
+        "img:1",
+        9000,
+        4,
+        T0 - 60,
+        state=wm.READY,
         gate_address="127.0.0.1:9000",
-    )  # fmt: skip
+    )
     await store.save_worker(
         worker.worker_id, node_id, worker.model, worker.state, worker.created_at, worker.to_json()
     )

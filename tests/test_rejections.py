@@ -59,12 +59,15 @@ def test_a_flood_of_peers_keeps_the_limiter_bounded():
     assert len(limiter) == 1
 
 
-@pytest.mark.parametrize("peer, host", [
-    ("ipv4:127.0.0.1:51234", "ipv4:127.0.0.1"),
-    ("ipv6:[::1]:443", "ipv6:[::1]"),
-    ("unix:/run/spotdrain.sock", "unix:/run/spotdrain.sock"),
-    ("dashboard", "dashboard"),
-])
+@pytest.mark.parametrize(
+    "peer, host",
+    [
+        ("ipv4:127.0.0.1:51234", "ipv4:127.0.0.1"),
+        ("ipv6:[::1]:443", "ipv6:[::1]"),
+        ("unix:/run/spotdrain.sock", "unix:/run/spotdrain.sock"),
+        ("dashboard", "dashboard"),
+    ],
+)
 def test_a_peer_is_its_host_not_its_port(peer, host):
     assert peer_host(peer) == host
 
@@ -95,14 +98,19 @@ class Faulty:
 
 
 def handler(servicer: Faulty) -> grpc.GenericRpcHandler:
-    unary = dict(request_deserializer=pb.TaintRequest.FromString,
-                 response_serializer=pb.TaintReply.SerializeToString)
-    return grpc.method_handlers_generic_handler(SERVICE, {
-        "Bounded": grpc.unary_unary_rpc_method_handler(servicer.Bounded, **unary),
-        "Broken": grpc.unary_unary_rpc_method_handler(servicer.Broken, **unary),
-        "BrokenStream": grpc.unary_stream_rpc_method_handler(servicer.BrokenStream, **unary),
-        "Echo": grpc.stream_stream_rpc_method_handler(servicer.Echo, **unary),
-    })
+    unary = dict(
+        request_deserializer=pb.TaintRequest.FromString,
+        response_serializer=pb.TaintReply.SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Bounded": grpc.unary_unary_rpc_method_handler(servicer.Bounded, **unary),
+            "Broken": grpc.unary_unary_rpc_method_handler(servicer.Broken, **unary),
+            "BrokenStream": grpc.unary_stream_rpc_method_handler(servicer.BrokenStream, **unary),
+            "Echo": grpc.stream_stream_rpc_method_handler(servicer.Echo, **unary),
+        },
+    )
 
 
 @pytest.fixture
@@ -169,10 +177,13 @@ async def test_a_field_out_of_bounds_is_counted_as_the_servicer_refused_it(serve
     assert "INVALID_ARGUMENT: node_id is 300 characters" in line.getMessage()
 
 
-@pytest.mark.parametrize("method, streaming, error", [
-    ("Broken", "", "KeyError"),
-    ("BrokenStream", "out", "ZeroDivisionError"),
-])
+@pytest.mark.parametrize(
+    "method, streaming, error",
+    [
+        ("Broken", "", "KeyError"),
+        ("BrokenStream", "out", "ZeroDivisionError"),
+    ],
+)
 async def test_an_exception_out_of_a_servicer_is_internal_in_one_line(
     served, caplog, method, streaming, error
 ):
@@ -230,8 +241,11 @@ def test_a_string_too_long_anywhere_in_a_request_is_named():
     long = "x" * (limits.MAX_STRING_CHARS + 1)
     check_request(pb.AgentMessage(register=pb.Register(node_id="n" * limits.MAX_STRING_CHARS)))
     with pytest.raises(BadRequest, match=r"register\.workers\[1\]\.reason is 4097 characters"):
-        check_request(pb.AgentMessage(register=pb.Register(
-            workers=[pb.WorkerReport(), pb.WorkerReport(reason=long)])))
+        check_request(
+            pb.AgentMessage(
+                register=pb.Register(workers=[pb.WorkerReport(), pb.WorkerReport(reason=long)])
+            )
+        )
     with pytest.raises(BadRequest, match=r"reclamation\.steps key is 4097 characters"):
         check_request(pb.Timeline(reclamation=pb.Reclamation(steps={long: 1.0})))
     with pytest.raises(TooLarge, match=f"at most {limits.MAX_REPEATED}"):
@@ -307,7 +321,10 @@ async def test_a_refused_call_is_freed_without_the_cycle_collector(served):
         gc.enable()
     # (gRPC's own method lookup behind an interceptor makes a small cycle of every call, five
     # objects that hold no request; what a refusal made is not among them.)
-    kept = {name: n for name, n in garbage.items()
-            if name in ("frame", "traceback", "coroutine", "TaintRequest", "RPCState")
-            or name.endswith(("Error", "Exception", "Request"))}  # fmt: skip
+    kept = {
+        name: n
+        for name, n in garbage.items()
+        if name in ("frame", "traceback", "coroutine", "TaintRequest", "RPCState")
+        or name.endswith(("Error", "Exception", "Request"))
+    }
     assert not kept, f"in cycles after 60 refused calls: {kept}"

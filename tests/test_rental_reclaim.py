@@ -56,12 +56,27 @@ class Watch:
 
 @pytest.mark.parametrize("spot, ended_by", [(True, "reclaim"), (False, "provider")])
 def test_a_paused_nodes_rental_runs_until_reclaim_at_and_no_longer(
-    tmp_path, docker_engine, coordinator, pki, gpus, nvml_lib, rental_image, spot, ended_by,
+    tmp_path,
+    docker_engine,
+    coordinator,
+    pki,
+    gpus,
+    nvml_lib,
+    rental_image,
+    spot,
+    ended_by,
     coordinator_db,
 ):
     extra = [*PAUSE, "--spot", "true" if spot else "false"]
-    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        AgentOptions(grace_s=3.0, overrun_s=1.0, extra=extra))
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        AgentOptions(grace_s=3.0, overrun_s=1.0, extra=extra),
+    )
     admin = pb_grpc.AdminStub(coordinator.channel())
     renter = pb_grpc.RentalsStub(coordinator.channel(pki.issue("renter:alice")))
     container = None
@@ -69,32 +84,54 @@ def test_a_paused_nodes_rental_runs_until_reclaim_at_and_no_longer(
         wait_until(lambda: any(n.connected for n in coordinator.admin().nodes()), 20, "register")
         rental = renter.CreateRental(pb.CreateRentalRequest(node_id="node-a", image=rental_image))
         rental = wait_until(
-            lambda: (r := renter.GetRental(pb.GetRentalRequest(rental_id=rental.rental_id)))
-            .state == "running" and r, 30, "the rental to run")
+            lambda: (
+                (r := renter.GetRental(pb.GetRentalRequest(rental_id=rental.rental_id))).state
+                == "running"
+                and r
+            ),
+            30,
+            "the rental to run",
+        )
         assert rental.started_on_spot is spot and rental.provider == "acme"
         container = docker_engine.client.containers.get(f"spotdrain-rental-{rental.rental_id}")
-        status = json.loads(subprocess.run(
-            [str(BIN / "spotctl"), "--socket", str(agent.socket), "status", "--json"],
-            capture_output=True, text=True, timeout=30).stdout)
+        status = json.loads(
+            subprocess.run(
+                [str(BIN / "spotctl"), "--socket", str(agent.socket), "status", "--json"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout
+        )
         assert [r["rental_id"] for r in status["rentals"]] == [rental.rental_id]
-        before = [admin.GetReputation(pb.GetReputationRequest(node_id="node-a")),
-                  admin.GetReputation(pb.GetReputationRequest(provider="acme"))]
+        before = [
+            admin.GetReputation(pb.GetReputationRequest(node_id="node-a")),
+            admin.GetReputation(pb.GetReputationRequest(provider="acme")),
+        ]
         watch = Watch(renter, rental.rental_id)
         wait_until(lambda: watch.seen, 10, "the watch's first answer")
 
         paused_at = time.time()
-        out = subprocess.run([str(BIN / "spotctl"), "--socket", str(agent.socket), "pause",
-                              "--json"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [str(BIN / "spotctl"), "--socket", str(agent.socket), "pause", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert json.loads(out.stdout)["paused"] is True, out
 
         # Within a second: in the watch stream, the API and the deadline file in the container.
-        seen_at, told = wait_until(lambda: watch.first(lambda r: r.HasField("reclaim_at")), 5,
-                                   "reclaim_at in the watch stream")
+        seen_at, told = wait_until(
+            lambda: watch.first(lambda r: r.HasField("reclaim_at")),
+            5,
+            "reclaim_at in the watch stream",
+        )
         assert seen_at - paused_at < 1.0
         reclaim_at = told.reclaim_at
         assert told.reclaim_reason == "pause" and told.state == "running"
-        assert renter.GetRental(pb.GetRentalRequest(rental_id=rental.rental_id)).reclaim_at == \
-            reclaim_at
+        assert (
+            renter.GetRental(pb.GetRentalRequest(rental_id=rental.rental_id)).reclaim_at
+            == reclaim_at
+        )
         assert reclaim_at == pytest.approx(paused_at + 5, abs=1.0)  # G = D - 3, D = pause + 8
 
         def deadline_in_container():
@@ -112,8 +149,14 @@ def test_a_paused_nodes_rental_runs_until_reclaim_at_and_no_longer(
         assert container.status == "running"
         # ... and no longer.
         ended = wait_until(
-            lambda: (r := renter.GetRental(pb.GetRentalRequest(rental_id=rental.rental_id)))
-            .state == "ended" and r, 15, "the rental to end")
+            lambda: (
+                (r := renter.GetRental(pb.GetRentalRequest(rental_id=rental.rental_id))).state
+                == "ended"
+                and r
+            ),
+            15,
+            "the rental to end",
+        )
         container.reload()
         finished = docker_time(container.attrs["State"]["FinishedAt"])
         assert reclaim_at - 0.05 <= finished <= reclaim_at + 2.0
@@ -121,8 +164,10 @@ def test_a_paused_nodes_rental_runs_until_reclaim_at_and_no_longer(
         watch.thread.join(5)
         assert watch.seen[-1][1].state == "ended"  # the stream followed it to its end
 
-        after = [admin.GetReputation(pb.GetReputationRequest(node_id="node-a")),
-                 admin.GetReputation(pb.GetReputationRequest(provider="acme"))]
+        after = [
+            admin.GetReputation(pb.GetReputationRequest(node_id="node-a")),
+            admin.GetReputation(pb.GetReputationRequest(provider="acme")),
+        ]
         for b, a in zip(before, after, strict=True):
             if spot:  # reclaiming is what spot means: neither score moves
                 assert (a.score, a.counted, a.excluded_spot) == (b.score, 0, 1)
@@ -151,22 +196,34 @@ def test_a_hard_notice_asks_another_group_before_the_nodes_containers_exit(
     config = tmp_path / "acquirers.toml"
     config.write_text(f'[groups.group-b]\nexec = ["{sys.executable}", "{script}", "{called}"]\n')
     coordinator = start_coordinator(tmp_path / "c", tls=pki, extra=("--acquirers", str(config)))
-    job = run_workload(docker_engine.client, name=containers + "ckpt", node_id="node-a",
-                       kind="checkpoints")
-    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        AgentOptions(extra=["--node-group", "group-a"]))
+    job = run_workload(
+        docker_engine.client, name=containers + "ckpt", node_id="node-a", kind="checkpoints"
+    )
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        AgentOptions(extra=["--node-group", "group-a"]),
+    )
     admin = coordinator.admin()
     try:
         wait_until(lambda: any(n.connected for n in admin.nodes()), 20, "node-a to register")
-        agent.write_notice({"id": "i-group-a-1", "action": "terminate",
-                            "terminate_at": time.time() + 8})
+        agent.write_notice(
+            {"id": "i-group-a-1", "action": "terminate", "terminate_at": time.time() + 8}
+        )
         drained = admin.wait_for("drained", node="node-a", timeout=30)
         asked = json.loads(called.read_text())
         assert asked["request"]["target_group"] == "group-b"
         assert asked["request"]["reclaimed_group"] == "group-a"
         notice = admin.wait_for("notice_received", node="node-a")
-        [exited] = [e for e in admin.events(node="node-a", reclaim_id=drained["reclaim_id"])
-                    if e["kind"] == "container_exited"]
+        [exited] = [
+            e
+            for e in admin.events(node="node-a", reclaim_id=drained["reclaim_id"])
+            if e["kind"] == "container_exited"
+        ]
         assert asked["at"] - notice["t0"] < 1.0  # within a second of the notice
         assert asked["at"] < exited["wall_time"]  # before the node's container had exited
         kinds = [e["kind"] for e in admin.events(reclaim_id=drained["reclaim_id"])]

@@ -30,8 +30,9 @@ class Renter:
         self.rentals = pb_grpc.RentalsStub(self.channel)
 
     async def rent(self, node: str, gpus: int = 1) -> pb.Rental:
-        return await self.rentals.CreateRental(pb.CreateRentalRequest(
-            node_id=node, image="renter/job:1", gpus=gpus))
+        return await self.rentals.CreateRental(
+            pb.CreateRentalRequest(node_id=node, image="renter/job:1", gpus=gpus)
+        )
 
     async def get(self, rental_id: str) -> pb.Rental:
         return await self.rentals.GetRental(pb.GetRentalRequest(rental_id=rental_id))
@@ -74,15 +75,17 @@ async def test_a_renter_sees_and_ends_only_its_own_rentals(coordinator, pki, ops
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert not (await bob.rentals.ListRentals(pb.ListRentalsRequest())).rentals
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await alice.rentals.CreateRental(pb.CreateRentalRequest(
-                node_id="node-a", image="x", renter="bob"))
+            await alice.rentals.CreateRental(
+                pb.CreateRentalRequest(node_id="node-a", image="x", renter="bob")
+            )
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await pb_grpc.RentalsStub(router).ListRentals(pb.ListRentalsRequest())
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         # The renter ends it: ended at once, and the agent is told to stop the container.
-        ended = await alice.rentals.EndRental(pb.EndRentalRequest(
-            rental_id=rental.rental_id, ended_by="provider"))  # a renter cannot blame anyone
+        ended = await alice.rentals.EndRental(
+            pb.EndRentalRequest(rental_id=rental.rental_id, ended_by="provider")
+        )  # a renter cannot blame anyone
         assert (ended.state, ended.ended_by) == ("ended", "renter")
         stop = await node.next_of("stop_rental")
         assert stop.stop_rental.rental_id == rental.rental_id
@@ -93,12 +96,15 @@ async def test_a_renter_sees_and_ends_only_its_own_rentals(coordinator, pki, ops
         await router.close()
 
 
-@pytest.mark.parametrize("spot, reason, ended_by, moves", [
-    (True, "pause", "reclaim", False),      # spot: reclaiming is what spot means
-    (True, "notice", "reclaim", False),
-    (False, "notice", "reclaim", False),    # the host's cloud reclaimed it: neutral
-    (False, "pause", "provider", True),     # the owner took back what it promised
-])
+@pytest.mark.parametrize(
+    "spot, reason, ended_by, moves",
+    [
+        (True, "pause", "reclaim", False),  # spot: reclaiming is what spot means
+        (True, "notice", "reclaim", False),
+        (False, "notice", "reclaim", False),  # the host's cloud reclaimed it: neutral
+        (False, "pause", "provider", True),  # the owner took back what it promised
+    ],
+)
 async def test_a_reclaim_tells_the_renter_reclaim_at_and_ends_the_rental_fairly(
     coordinator, pki, ops, alice, spot, reason, ended_by, moves
 ):
@@ -142,8 +148,9 @@ async def test_a_resume_before_reclaim_at_lets_the_rental_go_on(coordinator, pki
         await node.pause("pause")
         await eventually(lambda: alice.get(rental.rental_id), lambda r: r.HasField("reclaim_at"))
         await node.resume()
-        back = await eventually(lambda: alice.get(rental.rental_id),
-                                lambda r: not r.HasField("reclaim_at"))
+        back = await eventually(
+            lambda: alice.get(rental.rental_id), lambda r: not r.HasField("reclaim_at")
+        )
         assert back.state == "running" and back.reclaim_id == ""
     finally:
         await node.close()
@@ -211,8 +218,9 @@ async def test_a_worker_goes_back_on_the_gpus_a_rental_frees(coordinator, pki, o
     try:
         await node.connect()
         rental = await running_rental(node, alice)
-        await ops.admin.SetModelReplicas(pb.SetModelReplicasRequest(
-            model="m", replicas=1, image="img", slots=2))
+        await ops.admin.SetModelReplicas(
+            pb.SetModelReplicasRequest(model="m", replicas=1, image="img", slots=2)
+        )
         [short] = await ops.events("capacity_short")
         assert b"not_enough_gpus" in short.event.details_json.encode()
         await node.report_rental(rental.rental_id, "stopped", exit_code=0)
@@ -246,8 +254,12 @@ async def test_a_node_back_without_its_rental_container_ends_the_rental(
 
 async def spotctl(coordinator, *args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        str(BIN / "spotctl"), *coordinator.cli_args(), *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        str(BIN / "spotctl"),
+        *coordinator.cli_args(),
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     return proc.returncode, out.decode(), err.decode()
 
@@ -257,8 +269,17 @@ async def test_spotctl_against_the_real_coordinator(coordinator, pki, ops):
     node = FakeNode(coordinator, pki, "node-a", spot=False, provider="acme")
     try:
         await node.connect()
-        code, out, _ = await spotctl(coordinator, "rentals", "create", "node-a", "--image",
-                                     "renter/job:1", "--renter", "alice", "--json")
+        code, out, _ = await spotctl(
+            coordinator,
+            "rentals",
+            "create",
+            "node-a",
+            "--image",
+            "renter/job:1",
+            "--renter",
+            "alice",
+            "--json",
+        )
         assert code == 0
         rental = json.loads(out)
         await node.next_of("start_rental")
@@ -269,8 +290,9 @@ async def test_spotctl_against_the_real_coordinator(coordinator, pki, ops):
         assert shown["provider"] == "acme"
         code, _, err = await spotctl(coordinator, "node", "set-spot", "node-a", "true")
         assert code == 1 and "FAILED_PRECONDITION" in err and rental["rental_id"] in err
-        code, out, _ = await spotctl(coordinator, "rentals", "end", rental["rental_id"],
-                                     "--ended-by", "provider", "--json")
+        code, out, _ = await spotctl(
+            coordinator, "rentals", "end", rental["rental_id"], "--ended-by", "provider", "--json"
+        )
         assert code == 0 and json.loads(out)["ended_by"] == "provider"
         code, out, _ = await spotctl(coordinator, "reputation", "--provider", "acme", "--json")
         score = json.loads(out)
@@ -302,8 +324,11 @@ async def test_a_killed_coordinator_keeps_rentals_reclaims_and_avoided_groups(tm
     port = first.address.rsplit(":", 1)[1]
     first.proc.kill()
     again = start_coordinator(tmp_path / "c", tls=pki, db=first.db, port=int(port))
-    ops, alice, node = Ops(again), Renter(again, pki, "alice"), FakeNode(again, pki, "node-a",
-                                                                         group="group-a")
+    ops, alice, node = (
+        Ops(again),
+        Renter(again, pki, "alice"),
+        FakeNode(again, pki, "node-a", group="group-a"),
+    )
     try:
         kept = await alice.get(rental.rental_id)
         assert (kept.state, kept.reclaim_at) == ("running", taint.grace_deadline)
@@ -327,12 +352,14 @@ async def test_a_resume_during_a_notice_leaves_the_notices_reclaim_at(coordinato
         rental = await running_rental(node, alice)
         await node.pause("pause", grace_s=100)
         notice = await node.pause("notice", grace_s=200)
-        told = await eventually(lambda: alice.get(rental.rental_id),
-                                lambda r: r.HasField("reclaim_at"))
+        told = await eventually(
+            lambda: alice.get(rental.rental_id), lambda r: r.HasField("reclaim_at")
+        )
         assert told.reclaim_reason == "pause"
         await node.resume()
-        after = await eventually(lambda: alice.get(rental.rental_id),
-                                 lambda r: r.reclaim_reason == "notice")
+        after = await eventually(
+            lambda: alice.get(rental.rental_id), lambda r: r.reclaim_reason == "notice"
+        )
         assert (after.reclaim_at, after.reclaim_id) == (notice.grace_deadline, notice.reclaim_id)
     finally:
         await node.close()
@@ -351,17 +378,16 @@ async def test_an_ended_rentals_gpus_stay_booked_until_its_container_stopped(
             await ops.start("node-a")
         assert "not_enough_gpus" in err.value.details()
         await node.report_rental(rental.rental_id, "stopped", exit_code=143)
-        ended = await eventually(lambda: alice.get(rental.rental_id),
-                                 lambda r: r.HasField("exit_code"))
+        ended = await eventually(
+            lambda: alice.get(rental.rental_id), lambda r: r.HasField("exit_code")
+        )
         assert (ended.ended_by, ended.exit_code) == ("renter", 143)
         assert (await ops.start("node-a")).node_id == "node-a"
     finally:
         await node.close()
 
 
-async def test_a_node_that_cannot_list_its_containers_loses_no_rental(
-    coordinator, pki, ops, alice
-):
+async def test_a_node_that_cannot_list_its_containers_loses_no_rental(coordinator, pki, ops, alice):
     """The agent restarted while Docker was down: its registration says the inventory is
     incomplete, and nothing missing from it is taken as gone. Once complete, a rental still
     missing waits for its stop report, which says how it ended (here: the owner's pause the
@@ -380,15 +406,24 @@ async def test_a_node_that_cannot_list_its_containers_loses_no_rental(
         await node.disconnect()
         await node.connect()
         now = time.time()
-        await node.outgoing.put(pb.AgentMessage(rental=pb.RentalReport(
-            rental_id=paused.rental_id, state="stopped", exit_code=137,
-            reclaim_id="rcl-local-pause", reclaim_reason="pause", reclaim_at=now - 1)))
-        ended = await eventually(lambda: alice.get(paused.rental_id),
-                                 lambda r: r.state == "ended")
+        await node.outgoing.put(
+            pb.AgentMessage(
+                rental=pb.RentalReport(
+                    rental_id=paused.rental_id,
+                    state="stopped",
+                    exit_code=137,
+                    reclaim_id="rcl-local-pause",
+                    reclaim_reason="pause",
+                    reclaim_at=now - 1,
+                )
+            )
+        )
+        ended = await eventually(lambda: alice.get(paused.rental_id), lambda r: r.state == "ended")
         assert (ended.ended_by, ended.reclaim_id) == ("provider", "rcl-local-pause")
         assert (await alice.get(gone.rental_id)).state == "running"  # its report may come
-        vanished = await eventually(lambda: alice.get(gone.rental_id),
-                                    lambda r: r.state == "ended", timeout=15)
+        vanished = await eventually(
+            lambda: alice.get(gone.rental_id), lambda r: r.state == "ended", timeout=15
+        )
         assert vanished.ended_by == "platform" and "gone" in vanished.detail
     finally:
         await node.close()
@@ -402,8 +437,7 @@ async def test_a_rental_never_started_is_given_up(tmp_path, pki):
         await node.connect()
         rental = await alice.rent("node-a")
         await node.next_of("start_rental")  # and never answers
-        ended = await eventually(lambda: alice.get(rental.rental_id),
-                                 lambda r: r.state == "ended")
+        ended = await eventually(lambda: alice.get(rental.rental_id), lambda r: r.state == "ended")
         assert ended.ended_by == "platform" and "never reported started" in ended.detail
         assert (await node.next_of("stop_rental")).stop_rental.rental_id == rental.rental_id
     finally:
@@ -446,8 +480,7 @@ async def test_a_rental_on_a_node_gone_for_good_ends_as_platform(tmp_path, pki):
         await asyncio.sleep(1.5)
         assert (await alice.get(rental.rental_id)).state == "running"  # connected: not gone
         await node.disconnect()
-        ended = await eventually(lambda: alice.get(rental.rental_id),
-                                 lambda r: r.state == "ended")
+        ended = await eventually(lambda: alice.get(rental.rental_id), lambda r: r.state == "ended")
         assert ended.ended_by == "platform" and "gone for" in ended.detail
     finally:
         await node.close()

@@ -138,8 +138,9 @@ async def test_one_group_only_is_not_avoided_and_the_replacement_goes_beside(coo
     try:
         await a1.connect()
         await a2.connect()
-        await ops.admin.SetModelReplicas(pb.SetModelReplicasRequest(
-            model="m", replicas=1, image="img", slots=4))
+        await ops.admin.SetModelReplicas(
+            pb.SetModelReplicasRequest(model="m", replicas=1, image="img", slots=4)
+        )
         await a1.start_next()
         await a1.pause("notice")
         [unavailable] = await eventually(lambda: events(ops, "replacement_unavailable"), bool)
@@ -174,10 +175,12 @@ async def test_a_paused_nodes_workers_are_replaced_while_it_drains(coordinator, 
         for name, node in nodes.items():
             await node.connect()
             obeying.append(asyncio.create_task(obey_starts(node, started[name])))
-        await ops.admin.SetModelReplicas(pb.SetModelReplicasRequest(
-            model="m", replicas=2, image="img", slots=4))
-        await eventually(lambda: ops.admin.ListModels(pb.ListModelsRequest()),
-                       lambda r: r.models[0].ready == 2)
+        await ops.admin.SetModelReplicas(
+            pb.SetModelReplicasRequest(model="m", replicas=2, image="img", slots=4)
+        )
+        await eventually(
+            lambda: ops.admin.ListModels(pb.ListModelsRequest()), lambda r: r.models[0].ready == 2
+        )
         assert [len(started[n]) for n in "abc"] == [1, 1, 0]  # least loaded first
         watcher = asyncio.create_task(watch_ready())
         await asyncio.sleep(0.1)
@@ -186,11 +189,16 @@ async def test_a_paused_nodes_workers_are_replaced_while_it_drains(coordinator, 
         await eventually(lambda: asyncio.sleep(0, started["c"]), bool, timeout=5)
         paused_worker = started["a"][0]
         assert (await ops.workers())[paused_worker].state == "draining"  # still draining
-        await eventually(lambda: ops.admin.ListModels(pb.ListModelsRequest()),
-                       lambda r: (r.models[0].ready, r.models[0].draining) == (2, 1))
+        await eventually(
+            lambda: ops.admin.ListModels(pb.ListModelsRequest()),
+            lambda r: (r.models[0].ready, r.models[0].draining) == (2, 1),
+        )
         # a's worker finishes its requests and stops.
-        await nodes["a"].outgoing.put(pb.AgentMessage(worker=pb.WorkerReport(
-            worker_id=paused_worker, state="stopped", exit_code=0)))
+        await nodes["a"].outgoing.put(
+            pb.AgentMessage(
+                worker=pb.WorkerReport(worker_id=paused_worker, state="stopped", exit_code=0)
+            )
+        )
         await ops.wait_state(paused_worker, "stopped")
         watcher.cancel()
         assert lowest[0] >= 1
@@ -233,24 +241,40 @@ async def test_a_model_whose_workers_fail_to_start_is_retried_with_backoff(coord
     node = FakeNode(coordinator, pki, "a")
     try:
         await node.connect()
-        await ops.admin.SetModelReplicas(pb.SetModelReplicasRequest(
-            model="m", replicas=1, image="no-such-image", slots=4))
+        await ops.admin.SetModelReplicas(
+            pb.SetModelReplicasRequest(model="m", replicas=1, image="no-such-image", slots=4)
+        )
         first = await node.next_of("start_worker")
         failed_at = time.monotonic()
-        await node.outgoing.put(pb.AgentMessage(worker=pb.WorkerReport(
-            worker_id=first.start_worker.worker_id, state="stopped", exit_code=-1,
-            reason="image not found")))
+        await node.outgoing.put(
+            pb.AgentMessage(
+                worker=pb.WorkerReport(
+                    worker_id=first.start_worker.worker_id,
+                    state="stopped",
+                    exit_code=-1,
+                    reason="image not found",
+                )
+            )
+        )
         [failed] = await eventually(lambda: events(ops, "capacity_start_failed"), bool)
         assert (failed["failures"], failed["retry_in_s"]) == (1, 5.0)
         second = await node.next_of("start_worker", timeout=15)
         assert time.monotonic() - failed_at >= 4.5  # not before the backoff ran out
         assert second.start_worker.worker_id != first.start_worker.worker_id
         # This one starts: the backoff is forgotten.
-        await node.outgoing.put(pb.AgentMessage(worker=pb.WorkerReport(
-            worker_id=second.start_worker.worker_id, state="started",
-            gate_address="127.0.0.1:20001", capacity=4)))
-        await eventually(lambda: ops.admin.ListModels(pb.ListModelsRequest()),
-                       lambda r: r.models[0].ready == 1)
+        await node.outgoing.put(
+            pb.AgentMessage(
+                worker=pb.WorkerReport(
+                    worker_id=second.start_worker.worker_id,
+                    state="started",
+                    gate_address="127.0.0.1:20001",
+                    capacity=4,
+                )
+            )
+        )
+        await eventually(
+            lambda: ops.admin.ListModels(pb.ListModelsRequest()), lambda r: r.models[0].ready == 1
+        )
     finally:
         await node.close()
         await ops.channel.close()
@@ -271,8 +295,9 @@ async def test_a_coordinator_that_died_before_asking_asks_when_it_is_back(tmp_pa
     await store.start_drain("a1", "rcl-crashed", "notice", now + 60, now + 50)
     await store.close()
     for attempt in range(2):
-        coordinator = start_coordinator(tmp_path / "c", tls=pki, db=db,
-                                        extra=("--acquirers", str(config)))
+        coordinator = start_coordinator(
+            tmp_path / "c", tls=pki, db=db, extra=("--acquirers", str(config))
+        )
         ops = Ops(coordinator)
         try:
             [asked] = await eventually(lambda ops=ops: events(ops, "replacement_requested"), bool)

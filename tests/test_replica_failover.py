@@ -47,8 +47,12 @@ def workers_cleanup(docker_engine):
 def both(a, b, options: AgentOptions | None = None) -> AgentOptions:
     """`options` with the agent given both replicas."""
     options = options or AgentOptions()
-    return AgentOptions(**{**options.__dict__,
-                           "extra": [*options.extra, "--coordinator", f"{a.address},{b.address}"]})
+    return AgentOptions(
+        **{
+            **options.__dict__,
+            "extra": [*options.extra, "--coordinator", f"{a.address},{b.address}"],
+        }
+    )
 
 
 class RouterView:
@@ -117,15 +121,21 @@ class Loop:
 
 
 def spotctl_nodes(coordinator) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "spotctl"), *coordinator.cli_args(), "nodes", "--json"],
-                          capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [str(BIN / "spotctl"), *coordinator.cli_args(), "nodes", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def chat(router_url: str) -> int:
-    body = json.dumps({"model": "fake-model", "max_tokens": 2,
-                       "messages": [{"role": "user", "content": "hi"}]}).encode()
-    request = urllib.request.Request(f"{router_url}/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {"model": "fake-model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()
+    request = urllib.request.Request(
+        f"{router_url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=10) as resp:
             resp.read()
@@ -154,17 +164,24 @@ def test_a_router_and_spotctl_given_only_the_follower_work_throughout_a_leader_s
         wait_until(lambda: info.worker_id in view.routable, 10, "the router to route it")
         nodes = Loop(lambda: spotctl_nodes(b))
         requests = Loop(lambda: chat(router.url))
-        wait_until(lambda: nodes.outcomes and requests.outcomes, 30,
-                   "the clients at work before the kill")  # fmt: skip
+        wait_until(
+            lambda: nodes.outcomes and requests.outcomes, 30, "the clients at work before the kill"
+        )
 
         killed = time.monotonic()
         a.proc.kill()
         wait_until(lambda: leading(b), 2 * FAILOVER_S, "replica B to lead", every=0.02)
         assert time.monotonic() - killed <= FAILOVER_S
-        wait_until(lambda: re.search(rf"snapshot at version \d+ from {b.address},",
-                                     router.proc.log()), 20, "the router's snapshot from B")
-        wait_until(lambda: sum(t > killed for t, _ in nodes.outcomes) >= 5, 30,
-                   "spotctl runs after the kill")  # fmt: skip
+        wait_until(
+            lambda: re.search(rf"snapshot at version \d+ from {b.address},", router.proc.log()),
+            20,
+            "the router's snapshot from B",
+        )
+        wait_until(
+            lambda: sum(t > killed for t, _ in nodes.outcomes) >= 5,
+            30,
+            "spotctl runs after the kill",
+        )
 
         for _, run in nodes.stop():
             assert isinstance(run, subprocess.CompletedProcess), run
@@ -195,9 +212,14 @@ def stored_events(db_url: str) -> list[tuple[str, str, str, str]]:
         ).fetchall()
 
 
-
 def test_the_leader_sigkilled_mid_pause_and_mid_notice_both_nodes_drain_inside_d(
-    tmp_path, replicas, docker_engine, gpus, nvml_lib, model_image, containers,
+    tmp_path,
+    replicas,
+    docker_engine,
+    gpus,
+    nvml_lib,
+    model_image,
+    containers,
     workers_cleanup,
 ):
     """Node A's owner pauses while a client streams from its model worker; node B gets a hard
@@ -208,10 +230,18 @@ def test_the_leader_sigkilled_mid_pause_and_mid_notice_both_nodes_drain_inside_d
     nothing left in their outboxes); and a router's view, read every 10 ms across the change
     of leader, never shows the draining worker routable."""
     a, b = replicas
-    node_a = start_agent(tmp_path, "node-a", a, docker_engine.host, gpus, nvml_lib,
-                         both(a, b, PAUSE))
-    node_b = start_agent(tmp_path, "node-b", a, docker_engine.host, gpus, nvml_lib,
-                         both(a, b, AgentOptions(grace_s=3.0, overrun_s=1.0)))  # fmt: skip
+    node_a = start_agent(
+        tmp_path, "node-a", a, docker_engine.host, gpus, nvml_lib, both(a, b, PAUSE)
+    )
+    node_b = start_agent(
+        tmp_path,
+        "node-b",
+        a,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        both(a, b, AgentOptions(grace_s=3.0, overrun_s=1.0)),
+    )
     router = start_router(tmp_path / "router", b)
     view = None
     try:
@@ -220,11 +250,19 @@ def test_the_leader_sigkilled_mid_pause_and_mid_notice_both_nodes_drain_inside_d
         assert chat(router.url) == 200
         view = RouterView(router.url)
         wait_until(lambda: info.worker_id in view.routable, 10, "the router to route the worker")
-        wait_until(lambda: any(n.node_id == "node-b" and n.connected for n in a.admin().nodes()),
-                   20, "node-b to register")  # fmt: skip
+        wait_until(
+            lambda: any(n.node_id == "node-b" and n.connected for n in a.admin().nodes()),
+            20,
+            "node-b to register",
+        )
         # Checkpoints for 4 s after its SIGTERM: it exits after the leader is gone.
-        run_workload(docker_engine.client, name=containers + "job", node_id="node-b",
-                     kind="checkpoints", env={"CHECKPOINT_S": "4"})
+        run_workload(
+            docker_engine.client,
+            name=containers + "job",
+            node_id="node-b",
+            kind="checkpoints",
+            env={"CHECKPOINT_S": "4"},
+        )
         stream = Stream(ready.gate_address, tokens=300, tokens_per_s=10)
         wait_until(lambda: len(stream.lines) >= 2, 10, "the stream to flow")
 
@@ -233,8 +271,14 @@ def test_the_leader_sigkilled_mid_pause_and_mid_notice_both_nodes_drain_inside_d
         wait_until(lambda: info.worker_id not in view.routable, 10, "the router to drop it")
         view.draining.add(info.worker_id)  # from here on it must never be routable again
         terminate_at = time.time() + 10
-        node_b.write_notice({"id": "i-failover-1", "action": "terminate",
-                             "terminate_at": terminate_at, "source": "aws-imds"})  # fmt: skip
+        node_b.write_notice(
+            {
+                "id": "i-failover-1",
+                "action": "terminate",
+                "terminate_at": terminate_at,
+                "source": "aws-imds",
+            }
+        )
         admin = a.admin()
         admin.wait_for("tainted", node="node-a", timeout=5)
         admin.wait_for("tainted", node="node-b", timeout=5)
@@ -254,13 +298,18 @@ def test_the_leader_sigkilled_mid_pause_and_mid_notice_both_nodes_drain_inside_d
         assert stream.interrupted and not stream.done_marker
         wait_state(b, info.worker_id, "stopped", timeout=20)
 
-        wait_until(lambda: node_a.outbox_left() == 0 and node_b.outbox_left() == 0, 20,
-                   "both outboxes to empty")  # fmt: skip
+        wait_until(
+            lambda: node_a.outbox_left() == 0 and node_b.outbox_left() == 0,
+            20,
+            "both outboxes to empty",
+        )
         # Every event acknowledged: nothing is left to arrive. (A uid is stored once by the
         # schema; a fact made twice would be two uids, counted below.)
         rows = stored_events(b.db)
-        for node, reclaim_id in (("node-a", drained_a["reclaim_id"]),
-                                 ("node-b", drained_b["reclaim_id"])):  # fmt: skip
+        for node, reclaim_id in (
+            ("node-a", drained_a["reclaim_id"]),
+            ("node-b", drained_b["reclaim_id"]),
+        ):
             kinds = [k for _, k, n, r in rows if n == node and r == reclaim_id]
             for once in ("tainted", "verified_empty", "drained"):
                 assert kinds.count(once) == 1, (node, once, kinds)
@@ -301,8 +350,12 @@ async def test_a_deposed_leader_resumed_and_told_to_stop_exits_cleanly_writing_n
         uid = await node.event("notice_received", {"note": "sent to a stopped leader"})
         a.proc.signal(signal.SIGCONT)
         if when == "as_it_steps_down":
-            wait_until(lambda: "stepping down from term 1" in a.proc.log(), 10,
-                       "replica A to step down", every=0.001)  # fmt: skip
+            wait_until(
+                lambda: "stepping down from term 1" in a.proc.log(),
+                10,
+                "replica A to step down",
+                every=0.001,
+            )
         a.proc.signal(signal.SIGTERM)
         # The bound only stops a hang from hanging the test; the forced exit comes first.
         await asyncio.to_thread(a.proc.popen.wait, 30)

@@ -30,9 +30,7 @@ WAITING_FOR_EVENTS_LOCK = (
 )
 
 
-async def test_a_leader_frozen_inside_a_write_is_replaced_and_changes_nothing(
-    replicas, db, pki
-):
+async def test_a_leader_frozen_inside_a_write_is_replaced_and_changes_nothing(replicas, db, pki):
     """An agent's event batch reaches the leader A, whose transaction passes the fence and
     waits for the events lock (held by the test), so it is mid-flight when A is SIGSTOPped.
     The lock is let go: A's transaction is left open, idle, holding its share lock on the lease
@@ -47,9 +45,11 @@ async def test_a_leader_frozen_inside_a_write_is_replaced_and_changes_nothing(
         holder.execute("SELECT pg_advisory_lock(%s)", (EVENTS_LOCK,))
         uid = await node.event("notice_received", {"note": "sent as the leader froze"})
         await asyncio.to_thread(  # the loop must run meanwhile: it sends the batch
-            wait_until, lambda: holder.execute(WAITING_FOR_EVENTS_LOCK).fetchone()[0] > 0, 10,
+            wait_until,
+            lambda: holder.execute(WAITING_FOR_EVENTS_LOCK).fetchone()[0] > 0,
+            10,
             "the leader's event batch to wait inside its transaction",
-        )  # fmt: skip
+        )
         a.proc.signal(signal.SIGSTOP)
         holder.execute("SELECT pg_advisory_unlock(%s)", (EVENTS_LOCK,))
 

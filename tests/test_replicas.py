@@ -36,10 +36,20 @@ def free_port() -> int:
 def start_replica(work: Path, db: str, pki, *extra: str):
     port = free_port()
     return start_coordinator(
-        work, tls=pki, db=db, port=port,
-        extra=("--advertise", f"127.0.0.1:{port}", "--lease-ttl-s", str(TTL_S),
-               "--lease-renew-s", str(RENEW_S), *extra),
-    )  # fmt: skip
+        work,
+        tls=pki,
+        db=db,
+        port=port,
+        extra=(
+            "--advertise",
+            f"127.0.0.1:{port}",
+            "--lease-ttl-s",
+            str(TTL_S),
+            "--lease-renew-s",
+            str(RENEW_S),
+            *extra,
+        ),
+    )
 
 
 def health(replica, service: str = "spotdrain.v1.AgentLink") -> str:
@@ -95,8 +105,13 @@ async def test_a_follower_sends_agents_to_the_leader_and_serves_store_reads(repl
     a, b = replicas
     node = FakeNode(b, pki, "node-a")
     try:
-        request = pb.TaintRequest(node_id="node-a", reclaim_id="r-1", reason="notice",
-                                  terminate_at=time.time() + 60, grace_deadline=time.time() + 50)
+        request = pb.TaintRequest(
+            node_id="node-a",
+            reclaim_id="r-1",
+            reason="notice",
+            terminate_at=time.time() + 60,
+            grace_deadline=time.time() + 50,
+        )
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await node.stub.Taint(request, timeout=2)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -126,8 +141,12 @@ async def test_a_follower_sends_agents_to_the_leader_and_serves_store_reads(repl
             admin.nodes()  # live state: the leader's
         assert listing.value.code() == grpc.StatusCode.UNAVAILABLE
 
-        services = ("spotdrain.v1.AgentLink", "spotdrain.v1.Routes", "spotdrain.v1.Rentals",
-                    "spotdrain.v1.Admin")
+        services = (
+            "spotdrain.v1.AgentLink",
+            "spotdrain.v1.Routes",
+            "spotdrain.v1.Rentals",
+            "spotdrain.v1.Admin",
+        )
         assert [health(a, s) for s in ("", *services)] == ["SERVING"] * 5
         assert [health(b, s) for s in ("", *services)] == ["SERVING"] + ["NOT_SERVING"] * 4
     finally:
@@ -142,12 +161,20 @@ def test_the_leader_sigkilled_another_leads_in_time_and_a_real_agents_taint_succ
     succeeds there (mode remote, inside the agent's 800 ms), stored once."""
     a, b = replicas
     agent = start_agent(
-        tmp_path, "node-a", a, docker_engine.host, gpus, nvml_lib,
+        tmp_path,
+        "node-a",
+        a,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
         AgentOptions(extra=["--coordinator", f"{a.address},{b.address}"]),
-    )  # fmt: skip
+    )
     try:
-        wait_until(lambda: "registered with coordinator" in agent.proc.log(), 20,
-                   "the agent to register with the leader")  # fmt: skip
+        wait_until(
+            lambda: "registered with coordinator" in agent.proc.log(),
+            20,
+            "the agent to register with the leader",
+        )
         assert lease_row(db) == (1, a.address)
         killed = time.monotonic()
         a.proc.kill()
@@ -157,14 +184,26 @@ def test_the_leader_sigkilled_another_leads_in_time_and_a_real_agents_taint_succ
         assert failover_s <= FAILOVER_S
         assert lease_row(db) == (2, b.address)
 
-        agent.write_notice({"id": "i-replicas-1", "action": "terminate",
-                            "terminate_at": time.time() + 8, "source": "aws-imds"})  # fmt: skip
+        agent.write_notice(
+            {
+                "id": "i-replicas-1",
+                "action": "terminate",
+                "terminate_at": time.time() + 8,
+                "source": "aws-imds",
+            }
+        )
         admin = b.admin()
         tainted = admin.wait_for("tainted", node="node-a", timeout=20)
         assert tainted["mode"] == "remote"
         assert [t.reclaim_id for t in pb_node(admin, "node-a").taints] == [tainted["reclaim_id"]]
-        wait_until(lambda: "registered with coordinator 127.0.0.1:" + b.address.split(":")[1]
-                   in agent.proc.log(), 20, "the agent's stream to move to B")  # fmt: skip
+        wait_until(
+            lambda: (
+                "registered with coordinator 127.0.0.1:" + b.address.split(":")[1]
+                in agent.proc.log()
+            ),
+            20,
+            "the agent's stream to move to B",
+        )
         kinds = [e["kind"] for e in admin.events(node="node-a")]
         assert kinds.count("tainted") == 1 and kinds.count("notice_received") == 1
     finally:
@@ -176,9 +215,7 @@ def pb_node(admin, node_id: str) -> pb.Node:
     return node
 
 
-async def test_a_leader_stopped_past_its_lease_is_deposed_and_changes_nothing(
-    replicas, db, pki
-):
+async def test_a_leader_stopped_past_its_lease_is_deposed_and_changes_nothing(replicas, db, pki):
     """The leader is SIGSTOPped past its lease: the follower leads at the next term. Meanwhile
     an agent's stream to the old leader carries an event, and a Taint waits in its socket.
     SIGCONT: every write it attempts is refused (by its term, or once it knows, by itself), it
@@ -193,8 +230,13 @@ async def test_a_leader_stopped_past_its_lease_is_deposed_and_changes_nothing(
         before = store_rows(db)
 
         uid = await node.event("notice_received", {"note": "sent to a stopped leader"})
-        request = pb.TaintRequest(node_id="node-a", reclaim_id="r-late", reason="notice",
-                                  terminate_at=time.time() + 60, grace_deadline=time.time() + 50)
+        request = pb.TaintRequest(
+            node_id="node-a",
+            reclaim_id="r-late",
+            reason="notice",
+            terminate_at=time.time() + 60,
+            grace_deadline=time.time() + 50,
+        )
         late_taint = asyncio.ensure_future(node.stub.Taint(request, timeout=10))
         await asyncio.sleep(0.5)
         a.proc.signal(18)  # SIGCONT

@@ -43,10 +43,16 @@ NOTES_OUTSIDE = re.compile(r"\b" + "shared" + r"/(?:DESIGN|STYLE)\.md")
 def repository_files() -> tuple[Path, ...]:
     """What a clone has once the work in progress is committed: tracked files and new ones
     that are not ignored."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO, check=True, capture_output=True,
-    ).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     return tuple(REPO / name for name in listed if name and (REPO / name).is_file())
 
 
@@ -184,8 +190,9 @@ def test_every_referenced_doc_exists():
         names = set(DOC_FILE.findall(text))
         if path.parent == DOCS or path == REPO / "README.md":
             names |= {m["doc"] for m in LINK.finditer(text)}
-        missing += [f"{path.relative_to(REPO)}: {n}" for n in sorted(names)
-                    if not (DOCS / n).is_file()]
+        missing += [
+            f"{path.relative_to(REPO)}: {n}" for n in sorted(names) if not (DOCS / n).is_file()
+        ]
     assert missing == []
 
 
@@ -260,8 +267,11 @@ def test_every_agent_setting_is_in_configuration_md():
         keys += [f"sources.{source}.{f.name}" for f in dataclasses.fields(module(source).Config)]
     assert len(keys) > 25
     missing = [key for key in keys if f"`{key}`" not in doc]
-    missing += [flag for flag in flags(agent_config.parser())
-                if not re.search(rf"`{re.escape(flag)}[` ]", doc)]
+    missing += [
+        flag
+        for flag in flags(agent_config.parser())
+        if not re.search(rf"`{re.escape(flag)}[` ]", doc)
+    ]
     assert missing == []
 
 
@@ -294,14 +304,24 @@ COMMANDS = [
 
 def test_spotctl_has_the_verbs_we_document():
     verbs = {" ".join(c[1:]) for c in COMMANDS if c[0] == "spotctl"}
-    assert {"pause", "resume", "status", "events", "timeline", "workers start", "rentals watch",
-            "models set-replicas", "node set-spot"} <= verbs
+    assert {
+        "pause",
+        "resume",
+        "status",
+        "events",
+        "timeline",
+        "workers start",
+        "rentals watch",
+        "models set-replicas",
+        "node set-spot",
+    } <= verbs
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
 def test_every_command_answers_help(command):
     """Installed scripts (.venv/bin, as a user runs them): --help exits 0 with a usage line."""
-    answer = subprocess.run([str(BIN / command[0]), *command[1:], "--help"],
-                            capture_output=True, text=True, timeout=60)
+    answer = subprocess.run(
+        [str(BIN / command[0]), *command[1:], "--help"], capture_output=True, text=True, timeout=60
+    )
     assert answer.returncode == 0, answer.stderr
     assert answer.stdout.startswith("usage: " + " ".join(command)), answer.stdout[:200]

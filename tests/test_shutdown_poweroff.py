@@ -151,8 +151,9 @@ def test_poweroff_waits_for_the_drain_and_not_longer(
                 "[sources]\nauto = false\n[sources.shutdown]\n[sources.file]\n"
             ).encode(),
         )
-        system.put("/etc/systemd/system/spotdrain-test-stop-clock.service",
-                   STOP_CLOCK_UNIT.encode())  # fmt: skip
+        system.put(
+            "/etc/systemd/system/spotdrain-test-stop-clock.service", STOP_CLOCK_UNIT.encode()
+        )
         system.sh("systemctl daemon-reload && systemctl enable --now spotdrain-test-stop-clock")
         system.sh("systemctl restart spotdrain-agent")
         admin = coordinator.admin()

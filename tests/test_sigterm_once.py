@@ -60,10 +60,12 @@ class KillTrap:
             engine = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             engine.connect(self.upstream)
             asked = threading.Event()  # a SIGTERM kill on this connection awaits its answer
-            threading.Thread(target=self._requests, args=(client, engine, asked),
-                             daemon=True).start()  # fmt: skip
-            threading.Thread(target=self._answers, args=(engine, client, asked),
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._requests, args=(client, engine, asked), daemon=True
+            ).start()
+            threading.Thread(
+                target=self._answers, args=(engine, client, asked), daemon=True
+            ).start()
 
     def _requests(self, client: socket.socket, engine: socket.socket, asked: threading.Event):
         try:
@@ -133,23 +135,33 @@ class KilledMidRound:
 def killed_mid_round(
     tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers, drop_request: bool
 ) -> KilledMidRound:
-    stubborn = run_workload(docker_engine.client, name=containers + "stubborn",
-                            node_id="node-a", kind="ignores_term")
+    stubborn = run_workload(
+        docker_engine.client, name=containers + "stubborn", node_id="node-a", kind="ignores_term"
+    )
     agent_box: dict = {}
 
     def kill_agent() -> None:
         os.kill(agent_box["agent"].proc.pid, signal.SIGKILL)
 
-    trap = KillTrap(tmp_path / "engine-proxy.sock", docker_engine.host, kill_agent,
-                    drop_request=drop_request)  # fmt: skip
-    agent = start_agent(tmp_path, "node-a", coordinator, trap.address, gpus, nvml_lib,
-                        AgentOptions(grace_s=5.0, overrun_s=1.0))
+    trap = KillTrap(
+        tmp_path / "engine-proxy.sock", docker_engine.host, kill_agent, drop_request=drop_request
+    )
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        trap.address,
+        gpus,
+        nvml_lib,
+        AgentOptions(grace_s=5.0, overrun_s=1.0),
+    )
     agent_box["agent"] = agent
     run = KilledMidRound(stubborn, agent, trap, coordinator.admin())
     try:
         wait_until(lambda: any(n.connected for n in run.admin.nodes()), 10, "node-a to register")
-        agent.write_notice({"id": "once-1", "action": "terminate",
-                            "terminate_at": time.time() + 12})
+        agent.write_notice(
+            {"id": "once-1", "action": "terminate", "terminate_at": time.time() + 12}
+        )
         assert trap.tripped.wait(10), "the agent never sent its SIGTERM"
         agent.proc.popen.wait(10)
         assert agent.proc.popen.returncode == -signal.SIGKILL
@@ -167,12 +179,16 @@ def test_an_agent_killed_after_its_sigterm_reached_the_engine_never_sends_a_seco
     arrives. The bundle on disk already names the job as announced (written before the
     signal). The restarted agent sends it no second SIGTERM, reports the first one as sent
     by the previous run, and kills the job at the original G; the node drains."""
-    run = killed_mid_round(tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers,
-                           drop_request=False)  # fmt: skip
+    run = killed_mid_round(
+        tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers, drop_request=False
+    )
     stubborn = run.stubborn
     try:
-        wait_until(lambda: stubborn.logs().decode().count("SIGTERM ignored") == 1, 5,
-                   "the job to hear the SIGTERM")
+        wait_until(
+            lambda: stubborn.logs().decode().count("SIGTERM ignored") == 1,
+            5,
+            "the job to hear the SIGTERM",
+        )
         bundle = run.bundle()
         # The job heard SIGTERM exactly once: not again from the restarted agent.
         events, notice = run.restart_until_drained()
@@ -200,8 +216,9 @@ def test_an_agent_killed_before_its_sigterm_reached_the_engine_sends_it_after_th
     the engine what it was asked to send (its kill events), finds no SIGTERM, and sends one
     itself: the job hears exactly one, before G. (Counted as sent by the previous run, the
     job would have had none and been killed at G.)"""
-    run = killed_mid_round(tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers,
-                           drop_request=True)  # fmt: skip
+    run = killed_mid_round(
+        tmp_path, docker_engine, coordinator, gpus, nvml_lib, containers, drop_request=True
+    )
     stubborn = run.stubborn
     try:
         assert list(run.bundle().get("announced", {})) == [stubborn.id]  # announced, never sent

@@ -124,8 +124,10 @@ async def test_aws_instance_action_split_in_two_is_read_whole_and_acted_on(chunk
         sink = Recorder()
         async with running(aws_source(imds, sink)):
             await sink.until(has(Notice))
-            await imds.await_seen(lambda s: s.path == INSTANCE_ACTION and s.status == 200,
-                                  count=instance_action_reads(imds) + 3)  # fmt: skip
+            await imds.await_seen(
+                lambda s: s.path == INSTANCE_ACTION and s.status == 200,
+                count=instance_action_reads(imds) + 3,
+            )
         assert [(n.key, n.terminate_at) for n in sink.of(Notice)] == [
             (f"aws:instance-action:{BOOT}", NOW + 120)
         ]
@@ -212,8 +214,9 @@ async def test_aws_instance_action_keys_name_each_interruption_of_one_boot():
         async with running(aws_source(imds, sink, slept)):
             await sink.until(has(Notice))
             imds.clear_instance_action()
-            await imds.await_seen(lambda s: s.path == INSTANCE_ACTION and s.status == 404,
-                                  count=aws.GONE_AFTER)  # fmt: skip
+            await imds.await_seen(
+                lambda s: s.path == INSTANCE_ACTION and s.status == 404, count=aws.GONE_AFTER
+            )
             imds.set_instance_action("stop", iso_utc(NOW + 240))
             await sink.until(has(Notice, 2))
             imds.resume()
@@ -528,9 +531,13 @@ async def test_azure_dates_as_microsofts_mock_server_and_dotnet_write_them_are_d
     with AzureMetadata() as server:
         sink = Recorder()
         async with running(azure_source(server, sink)):
-            server.set_events([azure_event("iso-1", "Terminate", not_before=NOW + 90, style="iso"),
-                               azure_event("net-1", not_before=NOW + 60.25, style="iso-fraction"),
-                               azure_event("doc-1", not_before=NOW + 30)])  # fmt: skip
+            server.set_events(
+                [
+                    azure_event("iso-1", "Terminate", not_before=NOW + 90, style="iso"),
+                    azure_event("net-1", not_before=NOW + 60.25, style="iso-fraction"),
+                    azure_event("doc-1", not_before=NOW + 30),
+                ]
+            )
             await sink.until(has(Notice, 3))
         assert {n.key: n.terminate_at for n in sink.of(Notice)} == {
             "azure:iso-1": NOW + 90,
@@ -604,8 +611,9 @@ async def test_azure_an_event_that_went_ahead_and_left_is_not_a_cancel(on_start)
                 lambda told: ("notice_acknowledged", {"event_id": "p-1", "status": 200}) in told
             )
             if on_start == "start":
-                await server.await_seen(lambda s: s.path == events and s.at > server.changed_at,
-                                        count=3)  # fmt: skip
+                await server.await_seen(
+                    lambda s: s.path == events and s.at > server.changed_at, count=3
+                )
                 server.set_events([])
             changed = server.changed_at
             await server.await_seen(lambda s: s.path == events and s.at > changed, count=3)

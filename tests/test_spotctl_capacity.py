@@ -139,9 +139,14 @@ def node(node_id: str, **kw: Any) -> pb.Node:
 
 def rental(rental_id: str = "rnt-1", **kw: Any) -> pb.Rental:
     defaults = dict(
-        node_id="node-a", provider="acme", renter="bob", image="img:1", gpus=2,
-        state="running", started_at=T0,
-    )  # fmt: skip
+        node_id="node-a",
+        provider="acme",
+        renter="bob",
+        image="img:1",
+        gpus=2,
+        state="running",
+        started_at=T0,
+    )
     return pb.Rental(rental_id=rental_id, **{**defaults, **kw})
 
 
@@ -160,23 +165,42 @@ async def test_nodes_table_shows_flags_taints_load_and_an_avoided_group(coordina
     coordinator.replies["ListNodes"] = pb.ListNodesReply(
         nodes=[
             node(
-                "node-a", spot=True, live_workers=2, active_rentals=1,
+                "node-a",
+                spot=True,
+                live_workers=2,
+                active_rentals=1,
                 taints=[pb.Taint(key="spotdrain/reclaim", reason="notice", reclaim_id="rcl-1")],
                 group_avoided_until=avoided,
             ),
             node("node-b", node_group="", provider="", workload_enabled=False, connected=False),
         ]
-    )  # fmt: skip
+    )
     result = await spotctl("nodes")
     assert result.code == 0 and result.err == ""
     assert only_call(coordinator) == ("ListNodes", pb.ListNodesRequest())
     header, a, b = result.out.splitlines()
     assert header.split() == [
-        "node", "mode", "group", "provider", "workload", "workers", "rentals", "connected", "taints"
-    ]  # fmt: skip
+        "node",
+        "mode",
+        "group",
+        "provider",
+        "workload",
+        "workers",
+        "rentals",
+        "connected",
+        "taints",
+    ]
     assert a.split()[:9] == [
-        "node-a", "spot", "eu-west-a", "acme", "enabled", "2", "1", "yes", "notice"
-    ]  # fmt: skip
+        "node-a",
+        "spot",
+        "eu-west-a",
+        "acme",
+        "enabled",
+        "2",
+        "1",
+        "yes",
+        "notice",
+    ]
     assert f"group avoided until {render.iso(avoided)} (in " in a
     assert b.split() == ["node-b", "on-demand", "-", "-", "disabled", "0", "0", "no", "-"]
 
@@ -200,8 +224,9 @@ async def test_set_spot_sends_the_flag_and_shows_the_node(coordinator, spotctl, 
     result = await spotctl("node", "set-spot", "node-a", word)
     assert result.code == 0
     assert only_call(coordinator) == (
-        "SetNodeSpot", pb.SetNodeSpotRequest(node_id="node-a", spot=spot)
-    )  # fmt: skip
+        "SetNodeSpot",
+        pb.SetNodeSpotRequest(node_id="node-a", spot=spot),
+    )
     assert result.out.splitlines()[1].split()[:2] == ["node-a", "spot" if spot else "on-demand"]
     as_json = await spotctl("node", "set-spot", "node-a", word, "--json")
     assert as_json.json_lines() == [ctl.message_doc(node("node-a", spot=spot))]
@@ -240,11 +265,13 @@ async def test_set_spot_mid_rental_is_refused_with_the_coordinators_reason(coord
         (["rentals"], pb.ListRentalsRequest()),
         (["rentals", "list"], pb.ListRentalsRequest()),
         (["rentals", "--active"], pb.ListRentalsRequest(active_only=True)),
-        (["rentals", "list", "--node", "node-a", "--active"],
-         pb.ListRentalsRequest(node_id="node-a", active_only=True)),
+        (
+            ["rentals", "list", "--node", "node-a", "--active"],
+            pb.ListRentalsRequest(node_id="node-a", active_only=True),
+        ),
         (["rentals", "--node", "node-b", "list"], pb.ListRentalsRequest(node_id="node-b")),
     ],
-)  # fmt: skip
+)
 async def test_rentals_list_is_the_default_and_passes_its_filters(
     coordinator, spotctl, argv, request_
 ):
@@ -304,10 +331,20 @@ async def test_create_rental_defaults_to_one_gpu_and_json_leaves_unset_optionals
     )
     (doc,) = result.json_lines()
     assert doc == {
-        "rental_id": "rnt-1", "node_id": "node-a", "provider": "acme", "renter": "bob",
-        "image": "img:1", "gpus": 2, "state": "running", "started_at": T0, "ended_by": "",
-        "started_on_spot": False, "reclaim_id": "", "reclaim_reason": "", "detail": "",
-    }  # fmt: skip
+        "rental_id": "rnt-1",
+        "node_id": "node-a",
+        "provider": "acme",
+        "renter": "bob",
+        "image": "img:1",
+        "gpus": 2,
+        "state": "running",
+        "started_at": T0,
+        "ended_by": "",
+        "started_on_spot": False,
+        "reclaim_id": "",
+        "reclaim_reason": "",
+        "detail": "",
+    }
 
 
 async def test_create_rental_refused_by_the_placement_gate(coordinator, spotctl):
@@ -336,9 +373,15 @@ async def test_get_rental_shows_the_reclaim_prominently(coordinator, spotctl):
 
 def test_render_rental_is_exact_for_a_fixed_clock():
     r = rental(
-        state="ended", reclaim_at=T0 + 120, reclaim_id="rcl-3", reclaim_reason="notice",
-        ended_at=T0 + 121, ended_by="reclaim", exit_code=137, detail="stopped at G",
-    )  # fmt: skip
+        state="ended",
+        reclaim_at=T0 + 120,
+        reclaim_id="rcl-3",
+        reclaim_reason="notice",
+        ended_at=T0 + 121,
+        ended_by="reclaim",
+        exit_code=137,
+        detail="stopped at G",
+    )
     assert ctl.render_rental(r, now=T0 + 100.1).splitlines() == [
         "rental rnt-1 on node-a (provider acme, on-demand at start): ended",
         "  renter bob  image img:1  gpus 2  started 2023-11-14T22:13:20.000Z",
@@ -354,8 +397,9 @@ async def test_end_rental_says_who_ended_it(coordinator, spotctl, by):
     coordinator.replies["EndRental"] = rental(state="ended", ended_at=T0 + 5, ended_by=by)
     result = await spotctl("rentals", "end", "rnt-1", "--ended-by", by, "--json")
     assert only_call(coordinator) == (
-        "EndRental", pb.EndRentalRequest(rental_id="rnt-1", ended_by=by)
-    )  # fmt: skip
+        "EndRental",
+        pb.EndRentalRequest(rental_id="rnt-1", ended_by=by),
+    )
     (doc,) = result.json_lines()
     assert doc["ended_by"] == by and doc["ended_at"] == T0 + 5
 
@@ -379,9 +423,16 @@ async def test_watch_rental_prints_every_update_until_it_ends(coordinator, spotc
         rental(state="starting", started_at=0),
         rental(),
         rental(reclaim_at=T0 + 120, reclaim_id="rcl-4", reclaim_reason="notice"),
-        rental(state="ended", reclaim_at=T0 + 120, reclaim_id="rcl-4", reclaim_reason="notice",
-               ended_at=T0 + 120, ended_by="reclaim", exit_code=0),
-    ]  # fmt: skip
+        rental(
+            state="ended",
+            reclaim_at=T0 + 120,
+            reclaim_id="rcl-4",
+            reclaim_reason="notice",
+            ended_at=T0 + 120,
+            ended_by="reclaim",
+            exit_code=0,
+        ),
+    ]
     coordinator.replies["WatchRental"] = updates
     result = await spotctl("rentals", "watch", "rnt-1", "--json")
     assert result.code == 0
@@ -399,13 +450,17 @@ async def test_watch_rental_prints_every_update_until_it_ends(coordinator, spotc
 
 async def test_reputation_of_a_node_shows_the_score_and_how_it_is_made(coordinator, spotctl):
     coordinator.replies["GetReputation"] = pb.Reputation(
-        node_id="node-a", provider="acme", score=6 / 8, successes=2, failures=1, counted=3,
-        excluded_spot=4, neutral_reclaims=1,
-    )  # fmt: skip
+        node_id="node-a",
+        provider="acme",
+        score=6 / 8,
+        successes=2,
+        failures=1,
+        counted=3,
+        excluded_spot=4,
+        neutral_reclaims=1,
+    )
     result = await spotctl("reputation", "node-a")
-    assert only_call(coordinator) == (
-        "GetReputation", pb.GetReputationRequest(node_id="node-a")
-    )  # fmt: skip
+    assert only_call(coordinator) == ("GetReputation", pb.GetReputationRequest(node_id="node-a"))
     assert result.out.splitlines() == [
         "node node-a (provider acme): score 0.750",
         "  successes 2  failures 1  (counted 3)",
@@ -481,8 +536,10 @@ async def test_set_replicas_needs_whole_numbers(coordinator, spotctl, argv):
     assert coordinator.calls == []
 
 
-@pytest.mark.parametrize("flags, kind", [([], "inference"), (["--kind", "batch"], "batch"),
-                                         (["--kind", "render"], "render")])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, kind",
+    [([], "inference"), (["--kind", "batch"], "batch"), (["--kind", "render"], "render")],
+)
 async def test_workers_start_sends_the_kind(coordinator, spotctl, flags, kind):
     coordinator.replies["StartWorker"] = pb.WorkerInfo(
         worker_id="w-1", node_id="node-a", model="m", kind=kind, state="starting"

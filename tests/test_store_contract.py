@@ -813,8 +813,9 @@ async def test_the_coordinators_own_events_committed_together_keep_their_order(s
     assert len(seen) == len(set(seen)) == 100
     assert seen == sorted(seen)
     stored = {e.uid for e in await store.events_after(0, limit=1000)}
-    assert stored == {f"{who}-{n}-{i}" for who in ("own", "agent") for n in range(10)
-                      for i in range(5)}  # fmt: skip
+    assert stored == {
+        f"{who}-{n}-{i}" for who in ("own", "agent") for n in range(10) for i in range(5)
+    }
 
 
 # --- PriorityLock itself --------------------------------------------------------------------

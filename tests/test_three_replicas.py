@@ -70,7 +70,14 @@ class FollowerClients:
 
 
 def test_three_replicas_the_leader_and_then_its_successor_sigkilled_mid_drain_the_last_leads(
-    tmp_path, db, pki, docker_engine, gpus, nvml_lib, model_image, containers,
+    tmp_path,
+    db,
+    pki,
+    docker_engine,
+    gpus,
+    nvml_lib,
+    model_image,
+    containers,
     workers_cleanup,
 ):
     """Replicas A (leading), B and C; two agents know all three. Node-a serves a model worker;
@@ -96,42 +103,65 @@ def test_three_replicas_the_leader_and_then_its_successor_sigkilled_mid_drain_th
     try:
         info = start_worker(a, "node-a", model_image)
         wait_state(a, info.worker_id, "ready", timeout=90)
-        wait_until(lambda: sum(n.connected for n in a.admin().nodes()) == 2, 20,
-                   "both nodes to register")  # fmt: skip
+        wait_until(
+            lambda: sum(n.connected for n in a.admin().nodes()) == 2, 20, "both nodes to register"
+        )
         for name in ("B", "C"):
-            clients[name] = FollowerClients(tmp_path / f"router-{name}", replicas[name],
-                                            info.worker_id)  # fmt: skip
-        run_workload(docker_engine.client, name=containers + "job", node_id="node-b",
-                     kind="checkpoints", env={"CHECKPOINT_S": str(CHECKPOINT_S)})  # fmt: skip
-        wait_until(lambda: all(c.nodes.outcomes and c.requests.outcomes
-                               for c in clients.values()), 30,
-                   "the clients at work before anything happens")  # fmt: skip
+            clients[name] = FollowerClients(
+                tmp_path / f"router-{name}", replicas[name], info.worker_id
+            )
+        run_workload(
+            docker_engine.client,
+            name=containers + "job",
+            node_id="node-b",
+            kind="checkpoints",
+            env={"CHECKPOINT_S": str(CHECKPOINT_S)},
+        )
+        wait_until(
+            lambda: all(c.nodes.outcomes and c.requests.outcomes for c in clients.values()),
+            30,
+            "the clients at work before anything happens",
+        )
 
         terminate_at = time.time() + D_S
-        node_b.write_notice({"id": "i-three-1", "action": "terminate",
-                             "terminate_at": terminate_at, "source": "aws-imds"})  # fmt: skip
+        node_b.write_notice(
+            {
+                "id": "i-three-1",
+                "action": "terminate",
+                "terminate_at": terminate_at,
+                "source": "aws-imds",
+            }
+        )
         a.admin().wait_for("tainted", node="node-b", timeout=10)
         a.admin().wait_for("sigterm_sent", node="node-b", timeout=10)
 
         killed = time.monotonic()
         a.proc.kill()
-        second = wait_until(lambda: next((n for n in ("B", "C") if leading(replicas[n])), None),
-                            2 * FAILOVER_S, "B or C to lead", every=0.02)  # fmt: skip
+        second = wait_until(
+            lambda: next((n for n in ("B", "C") if leading(replicas[n])), None),
+            2 * FAILOVER_S,
+            "B or C to lead",
+            every=0.02,
+        )
         print(f"first failover: {time.monotonic() - killed:.3f} s, replica {second} leads")
         assert lease_row(db) == (2, replicas[second].address)
         last = "C" if second == "B" else "B"
 
         # The pair given the second leader's address alone worked through the first change;
         # it is stopped before that replica is killed (one dead address is no address).
-        wait_until(lambda: any(t > killed for t, _ in clients[second].nodes.outcomes), 30,
-                   "a spotctl run after the first kill")  # fmt: skip
+        wait_until(
+            lambda: any(t > killed for t, _ in clients[second].nodes.outcomes),
+            30,
+            "a spotctl run after the first kill",
+        )
         clients[second].stop()
         clients[second].check(["node-a", "node-b"], info.worker_id)
 
         killed, killed_wall = time.monotonic(), time.time()
         replicas[second].proc.kill()
-        wait_until(lambda: leading(replicas[last]), 2 * FAILOVER_S, f"replica {last} to lead",
-                   every=0.02)  # fmt: skip
+        wait_until(
+            lambda: leading(replicas[last]), 2 * FAILOVER_S, f"replica {last} to lead", every=0.02
+        )
         print(f"second failover: {time.monotonic() - killed:.3f} s, replica {last} leads")
         assert lease_row(db) == (3, replicas[last].address)
 
@@ -140,21 +170,36 @@ def test_three_replicas_the_leader_and_then_its_successor_sigkilled_mid_drain_th
         assert drained["wall_time"] <= terminate_at
         assert drained["wall_time"] > killed_wall  # still draining when the second went
 
-        wait_until(lambda: node_a.outbox_left() == 0 and node_b.outbox_left() == 0, 20,
-                   "both outboxes to empty")  # fmt: skip
+        wait_until(
+            lambda: node_a.outbox_left() == 0 and node_b.outbox_left() == 0,
+            20,
+            "both outboxes to empty",
+        )
         survivors = clients[last]
-        wait_until(lambda: sum(t > killed for t, _ in survivors.nodes.outcomes) >= 5, 30,
-                   "spotctl runs after the second kill")  # fmt: skip
-        wait_until(lambda: f" from {replicas[last].address}," in survivors.router.proc.log(),
-                   20, "the router's snapshot from the last leader")  # fmt: skip
+        wait_until(
+            lambda: sum(t > killed for t, _ in survivors.nodes.outcomes) >= 5,
+            30,
+            "spotctl runs after the second kill",
+        )
+        wait_until(
+            lambda: f" from {replicas[last].address}," in survivors.router.proc.log(),
+            20,
+            "the router's snapshot from the last leader",
+        )
         survivors.stop()
         survivors.check(["node-a", "node-b"], info.worker_id)
 
         rows = stored_events(replicas[last].db)  # (a fact made twice: two uids, counted below)
         node_b_rows = [(k, r) for _, k, n, r in rows if n == "node-b"]
         kinds = [k for k, r in node_b_rows if r == drained["reclaim_id"]]
-        for once in ("tainted", "deadline_file_written", "sigterm_sent", "container_exited",
-                     "verified_empty", "drained"):  # fmt: skip
+        for once in (
+            "tainted",
+            "deadline_file_written",
+            "sigterm_sent",
+            "container_exited",
+            "verified_empty",
+            "drained",
+        ):
             assert kinds.count(once) == 1, (once, kinds)
         assert "overrun" not in kinds and "sigkill_sent" not in kinds
         assert [k for k, _ in node_b_rows].count("notice_received") == 1

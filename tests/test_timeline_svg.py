@@ -18,14 +18,29 @@ T0 = 1_800_000_000.0
 def event(i: int, kind: str, t: float, uid: str = "", **details) -> pb.StoredEvent:
     return pb.StoredEvent(
         id=i,
-        event=pb.Event(uid=uid or f"agent-{i}", kind=kind, node_id="node-a", reclaim_id="r-1",
-                       wall_time=T0 + t, t_offset_s=t, details_json=json.dumps(details)),
-    )  # fmt: skip
+        event=pb.Event(
+            uid=uid or f"agent-{i}",
+            kind=kind,
+            node_id="node-a",
+            reclaim_id="r-1",
+            wall_time=T0 + t,
+            t_offset_s=t,
+            details_json=json.dumps(details),
+        ),
+    )
 
 
 def timeline(events: list[pb.StoredEvent], **rec) -> pb.Timeline:
-    fields = dict(reclaim_id="r-1", node_id="node-a", reason="notice", source="aws-imds", t0=T0,
-                  terminate_at=T0 + 10, grace_deadline=T0 + 8, overrun_at=T0 + 9.5)  # fmt: skip
+    fields = dict(
+        reclaim_id="r-1",
+        node_id="node-a",
+        reason="notice",
+        source="aws-imds",
+        t0=T0,
+        terminate_at=T0 + 10,
+        grace_deadline=T0 + 8,
+        overrun_at=T0 + 9.5,
+    )
     fields.update(rec)
     return pb.Timeline(reclamation=pb.Reclamation(**fields), events=events)
 
@@ -40,8 +55,12 @@ def drained_story() -> pb.Timeline:
         event(6, "verified_empty", 1.7),
         event(7, "drained", 1.75, spare_s=8.25),
     ]
-    return timeline(events, outcome="drained", spare_s=8.25,
-                    steps={"drained": T0 + 1.75, "verified_empty": T0 + 1.7})  # fmt: skip
+    return timeline(
+        events,
+        outcome="drained",
+        spare_s=8.25,
+        steps={"drained": T0 + 1.75, "verified_empty": T0 + 1.7},
+    )
 
 
 def parse(text: str) -> ET.Element:
@@ -58,9 +77,14 @@ def test_every_step_is_drawn_in_order_at_its_offset():
     root = parse(svg.render(drained_story()))
     steps = root.findall(".//s:g[@class='step']", NS)
     assert [s.get("data-kind") for s in steps] == [
-        "notice_received", "tainted", "replacement_unavailable", "sigterm_sent",
-        "container_exited", "verified_empty", "drained",
-    ]  # fmt: skip
+        "notice_received",
+        "tainted",
+        "replacement_unavailable",
+        "sigterm_sent",
+        "container_exited",
+        "verified_empty",
+        "drained",
+    ]
     assert [int(s.get("data-n")) for s in steps] == list(range(1, 8))
     for s in steps:
         t = float(s.get("data-t"))
@@ -101,7 +125,8 @@ def test_drained_shades_the_spare_time_before_d():
     rect = shades[0].find("s:rect", NS)
     assert float(rect.get("x")) == pytest.approx(expected_x(1.75, 0, 10), abs=0.01)
     assert float(rect.get("x")) + float(rect.get("width")) == pytest.approx(
-        expected_x(10, 0, 10), abs=0.02)
+        expected_x(10, 0, 10), abs=0.02
+    )
     assert "spare 8.250 s" in shades[0].find("s:title", NS).text
     assert root.get("data-outcome") == "drained"
     assert "drained, verified empty with 8.250 s to spare" in svg.render(drained_story())
@@ -116,8 +141,9 @@ def test_overrun_shades_from_o_to_verified_empty():
         event(3, "overrun", 9.5, still_running=["gpu pid 7"]),
         event(4, "verified_empty", 12.0),
     ]
-    tl = timeline(events, outcome="overrun", steps={"overrun": T0 + 9.5,
-                                                     "verified_empty": T0 + 12.0})  # fmt: skip
+    tl = timeline(
+        events, outcome="overrun", steps={"overrun": T0 + 9.5, "verified_empty": T0 + 12.0}
+    )
     root = parse(svg.render(tl))
     shades = [g for g in root.findall(".//s:g[@class]", NS) if g.get("class").startswith("shade")]
     assert [g.get("class") for g in shades] == ["shade overrun"]
@@ -141,7 +167,7 @@ def test_a_hostile_detail_is_text_never_markup():
     """An agent (or a workload, through its status directory) puts markup, a script, quotes and
     control characters in a detail and in a container name. The document still parses, holds
     no element or attribute it did not write, and shows the text as text."""
-    hostile = '</title><script>alert(1)</script><a href="javascript:x" onload=\'y\'>&amp;\x00\x1b'
+    hostile = "</title><script>alert(1)</script><a href=\"javascript:x\" onload='y'>&amp;\x00\x1b"
     events = [
         event(1, "notice_received", 0.0, source=hostile),
         event(2, "checkpoint_committed", 0.5, generation=hostile, name=hostile),
@@ -162,9 +188,16 @@ def test_a_hostile_detail_is_text_never_markup():
 def test_a_timeline_without_its_notice_yet_starts_at_its_first_event():
     """The coordinator's steps can be stored before the agent's notice_received arrives: T0 is
     not known yet, and the first event is the origin."""
-    tl = timeline([event(1, "replacement_unavailable", 0.0, uid="coordinator-1"),
-                   event(2, "tainted", 0.4, mode="remote")], t0=0.0, terminate_at=0.0,
-                  grace_deadline=0.0, overrun_at=0.0)  # fmt: skip
+    tl = timeline(
+        [
+            event(1, "replacement_unavailable", 0.0, uid="coordinator-1"),
+            event(2, "tainted", 0.4, mode="remote"),
+        ],
+        t0=0.0,
+        terminate_at=0.0,
+        grace_deadline=0.0,
+        overrun_at=0.0,
+    )
     root = parse(svg.render(tl))
     steps = root.findall(".//s:g[@class='step']", NS)
     assert [float(s.get("data-t")) for s in steps] == [0.0, 0.4]

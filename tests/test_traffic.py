@@ -27,13 +27,16 @@ OPTIONS = AgentOptions(grace_s=4.0, overrun_s=1.0, extra=["--pause-notice-s", "1
 def scene(tmp_path, docker_engine, coordinator, gpus, nvml_lib):
     """Two nodes, one fake-model worker each, and the reference router in front."""
     image = ensure_model_image(docker_engine.client)
-    agents = {n: start_agent(tmp_path, n, coordinator, docker_engine.host, gpus, nvml_lib, OPTIONS)
-              for n in ("node-a", "node-b")}
+    agents = {
+        n: start_agent(tmp_path, n, coordinator, docker_engine.host, gpus, nvml_lib, OPTIONS)
+        for n in ("node-a", "node-b")
+    }
     router = None
     try:
         # Both "nodes" share this host's network: give their workers different ports.
-        workers = {n: start_worker(coordinator, n, image, port=23000 + i)
-                   for i, n in enumerate(agents)}
+        workers = {
+            n: start_worker(coordinator, n, image, port=23000 + i) for i, n in enumerate(agents)
+        }
         for info in workers.values():
             wait_state(coordinator, info.worker_id, "ready")
         router = start_router(tmp_path / "router", coordinator)
@@ -47,14 +50,15 @@ def scene(tmp_path, docker_engine, coordinator, gpus, nvml_lib):
 
 
 def client(router) -> openai.OpenAI:
-    return openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
+    return openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def stream_text(router, tokens: int, pace: float) -> tuple[str, str | None]:
     """Stream one completion; (text, finish_reason). Raises what the SDK raises."""
     chunks = client(router).chat.completions.create(
-        model="fake-model", stream=True, max_tokens=tokens,
+        model="fake-model",
+        stream=True,
+        max_tokens=tokens,
         messages=[{"role": "user", "content": "hi"}],
         extra_headers={"X-Fake-Tokens-Per-S": str(pace)},
     )
@@ -81,7 +85,8 @@ def test_pause_mid_traffic_loses_no_request_and_routes_none_to_the_draining_work
     stop = threading.Event()
 
     watch = pb_grpc.RoutesStub(coordinator.channel()).WatchRoutes(
-        pb.WatchRoutesRequest(model="fake-model"))
+        pb.WatchRoutesRequest(model="fake-model")
+    )
 
     def follow_routes() -> None:
         try:
@@ -91,8 +96,11 @@ def test_pause_mid_traffic_loses_no_request_and_routes_none_to_the_draining_work
         except grpc.RpcError:
             pass
 
-    container_a = next(c for c in docker_engine.client.containers.list()
-                       if c.labels.get("spotdrain.worker") == worker_a)
+    container_a = next(
+        c
+        for c in docker_engine.client.containers.list()
+        if c.labels.get("spotdrain.worker") == worker_a
+    )
 
     def police_node_a() -> None:
         # The background watcher: node-a's model server must never see a request the router
@@ -119,16 +127,23 @@ def test_pause_mid_traffic_loses_no_request_and_routes_none_to_the_draining_work
             except BaseException as e:  # noqa: BLE001 (every failure counts)
                 errors.append(e)
 
-    threads = [threading.Thread(target=follow_routes, daemon=True),
-               threading.Thread(target=police_node_a, daemon=True)]
+    threads = [
+        threading.Thread(target=follow_routes, daemon=True),
+        threading.Thread(target=police_node_a, daemon=True),
+    ]
     threads += [threading.Thread(target=client_loop, daemon=True) for _ in range(4)]
     for t in threads:
         t.start()
     try:
         wait_until(lambda: len(results) >= 4, 30, "traffic to flow")
         # The watcher reads what it needs: node-a served requests, each with its version.
-        wait_until(lambda: re.search(r"arrived \S+ request_id=\S+ route_version=\d+",
-                                     container_a.logs().decode()), 10, "node-a to serve")
+        wait_until(
+            lambda: re.search(
+                r"arrived \S+ request_id=\S+ route_version=\d+", container_a.logs().decode()
+            ),
+            10,
+            "node-a to serve",
+        )
         paused_at = time.time()
         assert spotctl(agents["node-a"], "pause")["ok"] is True
         drained = coordinator.admin().wait_for("drained", node="node-a", timeout=30)
@@ -146,9 +161,7 @@ def test_pause_mid_traffic_loses_no_request_and_routes_none_to_the_draining_work
     assert not [e for e in coordinator.admin().events() if e["kind"] == "stream_interrupted"]
 
 
-def test_openai_client_through_the_router_sees_an_interruption_as_an_error(
-    scene, coordinator
-):
+def test_openai_client_through_the_router_sees_an_interruption_as_an_error(scene, coordinator):
     """A long answer is streamed with the official openai client through the reference router
     when the owner pauses. The stream is cut at the grace deadline: the client gets an error,
     not a clean end. A short answer before that ended normally."""
@@ -169,8 +182,9 @@ def test_openai_client_through_the_router_sees_an_interruption_as_an_error(
 
     t = threading.Thread(target=long_stream, daemon=True)
     t.start()
-    wait_until(lambda: any(e["kind"] == "worker_ready" for e in coordinator.admin().events()),
-               5, "traffic")
+    wait_until(
+        lambda: any(e["kind"] == "worker_ready" for e in coordinator.admin().events()), 5, "traffic"
+    )
     time.sleep(1.0)
     assert spotctl(agents["node-a"], "pause")["ok"] is True
     t.join(30)

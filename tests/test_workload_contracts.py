@@ -34,38 +34,59 @@ class FakeClock:
         return self.now
 
 
-def reclamation(n: int, end: str, image: str = IMAGE, node: str = "node-a",
-                kind: str = "batch") -> list[tuple]:
+def reclamation(
+    n: int, end: str, image: str = IMAGE, node: str = "node-a", kind: str = "batch"
+) -> list[tuple]:
     """The agent's events for reclamation `n` of one container, as
     (kind, reclaim_id, wall_time, details)."""
     t0 = 10_000.0 + n * 200
     d, g, o = t0 + 120, t0 + 110, t0 + 118
     rid, cid, name = f"rcl-{node}-{n:05d}", f"c{n:063d}", f"job-{n}"
     out = [
-        ("notice_received", rid, t0, {"t0": t0, "terminate_at": d, "grace_deadline": g,
-                                      "overrun_at": o, "reason": "notice"}),
-        ("sigterm_sent", rid, t0 + 0.05, {"container": cid, "name": name, "via": "api",
-                                          "image": image, "kind": kind}),
+        (
+            "notice_received",
+            rid,
+            t0,
+            {"t0": t0, "terminate_at": d, "grace_deadline": g, "overrun_at": o, "reason": "notice"},
+        ),
+        (
+            "sigterm_sent",
+            rid,
+            t0 + 0.05,
+            {"container": cid, "name": name, "via": "api", "image": image, "kind": kind},
+        ),
     ]
     if end == "exited":
-        out.append(("container_exited", rid, t0 + 31, {"container": cid, "name": name,
-                                                      "exit_code": 0}))
+        out.append(
+            ("container_exited", rid, t0 + 31, {"container": cid, "name": name, "exit_code": 0})
+        )
     elif end == "killed":
-        out += [("sigkill_sent", rid, g, {"container": cid, "name": name, "via": "api"}),
-                ("container_exited", rid, g + 0.2, {"container": cid, "name": name,
-                                                   "exit_code": 137})]
+        out += [
+            ("sigkill_sent", rid, g, {"container": cid, "name": name, "via": "api"}),
+            ("container_exited", rid, g + 0.2, {"container": cid, "name": name, "exit_code": 137}),
+        ]
     else:
-        out += [("sigkill_sent", rid, g, {"container": cid, "name": name, "via": "api"}),
-                ("overrun", rid, o, {"still_running": [name], "last_failure": ""}),
-                ("container_exited", rid, o + 1.5, {"container": cid, "name": name,
-                                                   "exit_code": 137})]
+        out += [
+            ("sigkill_sent", rid, g, {"container": cid, "name": name, "via": "api"}),
+            ("overrun", rid, o, {"still_running": [name], "last_failure": ""}),
+            ("container_exited", rid, o + 1.5, {"container": cid, "name": name, "exit_code": 137}),
+        ]
     return out
 
 
 def as_new(node: str, rows: list[tuple]) -> list[NewEvent]:
-    return [NewEvent(uid=f"{node}-{rid}-{i}-{kind}", kind=kind, node_id=node, reclaim_id=rid,
-                     wall_time=wall, t_offset_s=None, details=details)
-            for i, (kind, rid, wall, details) in enumerate(rows)]
+    return [
+        NewEvent(
+            uid=f"{node}-{rid}-{i}-{kind}",
+            kind=kind,
+            node_id=node,
+            reclaim_id=rid,
+            wall_time=wall,
+            t_offset_s=None,
+            details=details,
+        )
+        for i, (kind, rid, wall, details) in enumerate(rows)
+    ]
 
 
 @pytest.fixture
@@ -82,8 +103,11 @@ async def coordinator_on(store, policy: ContractPolicy | None = None) -> Coordin
 
 
 async def flagged_events(store) -> list[dict]:
-    return [json.loads(e.details_json) for e in await store.events_after(0, 100_000)
-            if e.kind == "workload_contract_flagged"]
+    return [
+        json.loads(e.details_json)
+        for e in await store.events_after(0, 100_000)
+        if e.kind == "workload_contract_flagged"
+    ]
 
 
 async def test_two_overruns_in_forty_flag_the_image_once(store):
@@ -99,9 +123,18 @@ async def test_two_overruns_in_forty_flag_the_image_once(store):
     assert not coord.fleet.contracts.flagged(IMAGE, "batch")
     for n in range(19, 40):
         await coord.events.accept(as_new("node-a", reclamation(n, ends[n])))
-    assert await flagged_events(store) == [{
-        "image": IMAGE, "kind": "batch", "exited": 19, "killed": 0, "overrun": 1,
-        "reclamations": 20, "share": 0.05, "budget": 0.005}]
+    assert await flagged_events(store) == [
+        {
+            "image": IMAGE,
+            "kind": "batch",
+            "exited": 19,
+            "killed": 0,
+            "overrun": 1,
+            "reclamations": 20,
+            "share": 0.05,
+            "budget": 0.005,
+        }
+    ]
     assert coord.fleet.contracts.flagged(IMAGE, "batch")
     await coord.events.accept(as_new("node-a", reclamation(30, "overrun")))  # resent: once
     (row,) = await store.contracts()
@@ -143,35 +176,38 @@ async def test_images_and_kinds_are_counted_apart_and_rentals_not_at_all(store):
     coord = await coordinator_on(store)
     await coord.events.accept(as_new("node-a", reclamation(0, "exited", image="a:1")))
     await coord.events.accept(as_new("node-a", reclamation(1, "killed", image="b:1")))
-    await coord.events.accept(as_new("node-a", reclamation(2, "killed", image="a:1",
-                                                           kind="render")))
+    await coord.events.accept(
+        as_new("node-a", reclamation(2, "killed", image="a:1", kind="render"))
+    )
     # A rental is never SIGTERMed: its SIGKILL at G (its reclaim_at) counts against nothing.
     rows = [r for r in reclamation(3, "killed", image="rent:1") if r[0] != "sigterm_sent"]
     await coord.events.accept(as_new("node-a", rows))
     got = {(r.image, r.kind): (r.exited, r.killed, r.overrun) for r in await store.contracts()}
-    assert got == {("a:1", "batch"): (1, 0, 0), ("a:1", "render"): (0, 1, 0),
-                   ("b:1", "batch"): (0, 1, 0)}
+    assert got == {
+        ("a:1", "batch"): (1, 0, 0),
+        ("a:1", "render"): (0, 1, 0),
+        ("b:1", "batch"): (0, 1, 0),
+    }
 
 
 async def test_another_nodes_events_cannot_end_a_container_it_does_not_own(store):
     coord = await coordinator_on(store)
     rows = reclamation(0, "exited")
     await coord.events.accept(as_new("node-a", rows[:2]))
-    await coord.events.accept(as_new("node-b", [("container_exited", rows[0][1], 1.0,
-                                                 rows[2][3])]))
+    await coord.events.accept(as_new("node-b", [("container_exited", rows[0][1], 1.0, rows[2][3])]))
     assert [(r.exited, r.killed) for r in await store.contracts()] == []
 
 
-@pytest.mark.parametrize(("budget", "minimum"), [(float("nan"), 20), (1.0, 20), (-0.1, 20),
-                                                 (0.005, 0)])
+@pytest.mark.parametrize(
+    ("budget", "minimum"), [(float("nan"), 20), (1.0, 20), (-0.1, 20), (0.005, 0)]
+)
 def test_a_bad_policy_is_refused(budget, minimum):
     with pytest.raises(ValueError, match="contract"):
         ContractPolicy(budget, minimum)
 
 
 def test_the_gate_rule_keeps_a_flagged_image_off_spot_only():
-    node = dict(workload_enabled=True, tainted=False, connected=True, gpus_total=2,
-                gpus_in_use=0)
+    node = dict(workload_enabled=True, tainted=False, connected=True, gpus_total=2, gpus_in_use=0)
     spot, ondemand = NodeView("s", spot=True, **node), NodeView("o", spot=False, **node)
     off = PlacementRequest(kind="batch", off_spot=True)
     assert admit(spot, off) == CONTRACT_FLAGGED
@@ -183,15 +219,24 @@ def test_the_gate_rule_keeps_a_flagged_image_off_spot_only():
 
 
 async def send(node: FakeNode, rows: list[tuple]) -> None:
-    events = [pb.Event(uid=f"{node.node_id}-{rid}-{i}", kind=kind, node_id=node.node_id,
-                       reclaim_id=rid, wall_time=wall, details_json=json.dumps(details))
-              for i, (kind, rid, wall, details) in enumerate(rows)]
+    events = [
+        pb.Event(
+            uid=f"{node.node_id}-{rid}-{i}",
+            kind=kind,
+            node_id=node.node_id,
+            reclaim_id=rid,
+            wall_time=wall,
+            details_json=json.dumps(details),
+        )
+        for i, (kind, rid, wall, details) in enumerate(rows)
+    ]
     await node.outgoing.put(pb.AgentMessage(events=pb.EventBatch(events=events)))
 
 
 async def spotctl(coord, *args: str) -> str:
     proc = await asyncio.create_subprocess_exec(
-        str(BIN / "spotctl"), *coord.cli_args(), *args, stdout=asyncio.subprocess.PIPE)
+        str(BIN / "spotctl"), *coord.cli_args(), *args, stdout=asyncio.subprocess.PIPE
+    )
     out, _ = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 0
     return out.decode()
@@ -202,36 +247,47 @@ async def test_no_spot_for_flagged_through_the_gate_and_spotctl(tmp_path, pki):
     reclamations of the trainer image, two of them overruns: the image is flagged, `spotctl
     workloads` says so, and the gate then refuses that image on spot node A (recorded with the
     reason) while on-demand node B takes it, and another image still goes on A."""
-    coord = start_coordinator(tmp_path / "c", tls=pki,
-                              extra=("--no-spot-for-flagged", "--contract-min", "20"))
+    coord = start_coordinator(
+        tmp_path / "c", tls=pki, extra=("--no-spot-for-flagged", "--contract-min", "20")
+    )
     a = FakeNode(coord, pki, "node-a", spot=True)
     b = FakeNode(coord, pki, "node-b", spot=False)
     ops = Ops(coord)
     try:
         await a.connect()
         await b.connect()
-        rows = [r for n in range(40) for r in reclamation(n, "overrun" if n in (7, 30)
-                                                         else "exited")]
+        rows = [
+            r for n in range(40) for r in reclamation(n, "overrun" if n in (7, 30) else "exited")
+        ]
         for i in range(0, len(rows), 60):
-            await send(a, rows[i:i + 60])
+            await send(a, rows[i : i + 60])
         # Flagged at the 20th reclamation already; wait until all 40 are stored.
         await eventually(
             lambda: ops.admin.ListWorkloadContracts(pb.ListWorkloadContractsRequest()),
-            lambda got: [c.reclamations for c in got.contracts] == [40])
+            lambda got: [c.reclamations for c in got.contracts] == [40],
+        )
         assert len(await ops.events("workload_contract_flagged")) == 1
         out = await spotctl(coord, "workloads", "--json")
         doc = json.loads(out)
         assert doc["no_spot_for_flagged"] is True and doc["min_reclamations"] == 20
         (w,) = doc["workloads"]
         assert (w["image"], w["kind"], w["exited"], w["overrun"], w["flagged"]) == (
-            IMAGE, "batch", 38, 2, True)
+            IMAGE,
+            "batch",
+            38,
+            2,
+            True,
+        )
         assert w["share"] == pytest.approx(0.05)
         table = await spotctl(coord, "workloads")
         assert IMAGE in table and "FLAGGED" in table and "5.00%" in table
 
         def start(node: str, image: str):
-            return ops.admin.StartWorker(pb.StartWorkerRequest(
-                node_id=node, model="trainer", image=image, slots=1, kind="batch"))
+            return ops.admin.StartWorker(
+                pb.StartWorkerRequest(
+                    node_id=node, model="trainer", image=image, slots=1, kind="batch"
+                )
+            )
 
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await start("node-a", IMAGE)
@@ -249,11 +305,20 @@ async def test_no_spot_for_flagged_through_the_gate_and_spotctl(tmp_path, pki):
 
 
 def test_the_coordinator_refuses_a_bad_budget(tmp_path):
-    proc = subprocess.run([str(BIN / "spotdrain-coordinator"), "--listen", "127.0.0.1:0",
-                           "--db", str(tmp_path / "c.sqlite"), "--insecure",
-                           "--contract-budget", "nan"],
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [
+            str(BIN / "spotdrain-coordinator"),
+            "--listen",
+            "127.0.0.1:0",
+            "--db",
+            str(tmp_path / "c.sqlite"),
+            "--insecure",
+            "--contract-budget",
+            "nan",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 2 and "--contract-budget" in proc.stderr
     assert not (tmp_path / "c.sqlite").exists()
-
-

@@ -43,13 +43,15 @@ from spotdrain.runtime import systemd
 T0 = 1000.0
 D = T0 + 30
 G = D - 10
-MARGINS = Margins(default_notice_s=30, grace_s=10, overrun_s=2, taint_answer_s=0.8,
-                  observe_every_s=0.5)
+MARGINS = Margins(
+    default_notice_s=30, grace_s=10, overrun_s=2, taint_answer_s=0.8, observe_every_s=0.5
+)
 
 
 def draining() -> Reclamation:
-    notice = Notice(key="id:i-1", notice_id="i-1", action="terminate", terminate_at=D,
-                    source="aws-imds")
+    notice = Notice(
+        key="id:i-1", notice_id="i-1", action="terminate", terminate_at=D, source="aws-imds"
+    )
     rec, _ = Reclamation.begin(notice, "node-a", T0, MARGINS)
     rec.handle(TaintAnswered(T0 + 0.01))
     return rec
@@ -81,8 +83,10 @@ def test_the_final_checkpoint_sits_between_sigterm_and_exit():
     out += rec.handle(started(T0 + 0.05))
     out += rec.handle(committed(T0 + 31.02))
     out += rec.handle(ContainerExited(T0 + 31.5, "c1", "job", 0))
-    assert [(k, d.get("generation"), d.get("bytes"), d.get("since_sigterm_s"), at)
-            for k, d, at in emitted(out)] == [
+    assert [
+        (k, d.get("generation"), d.get("bytes"), d.get("since_sigterm_s"), at)
+        for k, d, at in emitted(out)
+    ] == [
         ("sigterm_sent", None, None, None, T0 + 0.02),
         ("checkpoint_started", 18, None, 0.03, T0 + 0.05),
         ("checkpoint_committed", 18, 1_400_000_000, 31.0, T0 + 31.02),
@@ -101,7 +105,9 @@ def test_a_report_before_the_sigterm_waits_for_it():
     assert rec.handle(started(T0 + 0.015)) == []
     out = delivered(rec, ContainerSignalled(T0 + 0.02, "c1", "job", SIGTERM, "api"))
     assert [(k, at) for k, _, at in emitted(out)] == [
-        ("sigterm_sent", T0 + 0.02), ("checkpoint_started", T0 + 0.02)]
+        ("sigterm_sent", T0 + 0.02),
+        ("checkpoint_started", T0 + 0.02),
+    ]
     details = emitted(out)[1][1]
     assert details["before_sigterm"] is True and details["since_sigterm_s"] == 0.0
     assert rec.pending_reports == {}
@@ -123,8 +129,7 @@ def test_held_reports_of_a_container_never_signalled_come_out_before_its_exit():
     out = delivered(rec, ContainerSignalled(G, "r1", "rental", SIGKILL, "api"))
     out += rec.handle(ContainerExited(G + 0.2, "r1", "rental", 137))
     kinds = [(k, d.get("since_sigterm_s", "-")) for k, d, _ in emitted(out)]
-    assert kinds == [("sigkill_sent", "-"), ("checkpoint_started", None),
-                     ("container_exited", "-")]
+    assert kinds == [("sigkill_sent", "-"), ("checkpoint_started", None), ("container_exited", "-")]
 
 
 def test_reports_move_no_deadline_and_prove_nothing():
@@ -151,7 +156,8 @@ def test_held_reports_are_bounded_and_survive_a_restart():
     again = Reclamation.from_json(json.loads(json.dumps(rec.to_json())))
     out = delivered(again, ContainerSignalled(T0 + 0.1, "c1", "job", SIGTERM, "api"))
     assert [d["generation"] for k, d, _ in emitted(out) if k == "checkpoint_started"] == list(
-        range(PENDING_REPORTS_KEPT))
+        range(PENDING_REPORTS_KEPT)
+    )
 
 
 # --- status directories ------------------------------------------------------------------------
@@ -199,7 +205,9 @@ async def test_reports_are_read_once_in_order_and_removed(watched):
     reporter.checkpoint_committed(4, 123)
     await seen.until(lambda: len(seen.reports) == 2, "two reports")
     assert [(n, r.kind, r.generation, r.nbytes) for n, r in seen.reports] == [
-        ("job-1", "checkpoint_started", 4, None), ("job-1", "checkpoint_committed", 4, 123)]
+        ("job-1", "checkpoint_started", 4, None),
+        ("job-1", "checkpoint_committed", 4, 123),
+    ]
     assert os.listdir(dirs.root / "job-1") == []
     assert dirs.collect("job-1") == 0 and len(seen.reports) == 2
 
@@ -282,7 +290,9 @@ async def test_a_planted_device_or_fifo_is_refused_without_being_opened(tmp_path
     assert opened == [report]
     assert [(r.kind, r.generation) for _, r in seen.reports] == [("checkpoint_started", 7)]
     assert {(entry, why) for _, entry, why in seen.invalid} == {
-        ("dev.json", "not a regular file"), ("fifo.json", "not a regular file")}
+        ("dev.json", "not a regular file"),
+        ("fifo.json", "not a regular file"),
+    }
     assert os.listdir(box) == [".barrier"]
 
 

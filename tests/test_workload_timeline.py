@@ -25,21 +25,35 @@ STATE_MB = 48
 
 def run_job(client, name, node, bucket, deadline_dir=None, status=None):
     mounts = [docker.types.Mount("/bucket", str(bucket), type="bind")]
-    env = {"CHECKPOINT_BUCKET": "/bucket", "CHECKPOINT_STATE_MB": str(STATE_MB),
-           "CHECKPOINT_OBJECT_MB": "8"}
+    env = {
+        "CHECKPOINT_BUCKET": "/bucket",
+        "CHECKPOINT_STATE_MB": str(STATE_MB),
+        "CHECKPOINT_OBJECT_MB": "8",
+    }
     if deadline_dir is not None:
-        mounts.append(docker.types.Mount(CONTAINER_DEADLINE_DIR, str(deadline_dir), type="bind",
-                                         read_only=True))
+        mounts.append(
+            docker.types.Mount(
+                CONTAINER_DEADLINE_DIR, str(deadline_dir), type="bind", read_only=True
+            )
+        )
         env[DEADLINE_FILE_ENV] = f"{CONTAINER_DEADLINE_DIR}/deadline.json"
     if status is not None:
         mounts.append(docker.types.Mount(CONTAINER_STATUS_DIR, str(status), type="bind"))
         env[STATUS_DIR_ENV] = CONTAINER_STATUS_DIR
     c = client.containers.run(
-        ensure_checkpoint_job_image(client), name=name,
-        labels={NODE_LABEL: node, KIND_LABEL: "batch"}, environment=env, mounts=mounts,
-        network_mode="none", detach=True)
-    wait_until(lambda: b"job: ready" in c.logs() or c.reload() or c.status == "exited", 60,
-               f"{name} to be ready")
+        ensure_checkpoint_job_image(client),
+        name=name,
+        labels={NODE_LABEL: node, KIND_LABEL: "batch"},
+        environment=env,
+        mounts=mounts,
+        network_mode="none",
+        detach=True,
+    )
+    wait_until(
+        lambda: b"job: ready" in c.logs() or c.reload() or c.status == "exited",
+        60,
+        f"{name} to be ready",
+    )
     assert b"job: ready" in c.logs(), c.logs()
     return c
 
@@ -53,27 +67,55 @@ def test_the_final_checkpoint_in_the_timeline(
     0, then drained. The bucket holds generation 1, whole, and a new run resumes from it."""
     client = docker_engine.client
     ensure_checkpoint_job_image(client)
-    agent = start_agent(tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib,
-                        AgentOptions(grace_s=4.0, overrun_s=1.0))
+    agent = start_agent(
+        tmp_path,
+        "node-a",
+        coordinator,
+        docker_engine.host,
+        gpus,
+        nvml_lib,
+        AgentOptions(grace_s=4.0, overrun_s=1.0),
+    )
     bucket = tmp_path / "bucket"
     bucket.mkdir()
     agent.deadline_file.parent.mkdir(parents=True, exist_ok=True)
     name = containers + "ckpt"
-    job = run_job(client, name, "node-a", bucket, agent.deadline_file.parent,
-                  agent.status_dir(name))
+    job = run_job(
+        client, name, "node-a", bucket, agent.deadline_file.parent, agent.status_dir(name)
+    )
     try:
-        agent.write_notice({"id": "i-ckpt-1", "action": "terminate",
-                            "terminate_at": time.time() + 15, "source": "aws-imds"})
+        agent.write_notice(
+            {
+                "id": "i-ckpt-1",
+                "action": "terminate",
+                "terminate_at": time.time() + 15,
+                "source": "aws-imds",
+            }
+        )
         admin = coordinator.admin()
         drained = admin.wait_for("drained", node="node-a", timeout=40)
         out = subprocess.run(
-            [str(BIN / "spotctl"), *coordinator.cli_args(), "timeline", drained["reclaim_id"],
-             "--json"], capture_output=True, text=True, timeout=30, check=True).stdout
+            [
+                str(BIN / "spotctl"),
+                *coordinator.cli_args(),
+                "timeline",
+                drained["reclaim_id"],
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
         timeline = json.loads(out)
         ours = [e for e in timeline["events"] if e.get("name") == name]
         kinds = [e["kind"] for e in ours]
-        assert kinds == ["sigterm_sent", "checkpoint_started", "checkpoint_committed",
-                         "container_exited"], kinds
+        assert kinds == [
+            "sigterm_sent",
+            "checkpoint_started",
+            "checkpoint_committed",
+            "container_exited",
+        ], kinds
         started, done, exited = ours[1], ours[2], ours[3]
         assert started["generation"] == done["generation"] == 1
         assert done["bytes"] == STATE_MB * 1024 * 1024
@@ -86,7 +128,11 @@ def test_the_final_checkpoint_in_the_timeline(
         # The human table shows the steps too.
         table = subprocess.run(
             [str(BIN / "spotctl"), *coordinator.cli_args(), "timeline", drained["reclaim_id"]],
-            capture_output=True, text=True, timeout=30, check=True).stdout
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
         assert "checkpoint_committed" in table and "generation=1" in table
 
         # The bucket: generation 1's manifest, and every object it names, whole.

@@ -135,10 +135,17 @@ class AdvisoryBook:
         commands: list[Command] = [Record("advisory_received", details)]
         if self.policy.action == "drain":
             deadline = adv.not_before if adv.not_before and adv.not_before > now else None
-            commands.append(Drain(Notice(
-                key=f"advisory:{adv.key}", notice_id=f"advisory-{adv.key}", action="terminate",
-                terminate_at=deadline, source=adv.source,
-            )))  # fmt: skip
+            commands.append(
+                Drain(
+                    Notice(
+                        key=f"advisory:{adv.key}",
+                        notice_id=f"advisory-{adv.key}",
+                        action="terminate",
+                        terminate_at=deadline,
+                        source=adv.source,
+                    )
+                )
+            )
         return commands
 
     def _expire(self, now: float) -> list[Command]:

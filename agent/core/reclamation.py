@@ -349,10 +349,17 @@ class Reclamation(StateMachine[str, str]):
                 commands += self._held_reports(container, None)
             else:
                 self._ledger_move(container, entry["before"], now=now)
-                commands.append(Emit("sigkill_sent", {
-                    "container": container, "name": entry["name"], "by": BY_PREVIOUS_RUN,
-                    "announced_at": entry["at"],
-                }))  # fmt: skip
+                commands.append(
+                    Emit(
+                        "sigkill_sent",
+                        {
+                            "container": container,
+                            "name": entry["name"],
+                            "by": BY_PREVIOUS_RUN,
+                            "announced_at": entry["at"],
+                        },
+                    )
+                )
         return commands
 
     # --- the signal ledger ---------------------------------------------------------------------
@@ -372,9 +379,12 @@ class Reclamation(StateMachine[str, str]):
         return None
 
     def _ledger_move(
-        self, container: str, finish: str | None, target: RoundTarget | None = None,
+        self,
+        container: str,
+        finish: str | None,
+        target: RoundTarget | None = None,
         now: float = 0.0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """A container's move in the signal ledger, checked against LEDGER_TRANSITIONS and told
         in the reclamation's story."""
         start = self.ledger(container)

@@ -304,8 +304,13 @@ class CoordinatorLink:
                     )
                     await asyncio.sleep(REFUSED_RETRY_S)
                     continue
-                log.info("node %s: coordinator %s stream: %s: %s", self.cfg.node_id,
-                         self.leader, e.code().name, e.details())  # fmt: skip
+                log.info(
+                    "node %s: coordinator %s stream: %s: %s",
+                    self.cfg.node_id,
+                    self.leader,
+                    e.code().name,
+                    e.details(),
+                )
                 self.replicas.moved(e)
                 if leader_hint(e):
                     attempt = 0  # sent on to the leader: go at once
@@ -402,5 +407,7 @@ def _short(report: dict) -> dict:
     """Free text (a Docker error, an exit reason) cut to what the coordinator accepts, so a
     long message is a shortened report rather than a refused one that ends the stream."""
     cap = limits.MAX_STRING_CHARS
-    return {k: (v[: cap - 3] + "..." if isinstance(v, str) and len(v) > cap else v)
-            for k, v in report.items()}  # fmt: skip
+    return {
+        k: (v[: cap - 3] + "..." if isinstance(v, str) and len(v) > cap else v)
+        for k, v in report.items()
+    }

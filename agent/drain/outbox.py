@@ -158,9 +158,7 @@ class Outbox:
         t_offset_s: float | None,
         details: dict[str, Any],
     ) -> OutgoingEvent:
-        return self.put_event(
-            self.event(kind, node_id, reclaim_id, wall_time, t_offset_s, details)
-        )
+        return self.put_event(self.event(kind, node_id, reclaim_id, wall_time, t_offset_s, details))
 
     @staticmethod
     def event(
@@ -238,12 +236,14 @@ class Outbox:
         try:
             db = self._open()
             while db is not None and self._memory:
-                rows = [(e.uid, json.dumps(e.__dict__, sort_keys=True))
-                        for e in self._memory.values()]  # fmt: skip
+                rows = [
+                    (e.uid, json.dumps(e.__dict__, sort_keys=True)) for e in self._memory.values()
+                ]
                 try:
                     if len(rows) == 1:
-                        db.execute("INSERT OR IGNORE INTO outbox (uid, body) VALUES (?, ?)",
-                                   rows[0])  # fmt: skip
+                        db.execute(
+                            "INSERT OR IGNORE INTO outbox (uid, body) VALUES (?, ?)", rows[0]
+                        )
                     else:
                         db.execute("BEGIN")
                         db.executemany(

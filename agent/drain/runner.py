@@ -324,8 +324,9 @@ class DrainRunner:
             self.health.failed(path, e)
             return False
         except ValueError as e:  # a deadline the file's format refuses: never a crash (loop)
-            log.error("node %s reclamation %s: deadline file not written: %s",
-                      self.cfg.node_id, rid, e)  # fmt: skip
+            log.error(
+                "node %s reclamation %s: deadline file not written: %s", self.cfg.node_id, rid, e
+            )
             self._deadline_unwritten = None
             return True
         self._deadline_unwritten = None
@@ -464,8 +465,11 @@ class DrainRunner:
         if ahead is None or not ahead.done() or ahead.cancelled() or ahead.exception():
             return event
         already = self._sigtermed_elsewhere(rid)
-        listed = tuple(RoundTarget(t.id, t.name, t.kind, t.image)
-                       for t in ahead.result() if t.id not in already)  # fmt: skip
+        listed = tuple(
+            RoundTarget(t.id, t.name, t.kind, t.image)
+            for t in ahead.result()
+            if t.id not in already
+        )
         return dataclasses.replace(event, listed=listed)
 
     def _on_listed(
@@ -608,8 +612,9 @@ class DrainRunner:
         preemption heard by two sources, one of them withdrawn); else it names that drain."""
         other = self._earliest_other(rec)
         if other is not None and other.phase == "draining":
-            self._write_deadline_file(other.reclaim_id, other.terminate_at,
-                                      other.grace_deadline, other.reason)  # fmt: skip
+            self._write_deadline_file(
+                other.reclaim_id, other.terminate_at, other.grace_deadline, other.reason
+            )
             return
         self._deadline_unwritten = None
         try:
@@ -621,12 +626,19 @@ class DrainRunner:
         # The file is the node's: with two reclamations in force (one preemption heard by two
         # sources) it keeps the earlier G; a later one never moves it.
         rid, terminate_at, grace_deadline, reason = (
-            rec.reclaim_id, cmd.terminate_at, cmd.grace_deadline, cmd.reason)  # fmt: skip
+            rec.reclaim_id,
+            cmd.terminate_at,
+            cmd.grace_deadline,
+            cmd.reason,
+        )
         first = self._earliest_other(rec)
         if first is not None and first.grace_deadline < grace_deadline:
             rid, terminate_at, grace_deadline, reason = (
-                first.reclaim_id, first.terminate_at, first.grace_deadline,
-                first.reason)  # fmt: skip
+                first.reclaim_id,
+                first.terminate_at,
+                first.grace_deadline,
+                first.reason,
+            )
         if not self._write_deadline_file(rid, terminate_at, grace_deadline, reason):
             self._next_write_retry = self.clock() + RETRY_WRITES_S
 
@@ -765,8 +777,12 @@ class DrainRunner:
         """Containers another reclamation has SIGTERMed (or announced): a second notice for
         the same machine (two sources, one preemption) must not signal them again."""
         terms = (r.TERM_ANNOUNCED, r.TERM_SENT, r.TERM_BY_PREVIOUS_RUN)
-        return {c for o in self._others(rid) for c in (*o.announced, *o.signalled)
-                if o.ledger(c) in terms}  # fmt: skip
+        return {
+            c
+            for o in self._others(rid)
+            for c in (*o.announced, *o.signalled)
+            if o.ledger(c) in terms
+        }
 
     async def _watch_exit(self, rid: str, container_id: str, name: str) -> None:
         exited = await self.docker.wait_exit(container_id, name)

@@ -59,13 +59,11 @@ class Config:
     def from_table(cls, table: dict[str, Any], where: str) -> Config:
         check_keys(table, {"endpoint", "poll_s", "timeout_s"}, where, "aws")
         return cls(
-            endpoint=endpoint(
-                table.get("endpoint"), f"{where}sources.aws.endpoint", cls.endpoint
-            ),  # fmt: skip
+            endpoint=endpoint(table.get("endpoint"), f"{where}sources.aws.endpoint", cls.endpoint),
             poll_s=number(table.get("poll_s", cls.poll_s), f"{where}sources.aws.poll_s", 0.1, 60),
             timeout_s=number(
                 table.get("timeout_s", cls.timeout_s), f"{where}sources.aws.timeout_s", 0.05, 30
-            ),  # fmt: skip
+            ),
         )
 
 
@@ -113,12 +111,18 @@ def parse_instance_action(body: bytes, boot: str, occurrence: str = "") -> Notic
     if isinstance(parsed, NoticeInvalid):
         return parsed
     if parsed.action not in SPOT_ACTIONS:
-        return NoticeInvalid(f"spot/instance-action: action {parsed.action!r} is not one of "
-                             f"{', '.join(SPOT_ACTIONS)}", content_hash(body.strip()))  # fmt: skip
-    return Notice(key=f"aws:instance-action:{boot}{occurrence}",
-                  notice_id=f"aws-instance-action-{boot[:8]}{occurrence.replace(':', '-')}",
-                  action=parsed.action, terminate_at=parsed.terminate_at,
-                  source="aws-instance-action")  # fmt: skip
+        return NoticeInvalid(
+            f"spot/instance-action: action {parsed.action!r} is not one of "
+            f"{', '.join(SPOT_ACTIONS)}",
+            content_hash(body.strip()),
+        )
+    return Notice(
+        key=f"aws:instance-action:{boot}{occurrence}",
+        notice_id=f"aws-instance-action-{boot[:8]}{occurrence.replace(':', '-')}",
+        action=parsed.action,
+        terminate_at=parsed.terminate_at,
+        source="aws-instance-action",
+    )
 
 
 def parse_rebalance(body: bytes, boot: str, occurrence: str = "") -> Advisory | NoticeInvalid:
@@ -129,10 +133,15 @@ def parse_rebalance(body: bytes, boot: str, occurrence: str = "") -> Advisory | 
         notice_time = str(doc["noticeTime"])[:64]
         _iso(notice_time)
     except (ValueError, KeyError, TypeError) as e:
-        return NoticeInvalid(f"rebalance recommendation: not a document we read ({e})",
-                             content_hash(body))  # fmt: skip
-    return Advisory(key=f"aws:rebalance:{boot}{occurrence}", source="aws", reason="rebalance",
-                    detail=f"noticeTime {notice_time}")  # fmt: skip
+        return NoticeInvalid(
+            f"rebalance recommendation: not a document we read ({e})", content_hash(body)
+        )
+    return Advisory(
+        key=f"aws:rebalance:{boot}{occurrence}",
+        source="aws",
+        reason="rebalance",
+        detail=f"noticeTime {notice_time}",
+    )
 
 
 def parse_maintenance(body: bytes) -> list[Advisory] | NoticeInvalid:
@@ -145,15 +154,21 @@ def parse_maintenance(body: bytes) -> list[Advisory] | NoticeInvalid:
         for event in doc[:100]:
             event_id = str(event["EventId"])[:128]
             state = str(event.get("State", "")).lower()
-            out.append(Advisory(
-                key=f"aws:maintenance:{event_id}", source="aws", reason="maintenance",
-                not_before=_aws_date(event.get("NotBefore")), withdrawn=state in OVER,
-                detail=f"{event.get('Code', '')}: {event.get('Description', '')}"[:200],
-            ))  # fmt: skip
+            out.append(
+                Advisory(
+                    key=f"aws:maintenance:{event_id}",
+                    source="aws",
+                    reason="maintenance",
+                    not_before=_aws_date(event.get("NotBefore")),
+                    withdrawn=state in OVER,
+                    detail=f"{event.get('Code', '')}: {event.get('Description', '')}"[:200],
+                )
+            )
         return out
     except (ValueError, KeyError, TypeError) as e:
-        return NoticeInvalid(f"scheduled maintenance: not a document we read ({e})",
-                             content_hash(body))  # fmt: skip
+        return NoticeInvalid(
+            f"scheduled maintenance: not a document we read ({e})", content_hash(body)
+        )
 
 
 def _iso(value: Any) -> float:
@@ -243,8 +258,11 @@ class Source:
                 continue
             if reply.status != 200:
                 raise ReadFailed(f"GET {path}: HTTP {reply.status}")
-            result = (parse_rebalance(reply.body, self.boot, self._rebalance.suffix)
-                      if path == REBALANCE else parse_maintenance(reply.body))  # fmt: skip
+            result = (
+                parse_rebalance(reply.body, self.boot, self._rebalance.suffix)
+                if path == REBALANCE
+                else parse_maintenance(reply.body)
+            )
             if isinstance(result, NoticeInvalid):
                 if self._last_invalid.get(path) != result:
                     self._last_invalid[path] = result
@@ -283,9 +301,13 @@ class Source:
     async def _token_for(self, http: aiohttp.ClientSession, renew: bool) -> str:
         now = self.clock()
         if renew or not self._token or now >= self._token_until - TOKEN_RENEW_BEFORE_S:
-            reply = await fetch(http, "PUT", self.cfg.endpoint + "/latest/api/token",
-                                {"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_S)},
-                                self.cfg.timeout_s)  # fmt: skip
+            reply = await fetch(
+                http,
+                "PUT",
+                self.cfg.endpoint + "/latest/api/token",
+                {"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_S)},
+                self.cfg.timeout_s,
+            )
             token = reply.body.decode("ascii", "replace").strip()
             if reply.status != 200 or not token or len(token) > 4096:
                 raise ReadFailed(f"PUT /latest/api/token: HTTP {reply.status}")

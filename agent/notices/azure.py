@@ -65,8 +65,9 @@ class Config:
 
     @classmethod
     def from_table(cls, table: dict[str, Any], where: str) -> Config:
-        check_keys(table, {"endpoint", "poll_s", "acknowledge", "vm_name", "timeout_s"},
-                   where, "azure")  # fmt: skip
+        check_keys(
+            table, {"endpoint", "poll_s", "acknowledge", "vm_name", "timeout_s"}, where, "azure"
+        )
         ack = table.get("acknowledge", False)
         if not isinstance(ack, bool):
             raise UsageError(f"{where}sources.azure.acknowledge must be true or false")
@@ -74,14 +75,15 @@ class Config:
         if not isinstance(vm, str) or len(vm) > 128 or not vm.isprintable():
             raise UsageError(f"{where}sources.azure.vm_name must be a short string")
         return cls(
-            endpoint=endpoint(table.get("endpoint"), f"{where}sources.azure.endpoint",
-                              cls.endpoint),  # fmt: skip
-            poll_s=number(table.get("poll_s", cls.poll_s), f"{where}sources.azure.poll_s",
-                          0.1, 60),  # fmt: skip
+            endpoint=endpoint(
+                table.get("endpoint"), f"{where}sources.azure.endpoint", cls.endpoint
+            ),
+            poll_s=number(table.get("poll_s", cls.poll_s), f"{where}sources.azure.poll_s", 0.1, 60),
             acknowledge=ack,
             vm_name=vm,
-            timeout_s=number(table.get("timeout_s", cls.timeout_s),
-                             f"{where}sources.azure.timeout_s", 0.05, 30),  # fmt: skip
+            timeout_s=number(
+                table.get("timeout_s", cls.timeout_s), f"{where}sources.azure.timeout_s", 0.05, 30
+            ),
         )
 
 
@@ -277,16 +279,29 @@ class Source:
             key = f"azure:{event_id}"
             if ev.event_type in NOTICES:
                 deadline = ev.not_before if ev.not_before else now + EMPTY_NOT_BEFORE_S
-                self.sink.notice(Notice(key=key, notice_id=event_id, action="terminate",
-                                        terminate_at=deadline, source="azure"))  # fmt: skip
+                self.sink.notice(
+                    Notice(
+                        key=key,
+                        notice_id=event_id,
+                        action="terminate",
+                        terminate_at=deadline,
+                        source="azure",
+                    )
+                )
                 if self.cfg.acknowledge:
                     task = asyncio.get_running_loop().create_task(self._acknowledge(key, ev))
                     self._acks.add(task)
                     task.add_done_callback(self._acks.discard)
             else:
-                self.sink.advisory(Advisory(key, "azure", ADVISORIES[ev.event_type],
-                                            not_before=ev.not_before,
-                                            detail=ev.description))  # fmt: skip
+                self.sink.advisory(
+                    Advisory(
+                        key,
+                        "azure",
+                        ADVISORIES[ev.event_type],
+                        not_before=ev.not_before,
+                        detail=ev.description,
+                    )
+                )
         if anonymous_unreadable:
             return  # an event this VM cannot name may be any known one: none is called off
         # An event still there but unreadable now is not gone: only a missing one is a cancel.
@@ -297,11 +312,19 @@ class Source:
                 continue  # it went ahead; nothing to call off
             key = f"azure:{event_id}"
             if ev.event_type in NOTICES:
-                self.sink.notice(Notice(key=key, notice_id=event_id, action="cancel",
-                                        terminate_at=None, source="azure"))  # fmt: skip
+                self.sink.notice(
+                    Notice(
+                        key=key,
+                        notice_id=event_id,
+                        action="cancel",
+                        terminate_at=None,
+                        source="azure",
+                    )
+                )
             else:
-                self.sink.advisory(Advisory(key, "azure", ADVISORIES[ev.event_type],
-                                            withdrawn=True))  # fmt: skip
+                self.sink.advisory(
+                    Advisory(key, "azure", ADVISORIES[ev.event_type], withdrawn=True)
+                )
 
     async def _acknowledge(self, key: str, ev: Scheduled) -> None:
         """Once the node is verified empty, tell the platform it may go ahead now."""
@@ -312,17 +335,26 @@ class Source:
         async with session() as http:
             for _ in range(5):
                 try:
-                    reply = await fetch(http, "POST", self.cfg.endpoint + EVENTS,
-                                        {**HEADERS, "Content-Type": "application/json"},
-                                        self.cfg.timeout_s, body=body)  # fmt: skip
+                    reply = await fetch(
+                        http,
+                        "POST",
+                        self.cfg.endpoint + EVENTS,
+                        {**HEADERS, "Content-Type": "application/json"},
+                        self.cfg.timeout_s,
+                        body=body,
+                    )
                     if reply.status < 300:
                         self._went_ahead.add(ev.event_id)  # gone from now on: not a cancel
-                        self.sink.record(self.name, "notice_acknowledged",
-                                         {"event_id": ev.event_id, "status": reply.status})
+                        self.sink.record(
+                            self.name,
+                            "notice_acknowledged",
+                            {"event_id": ev.event_id, "status": reply.status},
+                        )
                         return
                     error = f"HTTP {reply.status}"
                 except ReadFailed as e:
                     error = str(e)
                 await asyncio.sleep(1.0)
-            self.sink.record(self.name, "notice_acknowledge_failed",
-                             {"event_id": ev.event_id, "error": error})  # fmt: skip
+            self.sink.record(
+                self.name, "notice_acknowledge_failed", {"event_id": ev.event_id, "error": error}
+            )

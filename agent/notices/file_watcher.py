@@ -37,8 +37,9 @@ def read_notice(path: Path) -> Notice | NoticeInvalid | None:
     except OSError as e:
         return _unreadable(path, f"cannot read {path}: {e.strerror}", None)
     if len(raw) > MAX_NOTICE_BYTES:
-        return NoticeInvalid(reason=f"larger than {MAX_NOTICE_BYTES} bytes",
-                             content_hash=content_hash(raw))  # fmt: skip
+        return NoticeInvalid(
+            reason=f"larger than {MAX_NOTICE_BYTES} bytes", content_hash=content_hash(raw)
+        )
     return parse_notice(raw)
 
 
@@ -50,9 +51,13 @@ def _unreadable(path: Path, reason: str, info: os.stat_result | None) -> NoticeI
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISDIR, "a directory")):  # fmt: skip
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
         if test(mode):
             return name
     return "not a file"
@@ -89,14 +94,21 @@ async def watch(
             try:
                 inotify = Inotify()
                 # The watch goes in before the first read, so nothing falls between the two.
-                inotify.add_watch(path.parent, Mask.CLOSE_WRITE | Mask.MOVED_TO | Mask.CREATE
-                                  | Mask.DELETE_SELF | Mask.MOVE_SELF)  # fmt: skip
+                inotify.add_watch(
+                    path.parent,
+                    Mask.CLOSE_WRITE
+                    | Mask.MOVED_TO
+                    | Mask.CREATE
+                    | Mask.DELETE_SELF
+                    | Mask.MOVE_SELF,
+                )
             except OSError as e:
                 if inotify is not None:
                     inotify.close()
                 inotify = None
-                log.warning("inotify cannot watch %s (%s); polling every %.1f s",
-                            path.parent, e, poll_s)  # fmt: skip
+                log.warning(
+                    "inotify cannot watch %s (%s); polling every %.1f s", path.parent, e, poll_s
+                )
         if ready is not None:
             ready.set()
         first = fresh()  # a notice written while the agent was down, or while the watch was off

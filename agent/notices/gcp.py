@@ -53,12 +53,12 @@ class Config:
         check_keys(table, keys, where, "gcp")
 
         def num(name: str, low: float, high: float) -> float:
-            return number(table.get(name, getattr(cls, name)), f"{where}sources.gcp.{name}",
-                          low, high)  # fmt: skip
+            return number(
+                table.get(name, getattr(cls, name)), f"{where}sources.gcp.{name}", low, high
+            )
 
         return cls(
-            endpoint=endpoint(table.get("endpoint"), f"{where}sources.gcp.endpoint",
-                              cls.endpoint),  # fmt: skip
+            endpoint=endpoint(table.get("endpoint"), f"{where}sources.gcp.endpoint", cls.endpoint),
             notice_s=num("notice_s", 1, 3600),
             maintenance_notice_s=num("maintenance_notice_s", 1, 3600),
             hang_s=num("hang_s", 1, 3600),
@@ -92,8 +92,10 @@ class Source:
         plain = True  # the first read, and the first after an error: answered at once
         while True:
             if not plain:
-                url = (f"{self.cfg.endpoint}{path}?wait_for_change=true&last_etag={etag}"
-                       f"&timeout_sec={int(self.cfg.hang_s)}")  # fmt: skip
+                url = (
+                    f"{self.cfg.endpoint}{path}?wait_for_change=true&last_etag={etag}"
+                    f"&timeout_sec={int(self.cfg.hang_s)}"
+                )
                 timeout = self.cfg.hang_s + 5.0
             else:
                 url, timeout = self.cfg.endpoint + path, self.cfg.timeout_s
@@ -121,32 +123,52 @@ class Source:
         if value == "FALSE":
             return
         if value != "TRUE":
-            self.sink.notice(NoticeInvalid(f"instance/preempted: unexpected value {value!r}",
-                                           content_hash(value.encode())))  # fmt: skip
+            self.sink.notice(
+                NoticeInvalid(
+                    f"instance/preempted: unexpected value {value!r}", content_hash(value.encode())
+                )
+            )
             return
-        self.sink.notice(Notice(
-            key=f"gcp:preempted:{self.boot}", notice_id=f"gcp-preempted-{self.boot[:8]}",
-            action="terminate", terminate_at=self.clock() + self.cfg.notice_s, source="gcp",
-        ))  # fmt: skip
+        self.sink.notice(
+            Notice(
+                key=f"gcp:preempted:{self.boot}",
+                notice_id=f"gcp-preempted-{self.boot[:8]}",
+                action="terminate",
+                terminate_at=self.clock() + self.cfg.notice_s,
+                source="gcp",
+            )
+        )
 
     def maintenance(self, value: str, etag: str) -> None:
         if value not in MAINTENANCE_VALUES:
-            self.sink.notice(NoticeInvalid(
-                f"instance/maintenance-event: unexpected value {value!r}",
-                content_hash(value.encode()),
-            ))  # fmt: skip
+            self.sink.notice(
+                NoticeInvalid(
+                    f"instance/maintenance-event: unexpected value {value!r}",
+                    content_hash(value.encode()),
+                )
+            )
             return
         if self._migrating and value != "MIGRATE_ON_HOST_MAINTENANCE":
             self.sink.advisory(Advisory(self._migrating, "gcp", "migrate", withdrawn=True))
             self._migrating = None
         if value == "MIGRATE_ON_HOST_MAINTENANCE" and not self._migrating:
             self._migrating = f"gcp:migrate:{self.boot}:{etag}"
-            self.sink.advisory(Advisory(self._migrating, "gcp", "migrate",
-                                        not_before=self.clock() + self.cfg.maintenance_notice_s,
-                                        detail="live migration announced"))  # fmt: skip
+            self.sink.advisory(
+                Advisory(
+                    self._migrating,
+                    "gcp",
+                    "migrate",
+                    not_before=self.clock() + self.cfg.maintenance_notice_s,
+                    detail="live migration announced",
+                )
+            )
         elif value == "TERMINATE_ON_HOST_MAINTENANCE":
-            self.sink.notice(Notice(
-                key=f"gcp:maintenance:{self.boot}:{etag}",
-                notice_id=f"gcp-maintenance-{etag[:16]}", action="terminate",
-                terminate_at=self.clock() + self.cfg.maintenance_notice_s, source="gcp",
-            ))  # fmt: skip
+            self.sink.notice(
+                Notice(
+                    key=f"gcp:maintenance:{self.boot}:{etag}",
+                    notice_id=f"gcp-maintenance-{etag[:16]}",
+                    action="terminate",
+                    terminate_at=self.clock() + self.cfg.maintenance_notice_s,
+                    source="gcp",
+                )
+            )

@@ -153,7 +153,8 @@ class SourceHub:
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as e:
-            log.warning("node %s: %s unreadable (%s); starting a new one", self.node_id,
-                        self._book_path, e)  # fmt: skip
+            log.warning(
+                "node %s: %s unreadable (%s); starting a new one", self.node_id, self._book_path, e
+            )
             return {}
         return doc if isinstance(doc, dict) else {}

@@ -67,8 +67,9 @@ async def _exchange(
         timeout=aiohttp.ClientTimeout(total=None),  # fetch's own deadline covers it all
     ) as resp:
         if resp.content_length is not None and resp.content_length > MAX_BODY:
-            raise ReadFailed(f"{method} {url}: answer of {resp.content_length} bytes, "
-                             f"more than {MAX_BODY}")  # fmt: skip
+            raise ReadFailed(
+                f"{method} {url}: answer of {resp.content_length} bytes, more than {MAX_BODY}"
+            )
         # read(n) gives what has arrived so far, not the body: read until the end of it.
         data = bytearray()
         while chunk := await resp.content.read(MAX_BODY + 1 - len(data)):

@@ -94,13 +94,16 @@ def parse_sources(doc: Any, where: str, only: str | None = None) -> SourcesConfi
         names = [n.strip() for n in only.split(",") if n.strip()]
         for name in names:
             if name not in SOURCE_NAMES:
-                raise UsageError(f"--sources: unknown source {name!r} (known: "
-                                 f"{', '.join(SOURCE_NAMES)})")
+                raise UsageError(
+                    f"--sources: unknown source {name!r} (known: {', '.join(SOURCE_NAMES)})"
+                )
         tables = {n: tables.get(n, {}) for n in names}
         auto = False
     if not auto and not tables:
-        raise UsageError(f"{where}sources.auto is false and no [sources.NAME] table is given: "
-                         "the agent would hear no notice")
+        raise UsageError(
+            f"{where}sources.auto is false and no [sources.NAME] table is given: "
+            "the agent would hear no notice"
+        )
     return SourcesConfig(auto=auto, dmi_dir=Path(dmi_dir), tables=tables)
 
 

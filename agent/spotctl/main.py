@@ -110,9 +110,13 @@ class LeaderStub:
 
                 def unary(request: Any, name: str = name, **kw: Any) -> Any:  # noqa: ANN401
                     return replicas.until_leader(
-                        stub_class, name, request, wait_s, kw.get("timeout"),
+                        stub_class,
+                        name,
+                        request,
+                        wait_s,
+                        kw.get("timeout"),
                         once_only=name in ONCE_ONLY,
-                    )  # fmt: skip
+                    )
 
                 setattr(self, name, unary)
 
@@ -315,18 +319,36 @@ async def models(stub: pb_grpc.AdminStub, args: Any) -> int:
 async def workloads(stub: pb_grpc.AdminStub, args: Any) -> int:
     reply = await stub.ListWorkloadContracts(pb.ListWorkloadContractsRequest())
     rows = [
-        {"image": c.image, "kind": c.kind, "exited": c.exited, "killed": c.killed,
-         "overrun": c.overrun, "reclamations": c.reclamations, "share": c.share,
-         "flagged": c.flagged, "flagged_at": c.flagged_at if c.HasField("flagged_at") else None}
+        {
+            "image": c.image,
+            "kind": c.kind,
+            "exited": c.exited,
+            "killed": c.killed,
+            "overrun": c.overrun,
+            "reclamations": c.reclamations,
+            "share": c.share,
+            "flagged": c.flagged,
+            "flagged_at": c.flagged_at if c.HasField("flagged_at") else None,
+        }
         for c in reply.contracts
-    ]  # fmt: skip
+    ]
     if args.json:
-        print(json.dumps({"budget": reply.budget, "min_reclamations": reply.min_reclamations,
-                          "no_spot_for_flagged": reply.no_spot_for_flagged,
-                          "workloads": rows}, sort_keys=True))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "budget": reply.budget,
+                    "min_reclamations": reply.min_reclamations,
+                    "no_spot_for_flagged": reply.no_spot_for_flagged,
+                    "workloads": rows,
+                },
+                sort_keys=True,
+            )
+        )
         return 0
-    lines = [f"{'image':<40} {'kind':<9} {'reclaimed':>9} {'exited':>7} {'killed':>7} "
-             f"{'overrun':>7} {'share':>7}  flagged"]  # fmt: skip
+    lines = [
+        f"{'image':<40} {'kind':<9} {'reclaimed':>9} {'exited':>7} {'killed':>7} "
+        f"{'overrun':>7} {'share':>7}  flagged"
+    ]
     for r in rows:
         lines.append(
             f"{r['image']:<40} {r['kind']:<9} {r['reclamations']:>9} {r['exited']:>7} "

@@ -83,17 +83,22 @@ def render_nodes(nodes: Iterable[pb.Node], now: float) -> str:
     rows, tails = [], []
     for n in nodes:
         rows.append(
-            tuple(map(printable, (
-                n.node_id,
-                _mode(n.spot),
-                n.node_group or "-",
-                n.provider or "-",
-                "enabled" if n.workload_enabled else "disabled",
-                str(n.live_workers),
-                str(n.active_rentals),
-                "yes" if n.connected else "no",
-            )))  # escaped before the columns are measured
-        )  # fmt: skip
+            tuple(
+                map(
+                    printable,
+                    (
+                        n.node_id,
+                        _mode(n.spot),
+                        n.node_group or "-",
+                        n.provider or "-",
+                        "enabled" if n.workload_enabled else "disabled",
+                        str(n.live_workers),
+                        str(n.active_rentals),
+                        "yes" if n.connected else "no",
+                    ),
+                )
+            )  # escaped before the columns are measured
+        )
         taints = ",".join(t.reason or t.key for t in n.taints) or "-"
         avoided = (
             f"  group avoided until {_when(n.group_avoided_until, now)}"

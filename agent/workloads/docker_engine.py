@@ -231,9 +231,14 @@ class DockerEngine:
     async def _signal_one(self, target: ContainerInfo, signal: str) -> ContainerSignalled:
         def sent(via: str) -> ContainerSignalled:
             return ContainerSignalled(
-                self.clock(), target.id, target.name, signal, via,
-                image=target.image, kind=target.kind,
-            )  # fmt: skip
+                self.clock(),
+                target.id,
+                target.name,
+                signal,
+                via,
+                image=target.image,
+                kind=target.kind,
+            )
 
         try:
             await self._call(self._api.kill, target.id, signal=signal)

@@ -192,10 +192,15 @@ class AdminServicer(pb_grpc.AdminServicer):
         )
         for r in rows:
             c = reply.contracts.add(
-                image=r.image, kind=r.kind, exited=r.exited, killed=r.killed,
-                overrun=r.overrun, reclamations=r.reclamations, share=r.failed_share,
+                image=r.image,
+                kind=r.kind,
+                exited=r.exited,
+                killed=r.killed,
+                overrun=r.overrun,
+                reclamations=r.reclamations,
+                share=r.failed_share,
                 flagged=r.flagged_at is not None,
-            )  # fmt: skip
+            )
             if r.flagged_at is not None:
                 c.flagged_at = r.flagged_at
         return reply

@@ -290,9 +290,12 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
                     # Its last-seen not stored (a deposed leader's write, refused by its term):
                     # the stream has ended already, with its own status; raising here would
                     # abort it a second time (grpc's "Abort already called").
-                    log.log(logging.DEBUG if isinstance(e, Fenced) else logging.WARNING,
-                            "node %s disconnected; its last-seen not stored: %s",
-                            session["node_id"], e)  # fmt: skip
+                    log.log(
+                        logging.DEBUG if isinstance(e, Fenced) else logging.WARNING,
+                        "node %s disconnected; its last-seen not stored: %s",
+                        session["node_id"],
+                        e,
+                    )
 
     async def _read(
         self,

@@ -95,8 +95,11 @@ def end_with(
         # Ours, not the caller's: one line naming the exception; its traceback at DEBUG only.
         log.error(
             "%s from %s failed: %s: %s",
-            call, context.peer(), type(error).__name__, one_line(str(error)),
-        )  # fmt: skip
+            call,
+            context.peer(),
+            type(error).__name__,
+            one_line(str(error)),
+        )
         log.debug("%s failed", call, exc_info=error)
     elif refusals and code not in MALFORMED:
         log.info("%s: %s: %s", call, code.name, one_line(message))

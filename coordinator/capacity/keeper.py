@@ -98,8 +98,9 @@ class CapacityKeeper:
                 # In chunks of one transaction each: the chunk's workers and events are one
                 # trip to the store, and a Taint waits for at most one chunk.
                 async with fleet.store.transaction():
-                    short = await self._place_chunk(model, min(YIELD_EVERY, missing - placed),
-                                                    path, prefer)  # fmt: skip
+                    short = await self._place_chunk(
+                        model, min(YIELD_EVERY, missing - placed), path, prefer
+                    )
                 placed += YIELD_EVERY
                 if short:
                     break

@@ -77,8 +77,12 @@ def _contract(record: dict[str, Any], kind: str, wall_time: float, details: dict
     if kind == "sigterm_sent" and isinstance(cid, str) and cid not in containers:
         image, wkind = details.get("image"), details.get("kind")
         if isinstance(image, str) and image and isinstance(wkind, str) and len(containers) < 1000:
-            containers[cid] = {"image": image[:300], "kind": wkind[:40],
-                               "name": str(details.get("name", ""))[:300], "end": ""}  # fmt: skip
+            containers[cid] = {
+                "image": image[:300],
+                "kind": wkind[:40],
+                "name": str(details.get("name", ""))[:300],
+                "end": "",
+            }
             record["containers"] = containers
     elif kind == "overrun":
         # Work still there at O: final for every tracked container not yet ended (O is past).

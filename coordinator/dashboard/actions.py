@@ -121,8 +121,11 @@ class Api:
         host's pause does at the coordinator, with D = now + 120 s (the owner's promise)."""
         fleet = self.coord.fleet
         self._known(node_id)
-        held = [t.reclaim_id for t in fleet.nodes.node_taints(node_id)
-                if t.reclaim_id.startswith(DASHBOARD_PAUSE)]  # fmt: skip
+        held = [
+            t.reclaim_id
+            for t in fleet.nodes.node_taints(node_id)
+            if t.reclaim_id.startswith(DASHBOARD_PAUSE)
+        ]
         if held:
             raise ApiRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -140,13 +143,21 @@ class Api:
         is now."""
         fleet = self.coord.fleet
         self._known(node_id)
-        ours = [t.reclaim_id for t in fleet.nodes.node_taints(node_id)
-                if t.reclaim_id.startswith(DASHBOARD_PAUSE)]  # fmt: skip
+        ours = [
+            t.reclaim_id
+            for t in fleet.nodes.node_taints(node_id)
+            if t.reclaim_id.startswith(DASHBOARD_PAUSE)
+        ]
         if not ours:
             owner = [t.reclaim_id for t in fleet.nodes.node_taints(node_id) if t.reason == "pause"]
-            why = (f"node {node_id} is paused by its owner on the host ({owner[0]}): "
-                   "resume it there (spotctl resume)") if owner else (
-                   f"node {node_id} is not paused from the dashboard")  # fmt: skip
+            why = (
+                (
+                    f"node {node_id} is paused by its owner on the host ({owner[0]}): "
+                    "resume it there (spotctl resume)"
+                )
+                if owner
+                else (f"node {node_id} is not paused from the dashboard")
+            )
             raise ApiRefused(grpc.StatusCode.FAILED_PRECONDITION, why)
         enabled = False
         for reclaim_id in ours:

@@ -82,19 +82,21 @@ class Dashboard:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._guard], client_max_size=MAX_REQUEST_BYTES)
-        app.add_routes([
-            web.get("/", self.fleet_page),
-            web.get("/reclamations", self.reclamations_page),
-            web.get("/reclamations/{rid}", self.reclamation_page),
-            web.get("/reclamations/{rid}/svg", self.reclamation_svg),
-            web.get("/reclamations/{rid}/live", self.reclamation_live),
-            web.get("/static/dashboard.js", self._static(static.SCRIPT, "text/javascript")),
-            web.get("/static/dashboard.css", self._static(static.STYLE, "text/css")),
-            web.post("/api/nodes/{node}/pause", self.pause),
-            web.post("/api/nodes/{node}/resume", self.resume),
-            web.post("/api/nodes/{node}/spot", self.set_spot),
-            web.post("/api/models/{model}/replicas", self.set_replicas),
-        ])  # fmt: skip
+        app.add_routes(
+            [
+                web.get("/", self.fleet_page),
+                web.get("/reclamations", self.reclamations_page),
+                web.get("/reclamations/{rid}", self.reclamation_page),
+                web.get("/reclamations/{rid}/svg", self.reclamation_svg),
+                web.get("/reclamations/{rid}/live", self.reclamation_live),
+                web.get("/static/dashboard.js", self._static(static.SCRIPT, "text/javascript")),
+                web.get("/static/dashboard.css", self._static(static.STYLE, "text/css")),
+                web.post("/api/nodes/{node}/pause", self.pause),
+                web.post("/api/nodes/{node}/resume", self.resume),
+                web.post("/api/nodes/{node}/spot", self.set_spot),
+                web.post("/api/models/{model}/replicas", self.set_replicas),
+            ]
+        )
         return app
 
     async def start(self) -> int:
@@ -169,8 +171,16 @@ class Dashboard:
         workers = {n: [convert.worker_pb(w) for w in fleet.live_workers(n)] for n in page}
         risks = {n: dict(fleet.nodes.risks.get(n, {})) for n in page}
         models = await self._read(self.api.models())
-        body = pages.fleet(nodes, workers, rentals_by_node, risks, avoided, models,
-                           page[-1] if more else None, self.coord.clock())  # fmt: skip
+        body = pages.fleet(
+            nodes,
+            workers,
+            rentals_by_node,
+            risks,
+            avoided,
+            models,
+            page[-1] if more else None,
+            self.coord.clock(),
+        )
         return self._html("fleet", body)
 
     async def reclamations_page(self, request: web.Request) -> web.Response:
@@ -204,12 +214,14 @@ class Dashboard:
 
     async def _live_message(self, reclaim_id: str) -> str | None:
         tl = await self._read(self.api.timeline(reclaim_id))
-        return json.dumps({
-            "svg": timeline_svg.render(tl),
-            "outcome": timeline_svg.outcome_text(tl.reclamation),
-            "steps": len(tl.events),
-            "outcome_known": bool(tl.reclamation.outcome),
-        })  # fmt: skip
+        return json.dumps(
+            {
+                "svg": timeline_svg.render(tl),
+                "outcome": timeline_svg.outcome_text(tl.reclamation),
+                "steps": len(tl.events),
+                "outcome_known": bool(tl.reclamation.outcome),
+            }
+        )
 
     async def reclamation_live(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events: the whole drawing now, then again each time it gains a step.
@@ -222,8 +234,9 @@ class Dashboard:
             queue = self.live.watch(reclaim_id)
         except TooManyWatchers as e:
             raise web.HTTPServiceUnavailable(text=f"{e}\n") from e
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-store"})  # fmt: skip
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store"}
+        )
         try:
             await response.prepare(request)
             message = await self._live_message(reclaim_id)

@@ -62,8 +62,12 @@ def fleet(
         node_url = quote(n.node_id, safe="")
         taints = "<br>".join(f"{e(t.reason)} {e(t.reclaim_id)}" for t in n.taints) or "none"
         node_risks = risks.get(n.node_id, {})
-        at_risk = "<br>".join(f"{e(k)} until {e(iso(u))}" for k, u in sorted(node_risks.items())
-                              if u > now) or ""  # fmt: skip
+        at_risk = (
+            "<br>".join(
+                f"{e(k)} until {e(iso(u))}" for k, u in sorted(node_risks.items()) if u > now
+            )
+            or ""
+        )
         ws = "<br>".join(
             f"{e(w.worker_id)} {e(w.model)} {e(w.state)} slots {w.slots_in_use}/{w.capacity}"
             for w in workers.get(n.node_id, [])
@@ -78,12 +82,19 @@ def fleet(
         if until:
             group += f'<br><span class="warn">avoided until {e(iso(until))}</span>'
         paused = any(t.reason == "pause" for t in n.taints) or not n.workload_enabled
-        actions = " ".join([
-            _button("resume" if paused else "pause",
-                    f"/api/nodes/{node_url}/{'resume' if paused else 'pause'}"),
-            _button("make on-demand" if n.spot else "make spot", f"/api/nodes/{node_url}/spot",
-                    {"spot": not n.spot}),
-        ])  # fmt: skip
+        actions = " ".join(
+            [
+                _button(
+                    "resume" if paused else "pause",
+                    f"/api/nodes/{node_url}/{'resume' if paused else 'pause'}",
+                ),
+                _button(
+                    "make on-demand" if n.spot else "make spot",
+                    f"/api/nodes/{node_url}/spot",
+                    {"spot": not n.spot},
+                ),
+            ]
+        )
         rows.append(
             f'<tr data-node="{e(n.node_id)}"><td>{e(n.node_id)}</td>'
             f'<td class="spot">{"spot" if n.spot else "on-demand"}</td><td>{group}</td>'
@@ -92,8 +103,9 @@ def fleet(
             f"<td>{'connected' if n.connected else 'gone since ' + e(iso(n.last_seen))}</td>"
             f"<td>{actions}</td></tr>"
         )
-    more = (f'<p><a href="/?after={quote(next_after, safe="")}">next page</a></p>'
-            if next_after else "")  # fmt: skip
+    more = (
+        f'<p><a href="/?after={quote(next_after, safe="")}">next page</a></p>' if next_after else ""
+    )
     model_rows = "".join(
         f"<tr><td>{e(m.model)}</td><td>{m.replicas}</td><td>{m.ready}</td><td>{m.starting}</td>"
         f"<td>{m.draining}</td><td>{e(m.image)}</td><td>{m.slots}</td></tr>"
@@ -137,8 +149,11 @@ def reclamations(records: Sequence[dict[str, Any]], next_before: str | None) -> 
         f'</td><td>{e(iso(r.get("t0")))}</td><td class="outcome">{e(outcome_cell(r))}</td></tr>'
         for r in records
     )
-    more = (f'<p><a href="/reclamations?before={quote(next_before, safe="")}">older</a></p>'
-            if next_before else "")  # fmt: skip
+    more = (
+        f'<p><a href="/reclamations?before={quote(next_before, safe="")}">older</a></p>'
+        if next_before
+        else ""
+    )
     return (
         '<table id="reclamations"><thead><tr><th>reclamation</th><th>node</th><th>reason</th>'
         f"<th>T0</th><th>outcome</th></tr></thead><tbody>{rows}</tbody></table>{more}"
@@ -147,8 +162,11 @@ def reclamations(records: Sequence[dict[str, Any]], next_before: str | None) -> 
 
 def reclamation(tl: pb.Timeline, drawing: str, outcome: str) -> str:
     rid = tl.reclamation.reclaim_id
-    live = "" if tl.reclamation.outcome else (
-        f' data-live="/reclamations/{e(quote(rid, safe=""))}/live"')  # fmt: skip
+    live = (
+        ""
+        if tl.reclamation.outcome
+        else (f' data-live="/reclamations/{e(quote(rid, safe=""))}/live"')
+    )
     return (
         f'<p id="outcome">{e(outcome)}</p>'
         f'<p><a href="/reclamations/{e(quote(rid, safe=""))}/svg">the SVG alone</a></p>'

@@ -80,8 +80,11 @@ class Contracts:
             self.rows[(row.image, row.kind)] = flagged
             log.warning(
                 "workload image %s (%s) flagged: %d of %d reclamations killed or overrun",
-                row.image, row.kind, row.killed + row.overrun, row.reclamations,
-            )  # fmt: skip
+                row.image,
+                row.kind,
+                row.killed + row.overrun,
+                row.reclamations,
+            )
             await fleet.record(
                 "workload_contract_flagged",
                 "",
@@ -109,8 +112,11 @@ class Contracts:
         """spotdrain_workload_reclamations{image, kind, end}."""
         out = []
         for (image, kind), row in sorted(self.rows.items()):
-            for end, n in (("exited", row.exited), ("killed", row.killed),
-                           ("overrun", row.overrun)):  # fmt: skip
+            for end, n in (
+                ("exited", row.exited),
+                ("killed", row.killed),
+                ("overrun", row.overrun),
+            ):
                 out.append(([image, kind, end], float(n)))
         return out
 

@@ -88,8 +88,13 @@ class EventLog:
             try:
                 await self.store.add_events(events, fresh=True)
             except Exception as e:  # noqa: BLE001 - a background task: say so, never die silent
-                log.error("%d coordinator events (%s) not stored: %s: %s", len(events),
-                          ", ".join(sorted({ev.kind for ev in events})), type(e).__name__, e)
+                log.error(
+                    "%d coordinator events (%s) not stored: %s: %s",
+                    len(events),
+                    ", ".join(sorted({ev.kind for ev in events})),
+                    type(e).__name__,
+                    e,
+                )
                 continue
             await self.notify()
 
@@ -115,8 +120,9 @@ class EventLog:
             except Exception as e:  # noqa: BLE001 - the batch is stored: its ack must go out
                 # A reaction (an advisory's window, a contract's count) that failed is logged;
                 # it must not end the agent's stream over events that are already stored.
-                log.error("node %s: %s reaction failed: %s: %s", ev.node_id, ev.kind,
-                          type(e).__name__, e)  # fmt: skip
+                log.error(
+                    "node %s: %s reaction failed: %s: %s", ev.node_id, ev.kind, type(e).__name__, e
+                )
         return [ev.uid for ev in events]
 
     async def notify(self) -> None:

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from spotdrain.coordinator.fleet.wiring import Fleet
 
 
-
 class PlacementRefused(Exception):
     def __init__(self, node_id: str, reason: str) -> None:
         super().__init__(f"placement on {node_id} refused: {reason}")

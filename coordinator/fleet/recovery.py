@@ -53,9 +53,11 @@ class Recovery:
         for doc in await store.rental_docs(holding_only=True):
             rental_gpus[doc["node_id"]] = rental_gpus.get(doc["node_id"], 0) + int(doc["gpus"])
         fleet.nodes.load(
-            await store.nodes(), await store.all_taints(), await store.avoided_groups(0.0),
+            await store.nodes(),
+            await store.all_taints(),
+            await store.avoided_groups(0.0),
             rental_gpus,
-        )  # fmt: skip
+        )
         for doc in await store.worker_docs(live_only=True):
             worker = wm.Worker.from_json(doc)
             worker.expires_at = now + fleet.heartbeat_ttl_s

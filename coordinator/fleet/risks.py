@@ -48,8 +48,10 @@ class Risks:
         if not all(isinstance(v, str) and 0 < len(v) <= MAX_KEY for v in (key, source, reason)):
             log.warning("node %s: advisory without a usable key/source/reason ignored", ev.node_id)
             return
-        if isinstance(until, bool) or not isinstance(until, int | float) or not math.isfinite(
-            until
+        if (
+            isinstance(until, bool)
+            or not isinstance(until, int | float)
+            or not math.isfinite(until)
         ):
             log.warning("node %s: advisory %s without a usable expiry ignored", ev.node_id, key)
             return
@@ -60,8 +62,13 @@ class Risks:
             return
         await fleet.store.set_risk_later(ev.node_id, key, source, reason, until)
         fleet.nodes.risks.setdefault(ev.node_id, {})[key] = until  # once the write is queued
-        log.info("node %s at risk (%s from %s) until %.0f: replacing its workers elsewhere",
-                 ev.node_id, reason, source, until)  # fmt: skip
+        log.info(
+            "node %s at risk (%s from %s) until %.0f: replacing its workers elsewhere",
+            ev.node_id,
+            reason,
+            source,
+            until,
+        )
         fleet.capacity.wanted("recovery")
 
     async def lifted(self, ev: NewEvent) -> None:

@@ -71,11 +71,11 @@ class Fleet:
         self.capacity = CapacityKeeper(self)
         self.replacement = Replacement(self, acquirers or {}, avoid_s)
         self.risks = Risks(self)
-        events.react({"advisory_received": self.risks.received,
-                      "advisory_lifted": self.risks.lifted})  # fmt: skip
+        events.react(
+            {"advisory_received": self.risks.received, "advisory_lifted": self.risks.lifted}
+        )
         self.contracts = Contracts(self, contract_policy)
-        events.react({"container_exited": self.contracts.ended,
-                      "overrun": self.contracts.ended})  # fmt: skip
+        events.react({"container_exited": self.contracts.ended, "overrun": self.contracts.ended})
         self.reports = AgentReports(self)
         self.recovery = Recovery(self, node_gone_s)
 

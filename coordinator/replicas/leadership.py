@@ -199,8 +199,11 @@ class Replica:
         if self.lease.leads(self.clock()) and self.lease.term == term:
             self.ready.set()
             await self.on_health(True)
-            log.info("serving as the leader of term %d (rebuilt in %.3f s)", term,
-                     time.monotonic() - started)  # fmt: skip
+            log.info(
+                "serving as the leader of term %d (rebuilt in %.3f s)",
+                term,
+                time.monotonic() - started,
+            )
 
     def _follow(self, holder: str) -> None:
         address = holder.split(" ", 1)[0]

@@ -76,8 +76,16 @@ class EventTables(Transactions):
         details = ev.details_json
         if details is None:
             details = json.dumps(ev.details, sort_keys=True)
-        return (ev.uid, ev.kind, ev.node_id, ev.reclaim_id, ev.wall_time, ev.t_offset_s, details,
-                received)  # fmt: skip
+        return (
+            ev.uid,
+            ev.kind,
+            ev.node_id,
+            ev.reclaim_id,
+            ev.wall_time,
+            ev.t_offset_s,
+            details,
+            received,
+        )
 
     async def _save_records(self, records: dict[str, dict[str, Any] | None]) -> None:
         for reclaim_id, record in records.items():
@@ -230,8 +238,9 @@ class EventTables(Transactions):
         pagination, never OFFSET; read on a reader connection, off the writer."""
         order = f"ORDER BY started_at DESC, reclaim_id{self._c} DESC LIMIT ?"
         if before is None:
-            rows = await self._read(f"SELECT record_json, started_at FROM reclamations {order}",
-                                    (limit,))  # fmt: skip
+            rows = await self._read(
+                f"SELECT record_json, started_at FROM reclamations {order}", (limit,)
+            )
         else:
             rows = await self._read(
                 "SELECT record_json, started_at FROM reclamations WHERE started_at < ? "
@@ -240,5 +249,7 @@ class EventTables(Transactions):
             )
         records = [json.loads(r[0]) for r in rows]
         # Without the fold's own bookkeeping (`_started`, `_contract`).
-        return [({k: v for k, v in rec.items() if not k.startswith("_")}, r[1])
-                for rec, r in zip(records, rows, strict=True)]  # fmt: skip
+        return [
+            ({k: v for k, v in rec.items() if not k.startswith("_")}, r[1])
+            for rec, r in zip(records, rows, strict=True)
+        ]

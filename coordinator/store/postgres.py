@@ -154,13 +154,23 @@ class PostgresBackend(Backend):
             "options": EXACT_FLOATS,
         }
         self._bulk = AsyncConnectionPool(
-            url, kwargs=kwargs, min_size=1, max_size=pool_size, open=False,
-            timeout=CONNECT_TIMEOUT_S, name="spotdrain-bulk",
-        )  # fmt: skip
+            url,
+            kwargs=kwargs,
+            min_size=1,
+            max_size=pool_size,
+            open=False,
+            timeout=CONNECT_TIMEOUT_S,
+            name="spotdrain-bulk",
+        )
         self._critical = AsyncConnectionPool(
-            url, kwargs=kwargs, min_size=1, max_size=4, open=False,
-            timeout=CONNECT_TIMEOUT_S, name="spotdrain-critical",
-        )  # fmt: skip
+            url,
+            kwargs=kwargs,
+            min_size=1,
+            max_size=4,
+            open=False,
+            timeout=CONNECT_TIMEOUT_S,
+            name="spotdrain-critical",
+        )
         # No lease (one coordinator, today's default): writes are not fenced at all.
         self._fence: tuple[Any, ...] | None = None
         self._fenced_off = ""  # a follower's reason: every write refused, no trip
@@ -228,11 +238,13 @@ class PostgresBackend(Backend):
                     ms = max(2, int(timeout_s * 1000))
                     lock_ms = max(1, int(ms * LOCK_WAIT_SHARE))
                     self._lease_conn = await psycopg.AsyncConnection.connect(
-                        self.url, autocommit=True, connect_timeout=int(CONNECT_TIMEOUT_S),
+                        self.url,
+                        autocommit=True,
+                        connect_timeout=int(CONNECT_TIMEOUT_S),
                         application_name=self.session_name,
                         options=f"{EXACT_FLOATS} -c statement_timeout={ms} "
                         f"-c lock_timeout={lock_ms}",
-                    )  # fmt: skip
+                    )
                 cur = await self._lease_conn.execute(params(sql), tuple(args))
                 return await cur.fetchall()
         except psycopg.errors.LockNotAvailable as e:  # the statement failed, the connection not
@@ -269,13 +281,21 @@ class PostgresBackend(Backend):
             ended = await self._lease(END_EXPIRED, args, timeout_s)
         except StoreError as e:
             # Most likely the role may not end the other replica's sessions (docs/fleet.md).
-            log.warning("lease: could not end the sessions of the holder whose lease ran out "
-                        "(it holds the lease row): %s", e)  # fmt: skip
+            log.warning(
+                "lease: could not end the sessions of the holder whose lease ran out "
+                "(it holds the lease row): %s",
+                e,
+            )
             raise
         if ended:
             who, term = ended[0][0], ended[0][1]
-            log.warning("lease: %s let term %d run out inside a transaction (stopped?): ended "
-                        "its sessions %s", who, term, [pid for _, _, pid, _ in ended])  # fmt: skip
+            log.warning(
+                "lease: %s let term %d run out inside a transaction (stopped?): ended "
+                "its sessions %s",
+                who,
+                term,
+                [pid for _, _, pid, _ in ended],
+            )
 
     async def renew_lease(self, holder: str, term: int, ttl_s: float, timeout_s: float) -> bool:
         """True when renewed: `ttl_s` from when the database ran it."""

@@ -319,8 +319,10 @@ class Manifest:
         if sum(s for _, s, _ in objects) != size:
             raise BucketCorrupt(f"{key}: object sizes do not add up to {size}")
         for i, (k, _, h) in enumerate(objects):
-            if k != object_key(generation, i) or not isinstance(h, str) or (
-                len(h) != CHECKSUM_HEX[algorithm]
+            if (
+                k != object_key(generation, i)
+                or not isinstance(h, str)
+                or (len(h) != CHECKSUM_HEX[algorithm])
             ):
                 raise BucketCorrupt(f"{key}: object {i} is {k!r}")
         return cls(generation, step, size, objects, algorithm)
@@ -475,16 +477,24 @@ class Job:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bucket", default=os.environ.get("CHECKPOINT_BUCKET", ""),
-                    help="a directory, or s3://BUCKET/PREFIX ($CHECKPOINT_BUCKET)")
+    ap.add_argument(
+        "--bucket",
+        default=os.environ.get("CHECKPOINT_BUCKET", ""),
+        help="a directory, or s3://BUCKET/PREFIX ($CHECKPOINT_BUCKET)",
+    )
     ap.add_argument("--endpoint-url", default=os.environ.get("AWS_ENDPOINT_URL") or None)
-    ap.add_argument("--state-mb", type=float,
-                    default=float(os.environ.get("CHECKPOINT_STATE_MB", "512")))
-    ap.add_argument("--object-mb", type=float,
-                    default=float(os.environ.get("CHECKPOINT_OBJECT_MB", "64")))
-    ap.add_argument("--every-s", type=float,
-                    default=float(os.environ.get("CHECKPOINT_EVERY_S", "0")),
-                    help="also checkpoint this often while working (0: only the final one)")
+    ap.add_argument(
+        "--state-mb", type=float, default=float(os.environ.get("CHECKPOINT_STATE_MB", "512"))
+    )
+    ap.add_argument(
+        "--object-mb", type=float, default=float(os.environ.get("CHECKPOINT_OBJECT_MB", "64"))
+    )
+    ap.add_argument(
+        "--every-s",
+        type=float,
+        default=float(os.environ.get("CHECKPOINT_EVERY_S", "0")),
+        help="also checkpoint this often while working (0: only the final one)",
+    )
     ap.add_argument("--keep", type=int, default=2, help="committed generations kept")
     ap.add_argument("--pace-s", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--no-fsync", action="store_true", help="directory bucket: skip fsync")
@@ -500,8 +510,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--keep must be at least 1")
     try:
         bucket = open_bucket(args.bucket, args.endpoint_url, fsync=not args.no_fsync)
-        job = Job(bucket, int(args.state_mb * MiB), max(int(args.object_mb * MiB), 1),
-                  keep=args.keep, pace_s=args.pace_s)
+        job = Job(
+            bucket,
+            int(args.state_mb * MiB),
+            max(int(args.object_mb * MiB), 1),
+            keep=args.keep,
+            pace_s=args.pace_s,
+        )
     except BucketCorrupt as e:
         print(f"job: {e}", file=sys.stderr, flush=True)
         return 3

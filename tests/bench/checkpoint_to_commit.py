@@ -70,16 +70,30 @@ def timed_cp(src: Path, dst: Path, fsync: bool) -> float:
     return took
 
 
-def timed_checkpoint(work: Path, bucket: str, state_mb: float, object_mb: float,
-                     env: dict[str, str]) -> float:
+def timed_checkpoint(
+    work: Path, bucket: str, state_mb: float, object_mb: float, env: dict[str, str]
+) -> float:
     status = work / "status"
     shutil.rmtree(status, ignore_errors=True)
     status.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, str(JOB), "--bucket", bucket, "--state-mb", str(state_mb),
-         "--object-mb", str(object_mb), "--keep", "1"],
+        [
+            sys.executable,
+            str(JOB),
+            "--bucket",
+            bucket,
+            "--state-mb",
+            str(state_mb),
+            "--object-mb",
+            str(object_mb),
+            "--keep",
+            "1",
+        ],
         env={**os.environ, **env, "SPOTDRAIN_STATUS_DIR": str(status), "PYTHONUNBUFFERED": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -127,34 +141,53 @@ def main() -> int:
                 times["cp"].append(timed_cp(src, work / "copy.bin", fsync=False))
                 times["cp+fsync"].append(timed_cp(src, work / "copy.bin", fsync=True))
                 bucket = work / f"bucket-{run}"
-                times["dir"].append(timed_checkpoint(work, str(bucket), args.state_mb,
-                                                     args.object_mb, {}))
+                times["dir"].append(
+                    timed_checkpoint(work, str(bucket), args.state_mb, args.object_mb, {})
+                )
                 shutil.rmtree(bucket)
                 if run < args.s3_runs:
                     name = f"bench-{run}"
                     s3.create_bucket(name)
-                    times["s3"].append(timed_checkpoint(
-                        work, f"s3://{name}/job", args.state_mb, args.object_mb, s3.env))
-                print(f"run {run + 1}: " + "  ".join(
-                    f"{k} {v[-1]:.2f} s" for k, v in times.items() if len(v) > run), flush=True)
+                    times["s3"].append(
+                        timed_checkpoint(
+                            work, f"s3://{name}/job", args.state_mb, args.object_mb, s3.env
+                        )
+                    )
+                print(
+                    f"run {run + 1}: "
+                    + "  ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items() if len(v) > run),
+                    flush=True,
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\nfinal checkpoint of {args.state_mb:.0f} MB ({args.object_mb:.0f} MB objects), "
-          f"{args.runs} runs, to {args.dir or '/var/tmp'}:")
+    print(
+        f"\nfinal checkpoint of {args.state_mb:.0f} MB ({args.object_mb:.0f} MB objects), "
+        f"{args.runs} runs, to {args.dir or '/var/tmp'}:"
+    )
     summary = {}
     for name, values in times.items():
         if values:
             summary[name] = {"p50": pct(values, 0.5), "p99": pct(values, 0.99), "runs": values}
-            print(f"  {name:<9} p50 {summary[name]['p50']:7.2f} s   p99 "
-                  f"{summary[name]['p99']:7.2f} s   "
-                  f"({args.state_mb / summary[name]['p50']:.0f} MB/s at p50)")
+            print(
+                f"  {name:<9} p50 {summary[name]['p50']:7.2f} s   p99 "
+                f"{summary[name]['p99']:7.2f} s   "
+                f"({args.state_mb / summary[name]['p50']:.0f} MB/s at p50)"
+            )
     ratio = summary["dir"]["p50"] / summary["cp+fsync"]["p50"]
     ratio_cp = summary["dir"]["p50"] / summary["cp"]["p50"]
     print(f"  dir / cp+fsync at p50: {ratio:.2f}x (target <= 1.3x);  dir / cp: {ratio_cp:.2f}x")
     if args.json is not None:
-        args.json.write_text(json.dumps({"state_mb": args.state_mb, "figures": summary,
-                                         "dir_over_floor": ratio, "dir_over_cp": ratio_cp},
-                                        indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "state_mb": args.state_mb,
+                    "figures": summary,
+                    "dir_over_floor": ratio,
+                    "dir_over_cp": ratio_cp,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -68,8 +68,10 @@ def pct(values: list[float], q: float) -> float:
 
 
 def row(name: str, values: list[float], unit: str = "s") -> str:
-    return (f"{name:<44} p50 {pct(values, 50):7.3f} {unit}  p99 {pct(values, 99):7.3f} {unit}  "
-            f"max {max(values, default=float('nan')):7.3f} {unit}  (n={len(values)})")  # fmt: skip
+    return (
+        f"{name:<44} p50 {pct(values, 50):7.3f} {unit}  p99 {pct(values, 99):7.3f} {unit}  "
+        f"max {max(values, default=float('nan')):7.3f} {unit}  (n={len(values)})"
+    )
 
 
 class Routers:
@@ -125,12 +127,27 @@ class Bench:
         self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
         self.procs: list[CoordinatorProc] = []
         for port in self.ports:
-            extra = ["--advertise", f"127.0.0.1:{port}", "--lease-ttl-s", str(opts.ttl_s),
-                     "--lease-renew-s", str(opts.renew_s)] if replicas > 1 else []  # fmt: skip
-            self.procs.append(CoordinatorProc(
-                [*shlex.split(opts.coordinator_cmd), *extra], self.work, url,
-                pki.cached("coordinator", server=True), "WARNING",
-            ))  # fmt: skip
+            extra = (
+                [
+                    "--advertise",
+                    f"127.0.0.1:{port}",
+                    "--lease-ttl-s",
+                    str(opts.ttl_s),
+                    "--lease-renew-s",
+                    str(opts.renew_s),
+                ]
+                if replicas > 1
+                else []
+            )
+            self.procs.append(
+                CoordinatorProc(
+                    [*shlex.split(opts.coordinator_cmd), *extra],
+                    self.work,
+                    url,
+                    pki.cached("coordinator", server=True),
+                    "WARNING",
+                )
+            )
         self.shards: ShardPool | None = None
         self.routers: Routers | None = None
         self.reclaims = itertools.count(1)
@@ -155,18 +172,29 @@ class Bench:
             part = specs[i::count]
             for spec in part:
                 self.shards.where[spec[0]] = i
-            await self.shards.call(i, "connect", address=",".join(self.addresses),
-                                   ca=self.pki.ca_path.as_posix(), specs=part, inflight=100)
+            await self.shards.call(
+                i,
+                "connect",
+                address=",".join(self.addresses),
+                ca=self.pki.ca_path.as_posix(),
+                specs=part,
+                inflight=100,
+            )
         deadline = time.monotonic() + 120
         while sum(s["registered"] for s in await self.shards.all("stats")) < len(specs):
             if time.monotonic() > deadline:
                 raise TimeoutError("the simulated nodes did not all register")
             await asyncio.sleep(0.5)
         say(f"{len(specs)} nodes registered on {len(self.procs)} coordinator(s)")
-        admin = pb_grpc.AdminStub(secure(self.addresses[self.leader_index()],
-                                         self.pki.cached("operator:bench")))  # fmt: skip
-        await admin.SetModelReplicas(pb.SetModelReplicasRequest(
-            model=MODEL, replicas=self.opts.workers, image="bench:1", slots=4), timeout=30)
+        admin = pb_grpc.AdminStub(
+            secure(self.addresses[self.leader_index()], self.pki.cached("operator:bench"))
+        )
+        await admin.SetModelReplicas(
+            pb.SetModelReplicasRequest(
+                model=MODEL, replicas=self.opts.workers, image="bench:1", slots=4
+            ),
+            timeout=30,
+        )
         self.routers = Routers(self.addresses, self.pki)
         deadline = time.monotonic() + 60
         while not all(len(w.table.routes) >= self.opts.workers for w in self.routers.watches):
@@ -178,15 +206,18 @@ class Bench:
         """Taints every PROBE_EVERY_S around the kill, each from another node."""
         assert self.shards is not None
         start = killed - PROBE_BEFORE_S
-        times = [start + i * PROBE_EVERY_S
-                 for i in range(int((PROBE_BEFORE_S + PROBE_AFTER_S) / PROBE_EVERY_S))]
+        times = [
+            start + i * PROBE_EVERY_S
+            for i in range(int((PROBE_BEFORE_S + PROBE_AFTER_S) / PROBE_EVERY_S))
+        ]
         by_shard: dict[int, list[tuple[str, float, str]]] = {}
         for t in times:
             n = next(self.reclaims)
             node = self.nodes[(n * 7919) % len(self.nodes)]
             by_shard.setdefault(self.shards.where[node], []).append((node, t, f"probe-{n}"))
-        parts = await asyncio.gather(*(self.shards.call(i, "taints", items=items)
-                                       for i, items in by_shard.items()))  # fmt: skip
+        parts = await asyncio.gather(
+            *(self.shards.call(i, "taints", items=items) for i, items in by_shard.items())
+        )
         return sorted((r for part in parts for r in part), key=lambda r: r["t0"])
 
     async def kill_once(self, restart_same: bool) -> dict[str, Any]:
@@ -220,8 +251,14 @@ class Bench:
             proc.stop()
 
 
-async def run_bench(opts: argparse.Namespace, pki: CachedPki, url: str, replicas: int,
-                    kills: int, specs: list[list[str]]) -> list[dict[str, Any]]:  # fmt: skip
+async def run_bench(
+    opts: argparse.Namespace,
+    pki: CachedPki,
+    url: str,
+    replicas: int,
+    kills: int,
+    specs: list[list[str]],
+) -> list[dict[str, Any]]:
     bench = Bench(opts, pki, url, replicas)
     results = []
     try:
@@ -230,9 +267,11 @@ async def run_bench(opts: argparse.Namespace, pki: CachedPki, url: str, replicas
         for k in range(kills):
             result = await bench.kill_once(restart_same=replicas == 1)
             gaps = ", ".join("-" if g is None else f"{g:.3f} s" for g in result["gaps_s"])
-            say(f"{'replicas' if replicas > 1 else 'single'} kill {k + 1}/{kills}: Taint "
+            say(
+                f"{'replicas' if replicas > 1 else 'single'} kill {k + 1}/{kills}: Taint "
                 f"answered {result['to_taint_s'] or float('nan'):.3f} s after, "
-                f"{result['fell_back']} fell back locally, route watch gaps {gaps}")
+                f"{result['fell_back']} fell back locally, route watch gaps {gaps}"
+            )
             results.append(result)
         assert bench.routers is not None
         if bench.routers.went_down:
@@ -263,20 +302,28 @@ async def main_async(opts: argparse.Namespace) -> int:
     specs = node_specs(pki, opts.nodes)
     server = start_postgres()
     try:
-        base = await run_bench(opts, pki, fresh_database(server, "failover_single"), 1,
-                               opts.baseline_kills, specs)  # fmt: skip
-        repl = await run_bench(opts, pki, fresh_database(server, "failover_replicas"), 2,
-                               opts.kills, specs)  # fmt: skip
+        base = await run_bench(
+            opts, pki, fresh_database(server, "failover_single"), 1, opts.baseline_kills, specs
+        )
+        repl = await run_bench(
+            opts, pki, fresh_database(server, "failover_replicas"), 2, opts.kills, specs
+        )
     finally:
         server.stop()
-    print(f"\n{opts.nodes} simulated nodes heartbeating every 5 s, 2 routers watching, "
-          f"{opts.workers} workers; lease TTL {opts.ttl_s} s, renewal {opts.renew_s} s")
-    doc = {"baseline": report("single coordinator restarted", base),
-           "replicas": report("two replicas, leader SIGKILLed", repl)}  # fmt: skip
+    print(
+        f"\n{opts.nodes} simulated nodes heartbeating every 5 s, 2 routers watching, "
+        f"{opts.workers} workers; lease TTL {opts.ttl_s} s, renewal {opts.renew_s} s"
+    )
+    doc = {
+        "baseline": report("single coordinator restarted", base),
+        "replicas": report("two replicas, leader SIGKILLed", repl),
+    }
     p99 = pct(doc["replicas"]["to_taint_s"], 99)
     ok = p99 <= TARGET_P99_S and not doc["replicas"]["never"]
-    print(f"target: p99 <= {TARGET_P99_S} s to a new leader answering Taint: "
-          f"{p99:.3f} s: {'MET' if ok else 'NOT MET'}")
+    print(
+        f"target: p99 <= {TARGET_P99_S} s to a new leader answering Taint: "
+        f"{p99:.3f} s: {'MET' if ok else 'NOT MET'}"
+    )
     if opts.json:
         opts.json.write_text(json.dumps(doc, indent=2))
     return 0 if ok else 1
@@ -293,8 +340,9 @@ def main() -> int:
     p.add_argument("--settle-s", type=float, default=4.0, help="after each kill")
     p.add_argument("--work", type=Path, default=Path("/tmp/spotdrain-bench-failover"))
     p.add_argument("--json", type=Path)
-    p.add_argument("--coordinator-cmd",
-                   default=str(Path(sys.executable).parent / "spotdrain-coordinator"))
+    p.add_argument(
+        "--coordinator-cmd", default=str(Path(sys.executable).parent / "spotdrain-coordinator")
+    )
     opts = p.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
         return asyncio.run(main_async(opts))

@@ -67,11 +67,15 @@ def main() -> int:
     finally:
         server.stop()
     for mode, values in times.items():
-        print(f"{mode:9} n={len(values)} p50={statistics.median(values):.3f} ms "
-              f"p99={pct(values, 99):.3f} ms max={max(values):.3f} ms")  # fmt: skip
+        print(
+            f"{mode:9} n={len(values)} p50={statistics.median(values):.3f} ms "
+            f"p99={pct(values, 99):.3f} ms max={max(values):.3f} ms"
+        )
     ratio = statistics.median(times["fenced"]) / statistics.median(times["unfenced"])
-    print(f"fenced/unfenced p50: {ratio:.2f}x, "
-          f"p99: {pct(times['fenced'], 99) / pct(times['unfenced'], 99):.2f}x")  # fmt: skip
+    print(
+        f"fenced/unfenced p50: {ratio:.2f}x, "
+        f"p99: {pct(times['fenced'], 99) / pct(times['unfenced'], 99):.2f}x"
+    )
     return 0
 
 

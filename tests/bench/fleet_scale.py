@@ -810,8 +810,10 @@ class Run:
     async def mass(self) -> dict[str, Any]:
         k = min(self.opts.mass_nodes, max(1, self.n // 2))
         settled_s = await self.settle()
-        progress(f"{self.label}: settled after {settled_s:.0f} s; "
-                 f"mass reclamation, {k} Taints within 1 s")  # fmt: skip
+        progress(
+            f"{self.label}: settled after {settled_s:.0f} s; "
+            f"mass reclamation, {k} Taints within 1 s"
+        )
         nodes = self.pick_nodes(k)
         m0 = await asyncio.to_thread(scrape, self.coord.metrics_url)
         cpu0, sim0, t0 = process_cpu_s(self.coord.pid), self._sim_cpu(), time.monotonic()
@@ -828,8 +830,12 @@ class Run:
         # line up with the coordinator's log when asking where a round trip's time went.
         wall_minus_mono = time.time() - time.monotonic()
         out["calls"] = [
-            {"node": r["node"], "start": r["t0"] + wall_minus_mono, "ms": r["ms"],
-             "code": r["code"]}  # fmt: skip
+            {
+                "node": r["node"],
+                "start": r["t0"] + wall_minus_mono,
+                "ms": r["ms"],
+                "code": r["code"],
+            }
             for r in results
         ]
         out["cpu_avg"] = (cpu1 - cpu0) / wall
@@ -1042,8 +1048,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--flood", action="store_true", help="also a window with one node flooding")
     p.add_argument("--mass", action="store_true", help="mass reclamation on the largest size")
     p.add_argument("--mass-nodes", type=int, default=1000)
-    p.add_argument("--mass-only", action="store_true",
-                   help="only the mass reclamation once the workers are placed (a quick look)")
+    p.add_argument(
+        "--mass-only",
+        action="store_true",
+        help="only the mass reclamation once the workers are placed (a quick look)",
+    )
     p.add_argument("--window-s", type=float, default=60.0)
     p.add_argument("--taints", type=int, default=TAINTS, help="Taint callers per window")
     p.add_argument("--quick", action="store_true", help="small sizes and a short window")

@@ -258,8 +258,10 @@ def report(results: dict[str, Result], env: dict, wall_s: float) -> dict[str, An
     stats = {name: summary(r.samples_ms) for name, r in results.items()}
     print()
     print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
-    print(f"targets: spotdrain p99 <= {TARGET_P99_MS:.0f} ms and <= {TARGET_RATIO:.0f}x floor p99; "
-          f"spotdrain-frozen p99 <= {TARGET_FROZEN_P99_MS:.0f} ms")
+    print(
+        f"targets: spotdrain p99 <= {TARGET_P99_MS:.0f} ms and <= {TARGET_RATIO:.0f}x floor p99; "
+        f"spotdrain-frozen p99 <= {TARGET_FROZEN_P99_MS:.0f} ms"
+    )
     print("(p99 is linear interpolation; with 50 samples it lies between the two slowest)")
     print()
     header = (
@@ -386,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["runs"] = args.runs
         write_json(args.json, doc)
         return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -206,9 +206,7 @@ class SimNode:
         )
         t0 = time.monotonic()
         try:
-            await self.replicas.on_leader(
-                pb_grpc.AgentLinkStub, "Taint", request, TAINT_DEADLINE_S
-            )
+            await self.replicas.on_leader(pb_grpc.AgentLinkStub, "Taint", request, TAINT_DEADLINE_S)
             code = "OK"
         except grpc.aio.AioRpcError as e:
             code = e.code().name

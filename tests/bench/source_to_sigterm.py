@@ -179,8 +179,7 @@ class Emulator(Child):
         """Until a request for `path` (since the log was last cleared) has been answered."""
         wait_until(
             lambda: any(
-                s["path"] == path and s["status"] is not None
-                for s in self.call("seen")["result"]
+                s["path"] == path and s["status"] is not None for s in self.call("seen")["result"]
             ),
             timeout,
             f"the agent's first read of {self.cloud} {path}",
@@ -492,8 +491,9 @@ class Context:
             extra=["--config", str(toml), "--sources", source.name],
         )
         source.before_start()
-        agent = start_agent(self.work, node, coord, self.engine.host, self._gpus, self._lib,
-                            options)  # fmt: skip
+        agent = start_agent(
+            self.work, node, coord, self.engine.host, self._gpus, self._lib, options
+        )
         self.agents.append(agent)
         wait_until(
             lambda: any(n.node_id == node and n.connected for n in admin.nodes()),
@@ -550,8 +550,10 @@ def run_source(ctx: Context, source: Source, runs: int) -> Result:
             except TimeoutError as e:
                 kinds = [ev["kind"] for ev in admin.events(node=agent.node_id, reclaim_id=rid)]
                 tail = "".join(agent.proc.log().splitlines(keepends=True)[-25:])
-                raise RuntimeError(f"{source.name} run {i}: {e}; events of {rid}: {kinds}; "
-                                   f"{agent.log_path} ends:\n{tail}") from None  # fmt: skip
+                raise RuntimeError(
+                    f"{source.name} run {i}: {e}; events of {rid}: {kinds}; "
+                    f"{agent.log_path} ends:\n{tail}"
+                ) from None
             res.samples_ms.append((t1 - t0) * 1000)
             admin.wait_for("drained", node=agent.node_id, timeout=30, reclaim_id=rid)
             breakdown(res, admin.events(node=agent.node_id, reclaim_id=rid), t0, t1, "flip")
@@ -607,12 +609,17 @@ def run_poller(ctx: Context, name: str, aws: Aws, runs: int) -> Result:
 
 def targets(poll_s: float) -> dict[str, float]:
     polled = poll_s * 1000 + TARGET_MARGIN_MS
-    return {"aws": polled, "azure": polled, "gcp": TARGET_PUSHED_P99_MS,
-            "shutdown": TARGET_PUSHED_P99_MS}  # fmt: skip
+    return {
+        "aws": polled,
+        "azure": polled,
+        "gcp": TARGET_PUSHED_P99_MS,
+        "shutdown": TARGET_PUSHED_P99_MS,
+    }
 
 
-def report(results: dict[str, Result], env: dict, args: argparse.Namespace,
-           wall_s: float) -> dict[str, Any]:  # fmt: skip
+def report(
+    results: dict[str, Result], env: dict, args: argparse.Namespace, wall_s: float
+) -> dict[str, Any]:
     stats = {name: summary(r.samples_ms) for name, r in results.items()}
     goal = targets(args.poll_s)
     print()
@@ -624,8 +631,10 @@ def report(results: dict[str, Result], env: dict, args: argparse.Namespace,
     )
     print(f"(p99 is linear interpolation; with {args.runs} samples it lies near the slowest)")
     if args.runs < MIN_RUNS:
-        print(f"{args.runs} runs per source, under the {MIN_RUNS} the targets are judged on: "
-              "the verdicts are indicative only")  # fmt: skip
+        print(
+            f"{args.runs} runs per source, under the {MIN_RUNS} the targets are judged on: "
+            "the verdicts are indicative only"
+        )
     print()
     notes = {
         "floor": "baseline: a bare Engine API kill, from just before the call",
@@ -669,20 +678,37 @@ def report(results: dict[str, Result], env: dict, args: argparse.Namespace,
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=None,
-                    help=f"measurements per source (default {MIN_RUNS}, the targets need "
-                         f">= {MIN_RUNS}; {QUICK_RUNS} with --quick)")  # fmt: skip
-    ap.add_argument("--sources", nargs="+", choices=SCENARIOS, default=list(SCENARIOS),
-                    metavar="NAME",
-                    help=f"which to run (default all: {' '.join(SCENARIOS)}; floor, poll-5s and "
-                         "poll-2s are baselines, the pollers on the AWS emulator)")  # fmt: skip
+    ap.add_argument(
+        "--runs",
+        type=int,
+        default=None,
+        help=f"measurements per source (default {MIN_RUNS}, the targets need "
+        f">= {MIN_RUNS}; {QUICK_RUNS} with --quick)",
+    )
+    ap.add_argument(
+        "--sources",
+        nargs="+",
+        choices=SCENARIOS,
+        default=list(SCENARIOS),
+        metavar="NAME",
+        help=f"which to run (default all: {' '.join(SCENARIOS)}; floor, poll-5s and "
+        "poll-2s are baselines, the pollers on the AWS emulator)",
+    )
     ap.add_argument("--json", type=Path, metavar="PATH", help="also write the numbers here")
-    ap.add_argument("--quick", action="store_true",
-                    help=f"a smoke run: {QUICK_RUNS} runs per source unless --runs")
-    ap.add_argument("--poll-s", type=float, default=1.0,
-                    help="the aws and azure sources' poll_s (default 1.0, their default)")
-    ap.add_argument("--batch", type=int, default=10,
-                    help="containers created ahead per batch (default 10)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a smoke run: {QUICK_RUNS} runs per source unless --runs",
+    )
+    ap.add_argument(
+        "--poll-s",
+        type=float,
+        default=1.0,
+        help="the aws and azure sources' poll_s (default 1.0, their default)",
+    )
+    ap.add_argument(
+        "--batch", type=int, default=10, help="containers created ahead per batch (default 10)"
+    )
     ap.add_argument("--keep", action="store_true", help="keep the work dir (logs) afterwards")
     args = ap.parse_args(argv)
     if args.runs is None:
@@ -713,8 +739,9 @@ def main(argv: list[str] | None = None) -> int:
                 "aws": lambda: run_source(ctx, aws, args.runs),
                 "poll-5s": lambda: run_poller(ctx, "poll-5s", aws, args.runs),
                 "poll-2s": lambda: run_poller(ctx, "poll-2s", aws, args.runs),
-                "azure": lambda: run_source(ctx, Azure(ctx.emulator("azure"), args.poll_s),
-                                            args.runs),  # fmt: skip
+                "azure": lambda: run_source(
+                    ctx, Azure(ctx.emulator("azure"), args.poll_s), args.runs
+                ),
                 "gcp": lambda: run_source(ctx, Gcp(ctx.emulator("gcp")), args.runs),
                 "shutdown": lambda: run_source(ctx, Shutdown(ctx.logind()), args.runs),
             }
@@ -727,6 +754,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = report(results, env, args, time.monotonic() - started)
         write_json(args.json, doc)
         return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

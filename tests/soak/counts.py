@@ -39,12 +39,26 @@ from typing import Any
 
 from .scenario import Round, Soak
 
-FAILURES = ("overruns_honoured", "double_sigterms", "events_lost", "events_stored_twice",
-            "drained_unverified", "deadlines_moved", "signalled_after_cancel", "crashes",
-            "unsettled")  # fmt: skip
+FAILURES = (
+    "overruns_honoured",
+    "double_sigterms",
+    "events_lost",
+    "events_stored_twice",
+    "drained_unverified",
+    "deadlines_moved",
+    "signalled_after_cancel",
+    "crashes",
+    "unsettled",
+)
 # Facts a reclamation records once, and those recorded once per container.
-ONCE = ("notice_received", "deadline_file_written", "verified_empty", "drained", "overrun",
-        "pause_resumed")  # fmt: skip
+ONCE = (
+    "notice_received",
+    "deadline_file_written",
+    "verified_empty",
+    "drained",
+    "overrun",
+    "pause_resumed",
+)
 ONCE_PER_CONTAINER = ("sigterm_sent", "container_exited")
 SIGTERM_NUMBER = 15
 TIME_EPSILON_S = 1e-6  # deadlines travel as JSON doubles: equal, up to float subtraction
@@ -68,8 +82,13 @@ class Counts:
         return any(self.counts.values()) or self.completed != self.reclamations
 
     def to_json(self) -> dict[str, Any]:
-        return {"reclamations": self.reclamations, "completed": self.completed,
-                **self.counts, "info": self.info, "findings": self.findings}  # fmt: skip
+        return {
+            "reclamations": self.reclamations,
+            "completed": self.completed,
+            **self.counts,
+            "info": self.info,
+            "findings": self.findings,
+        }
 
 
 def count(soak: Soak) -> Counts:
@@ -82,8 +101,12 @@ def count(soak: Soak) -> Counts:
     for node, ledger in soak.ledgers.items():
         for e in ledger:
             if e["uid"] not in uids:
-                out.add("events_lost", None, f"{node} stored {e['kind']} {e['uid']} "
-                        f"(reclamation {e['reclaim_id'] or '-'}); the coordinator never did")
+                out.add(
+                    "events_lost",
+                    None,
+                    f"{node} stored {e['kind']} {e['uid']} "
+                    f"(reclamation {e['reclaim_id'] or '-'}); the coordinator never did",
+                )
     by_rid: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for e in stored:
         if e["reclaim_id"]:
@@ -100,17 +123,20 @@ def count(soak: Soak) -> Counts:
     for crash in soak.crashes:
         out.findings.append(f"crashes: {crash}")
     faults = Counter(f.kind for f in soak.faults)
-    out.info.update({
-        "outcomes": dict(sorted(outcomes.items())),
-        "faults": dict(sorted(faults.items())),
-        "reclamations_hit_by_a_fault": sum(bool(r.faults) for r in soak.rounds),
-        "workloads": dict(Counter(w.behaviour for r in soak.rounds for w in r.workloads)),
-        "rounds_with_honouring_workloads": honouring_rounds,
-        "overruns_honoured_pct": round(100 * out.counts["overruns_honoured"]
-                                       / max(honouring_rounds, 1), 3),
-        "events_stored": len(soak.events),
-        "wall_s": round(soak.wall_s, 1),
-    })
+    out.info.update(
+        {
+            "outcomes": dict(sorted(outcomes.items())),
+            "faults": dict(sorted(faults.items())),
+            "reclamations_hit_by_a_fault": sum(bool(r.faults) for r in soak.rounds),
+            "workloads": dict(Counter(w.behaviour for r in soak.rounds for w in r.workloads)),
+            "rounds_with_honouring_workloads": honouring_rounds,
+            "overruns_honoured_pct": round(
+                100 * out.counts["overruns_honoured"] / max(honouring_rounds, 1), 3
+            ),
+            "events_stored": len(soak.events),
+            "wall_s": round(soak.wall_s, 1),
+        }
+    )
     out.info.setdefault("overruns_ignoring", 0)
     return out
 
@@ -145,8 +171,11 @@ def _same_time(a: Any, b: float, tolerance: float = TIME_EPSILON_S) -> bool:
 
 
 def _moved(ref: dict[str, float], seen: dict[str, Any]) -> list[str]:
-    return [f"{k} {seen[k]!r} (began {ref[k]!r})" for k in ref
-            if k in seen and not _same_time(seen[k], ref[k])]
+    return [
+        f"{k} {seen[k]!r} (began {ref[k]!r})"
+        for k in ref
+        if k in seen and not _same_time(seen[k], ref[k])
+    ]
 
 
 def _round(out: Counts, soak: Soak, rnd: Round, events: list[dict[str, Any]]) -> None:
@@ -161,10 +190,18 @@ def _round(out: Counts, soak: Soak, rnd: Round, events: list[dict[str, Any]]) ->
     recorded_outcome = timeline.reclamation.outcome if timeline is not None else ""
     if not kinds["notice_received"]:
         out.add("events_lost", rnd, "no notice_received at the coordinator")
-    expected = {"drained": "drained", "overrun": "overrun", "cancelled": "cancelled",
-                "resumed": ""}.get(rnd.agent_outcome)  # fmt: skip
-    ending = {"drained": "drained", "overrun": "overrun", "cancelled": "notice_cancelled",
-              "resumed": "pause_resumed"}.get(rnd.agent_outcome)  # fmt: skip
+    expected = {
+        "drained": "drained",
+        "overrun": "overrun",
+        "cancelled": "cancelled",
+        "resumed": "",
+    }.get(rnd.agent_outcome)
+    ending = {
+        "drained": "drained",
+        "overrun": "overrun",
+        "cancelled": "notice_cancelled",
+        "resumed": "pause_resumed",
+    }.get(rnd.agent_outcome)
     if ending is not None and not kinds[ending]:
         out.add("events_lost", rnd, f"the agent's outcome {rnd.agent_outcome} has no {ending}")
     if rnd.plan.kind == "pause" and not kinds["pause_resumed"]:
@@ -173,25 +210,33 @@ def _round(out: Counts, soak: Soak, rnd: Round, events: list[dict[str, Any]]) ->
         out.add("events_lost", rnd, "the cancel was written; no notice_cancelled")
     if rnd.agent_outcome == "drained" and not kinds["verified_empty"]:
         out.add("events_lost", rnd, "drained; no verified_empty")
-    if (not rnd.unsettled and ending is not None and recorded_outcome == expected
-            and kinds["notice_received"]):
+    if (
+        not rnd.unsettled
+        and ending is not None
+        and recorded_outcome == expected
+        and kinds["notice_received"]
+    ):
         out.completed += 1
 
     # --- stored twice ----------------------------------------------------------------------
     for kind in ONCE:
         if kinds[kind] > 1:
-            out.add("events_stored_twice", rnd, f"{kind} stored {kinds[kind]} times",
-                    kinds[kind] - 1)
+            out.add(
+                "events_stored_twice", rnd, f"{kind} stored {kinds[kind]} times", kinds[kind] - 1
+            )
     if kinds["notice_cancelled"] > 1:
-        out.add("events_stored_twice", rnd,
-                f"notice_cancelled stored {kinds['notice_cancelled']} times (one cancel)",
-                kinds["notice_cancelled"] - 1)
-    per_container = Counter((e["kind"], e.get("container")) for e in events
-                            if e["kind"] in ONCE_PER_CONTAINER)  # fmt: skip
+        out.add(
+            "events_stored_twice",
+            rnd,
+            f"notice_cancelled stored {kinds['notice_cancelled']} times (one cancel)",
+            kinds["notice_cancelled"] - 1,
+        )
+    per_container = Counter(
+        (e["kind"], e.get("container")) for e in events if e["kind"] in ONCE_PER_CONTAINER
+    )
     for (kind, container), n in per_container.items():
         if n > 1:
-            out.add("events_stored_twice", rnd, f"{kind} for {container} stored {n} times",
-                    n - 1)
+            out.add("events_stored_twice", rnd, f"{kind} for {container} stored {n} times", n - 1)
 
     # --- per workload: signals, exits, their events -------------------------------------------
     ref = _reference(soak, rnd, events)
@@ -205,34 +250,54 @@ def _round(out: Counts, soak: Soak, rnd: Round, events: list[dict[str, Any]]) ->
         got = len(w.sigterms)
         delivered = soak.engine_signals.count(w.container_id, SIGTERM_NUMBER)
         if max(got, delivered) > 1:
-            out.add("double_sigterms", rnd, f"{w.name} ({w.behaviour}) saw {got} SIGTERMs, the "
-                    f"engine delivered {delivered}", max(got, delivered) - 1)
+            out.add(
+                "double_sigterms",
+                rnd,
+                f"{w.name} ({w.behaviour}) saw {got} SIGTERMs, the engine delivered {delivered}",
+                max(got, delivered) - 1,
+            )
         recorded = by_container.get(w.container_id, [])
         if (got or delivered) and "sigterm_sent" not in recorded:
             out.add("events_lost", rnd, f"{w.name} got SIGTERM; no sigterm_sent")
         if rnd.agent_outcome == "cancelled" and got:
             out.add("signalled_after_cancel", rnd, f"{w.name} saw SIGTERM in a lifted cancel")
-        agent_stopped = not w.killed_by_soak and ("sigterm_sent" in recorded or got
-                                                  or "sigkill_sent" in recorded)
+        agent_stopped = not w.killed_by_soak and (
+            "sigterm_sent" in recorded or got or "sigkill_sent" in recorded
+        )
         if agent_stopped and "container_exited" not in recorded:
             out.add("events_lost", rnd, f"{w.name} exited ({w.exit_code}); no container_exited")
         if not w.killed_by_soak and w.exit_code == 137 and "sigkill_sent" not in recorded:
             out.add("events_lost", rnd, f"{w.name} was SIGKILLed; no sigkill_sent")
-        if (w.honours_sigterm and not lifted and not w.killed_by_soak and ref is not None
-                and (w.exited_by_itself_at is None or w.exit_code != 0
-                     or (w.finished_at or math.inf) > ref["overrun_at"])):
-            term = (f", its SIGTERM at G{_rel(w.sigterms[0], ref['grace_deadline'])}"
-                    if w.sigterms else ", no SIGTERM")
-            missed.append(f"{w.name} ({w.behaviour} {w.checkpoint_s} s) exit {w.exit_code} at "
-                          f"O{_rel(w.finished_at, ref['overrun_at'])}{term}")
+        if (
+            w.honours_sigterm
+            and not lifted
+            and not w.killed_by_soak
+            and ref is not None
+            and (
+                w.exited_by_itself_at is None
+                or w.exit_code != 0
+                or (w.finished_at or math.inf) > ref["overrun_at"]
+            )
+        ):
+            term = (
+                f", its SIGTERM at G{_rel(w.sigterms[0], ref['grace_deadline'])}"
+                if w.sigterms
+                else ", no SIGTERM"
+            )
+            missed.append(
+                f"{w.name} ({w.behaviour} {w.checkpoint_s} s) exit {w.exit_code} at "
+                f"O{_rel(w.finished_at, ref['overrun_at'])}{term}"
+            )
     if overrun_stored and all(w.honours_sigterm for w in rnd.workloads) and not missed:
         missed.append(f"overrun with only honouring workloads {[w.name for w in rnd.workloads]}")
     if missed:
         out.add("overruns_honoured", rnd, "; ".join(missed) + f"; faults {_faults(rnd)}")
     elif overrun_stored:
         out.info["overruns_ignoring"] = out.info.get("overruns_ignoring", 0) + 1
-        out.findings.append(f"info: #{rnd.plan.number} {rnd.node} {rnd.reclaim_id}: overrun "
-                            f"with a workload that ignores SIGTERM; faults {_faults(rnd)}")
+        out.findings.append(
+            f"info: #{rnd.plan.number} {rnd.node} {rnd.reclaim_id}: overrun "
+            f"with a workload that ignores SIGTERM; faults {_faults(rnd)}"
+        )
 
     # --- drained only after an observation found the node empty --------------------------------
     for e in events:
@@ -240,11 +305,15 @@ def _round(out: Counts, soak: Soak, rnd: Round, events: list[dict[str, Any]]) ->
             continue
         if not any(v["kind"] == "verified_empty" and v["id"] < e["id"] for v in events):
             out.add("drained_unverified", rnd, "drained with no verified_empty before it")
-        still = [w.name for w in rnd.workloads
-                 if w.finished_at is None or w.finished_at > e["wall_time"]]
+        still = [
+            w.name for w in rnd.workloads if w.finished_at is None or w.finished_at > e["wall_time"]
+        ]
         if still:
-            out.add("drained_unverified", rnd, f"drained at {e['wall_time']:.3f} while "
-                    f"{still} still ran (engine FinishedAt)")
+            out.add(
+                "drained_unverified",
+                rnd,
+                f"drained at {e['wall_time']:.3f} while {still} still ran (engine FinishedAt)",
+            )
 
     # --- deadlines ---------------------------------------------------------------------------
     if ref is None:
@@ -259,8 +328,10 @@ def _round(out: Counts, soak: Soak, rnd: Round, events: list[dict[str, Any]]) ->
         moved += [f"{where}: {m}" for m in _moved(ref, seen)]
     for w in rnd.workloads:
         if w.deadline_seen is not None:
-            seen = {"terminate_at": w.deadline_seen.get("terminate_at_epoch"),
-                    "grace_deadline": w.deadline_seen.get("grace_deadline_epoch")}
+            seen = {
+                "terminate_at": w.deadline_seen.get("terminate_at_epoch"),
+                "grace_deadline": w.deadline_seen.get("grace_deadline_epoch"),
+            }
             if w.deadline_seen.get("reclaim_id") != rnd.reclaim_id:
                 other = w.deadline_seen.get("reclaim_id")
                 moved.append(f"{w.name} read a deadline file of {other}")
@@ -282,8 +353,9 @@ def _round(out: Counts, soak: Soak, rnd: Round, events: list[dict[str, Any]]) ->
     if rnd.plan.kind == "pause" and t0s:
         t0 = min(t0s)
         if not _same_time(ref["terminate_at"] - t0, c.pause_notice_s, 1e-3):
-            moved.append(f"pause D is T0 + {ref['terminate_at'] - t0:.3f} s, "
-                         f"not {c.pause_notice_s}")
+            moved.append(
+                f"pause D is T0 + {ref['terminate_at'] - t0:.3f} s, not {c.pause_notice_s}"
+            )
     if moved:
         out.add("deadlines_moved", rnd, "; ".join(moved))
 
@@ -297,24 +369,36 @@ def _rel(t: float | None, mark: float) -> str:
 def _faults(rnd: Round) -> str:
     if not rnd.faults:
         return "none"
-    return ", ".join(f"{f.kind} {f.target} at +{f.start - rnd.opened_at:.1f}s "
-                     f"for {f.end - f.start:.1f}s" for f in rnd.faults)
+    return ", ".join(
+        f"{f.kind} {f.target} at +{f.start - rnd.opened_at:.1f}s for {f.end - f.start:.1f}s"
+        for f in rnd.faults
+    )
 
 
 def report(counts: Counts, seed: int) -> str:
     """What soak.py prints and test_soak.py shows on failure."""
-    lines = [f"soak seed {seed}: {counts.completed} of {counts.reclamations} reclamations "
-             "completed and recorded"]  # fmt: skip
+    lines = [
+        f"soak seed {seed}: {counts.completed} of {counts.reclamations} reclamations "
+        "completed and recorded"
+    ]
     width = max(len(k) for k in FAILURES)
     for k in FAILURES:
         lines.append(f"  {k:<{width}}  {counts.counts[k]}")
     i = counts.info
-    lines.append(f"  overruns of honouring workloads: {counts.counts['overruns_honoured']} of "
-                 f"{i.get('rounds_with_honouring_workloads')} reclamations "
-                 f"({i.get('overruns_honoured_pct')} %; the published design budgets 0.5 %)")
+    lines.append(
+        f"  overruns of honouring workloads: {counts.counts['overruns_honoured']} of "
+        f"{i.get('rounds_with_honouring_workloads')} reclamations "
+        f"({i.get('overruns_honoured_pct')} %; the published design budgets 0.5 %)"
+    )
     lines.append(f"  overruns with a workload that ignores SIGTERM: {i.get('overruns_ignoring')}")
-    for key in ("outcomes", "workloads", "faults", "reclamations_hit_by_a_fault",
-                "events_stored", "wall_s"):
+    for key in (
+        "outcomes",
+        "workloads",
+        "faults",
+        "reclamations_hit_by_a_fault",
+        "events_stored",
+        "wall_s",
+    ):
         lines.append(f"  {key}: {i.get(key)}")
     for finding in counts.findings:
         lines.append(f"  - {finding}")

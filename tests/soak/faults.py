@@ -31,8 +31,9 @@ class Fault:
 
 
 class FaultInjector:
-    def __init__(self, rig: Rig, rng: random.Random, every_s: tuple[float, float],
-                 enabled: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, rig: Rig, rng: random.Random, every_s: tuple[float, float], enabled: bool = True
+    ) -> None:
         self.rig = rig
         self.rng = rng
         self.every_s = every_s
@@ -88,5 +89,8 @@ class FaultInjector:
 
     def overlapping(self, start: float, end: float, node: str) -> list[Fault]:
         """The faults that hit a reclamation of `node` between start and end."""
-        return [f for f in self.log if f.start <= end and f.end >= start
-                and f.target in ("coordinator", node)]  # fmt: skip
+        return [
+            f
+            for f in self.log
+            if f.start <= end and f.end >= start and f.target in ("coordinator", node)
+        ]

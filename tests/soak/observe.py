@@ -89,8 +89,9 @@ class EventMirror:
     """The coordinator's event log, as far as it has been read. Thread-safe; `refresh` reads
     what is new, at most once per `every_s` however many threads ask."""
 
-    def __init__(self, channel: grpc.Channel, call_timeout_s: float = 5.0,
-                 every_s: float = 0.2) -> None:  # fmt: skip
+    def __init__(
+        self, channel: grpc.Channel, call_timeout_s: float = 5.0, every_s: float = 0.2
+    ) -> None:
         self.stub = pb_grpc.AdminStub(channel)
         self.call_timeout_s = call_timeout_s
         self.every_s = every_s
@@ -136,8 +137,9 @@ class EventMirror:
             try:
                 return [
                     stored_event_to_dict(s)
-                    for s in self.stub.WatchEvents(pb.WatchEventsRequest(from_id=0),
-                                                   timeout=max(30.0, self.call_timeout_s))
+                    for s in self.stub.WatchEvents(
+                        pb.WatchEventsRequest(from_id=0), timeout=max(30.0, self.call_timeout_s)
+                    )
                 ]
             except grpc.RpcError:
                 if time.monotonic() > deadline:
@@ -146,8 +148,9 @@ class EventMirror:
 
     def timeline(self, reclaim_id: str) -> pb.Timeline | None:
         try:
-            return self.stub.GetTimeline(pb.GetTimelineRequest(reclaim_id=reclaim_id),
-                                         timeout=self.call_timeout_s)  # fmt: skip
+            return self.stub.GetTimeline(
+                pb.GetTimelineRequest(reclaim_id=reclaim_id), timeout=self.call_timeout_s
+            )
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 return None

@@ -24,8 +24,9 @@ START_TIMEOUT_S = 60.0
 
 
 class Rig:
-    def __init__(self, work: Path, docker_host: str, nvml_lib: Path, nodes: int,
-                 options: AgentOptions) -> None:  # fmt: skip
+    def __init__(
+        self, work: Path, docker_host: str, nvml_lib: Path, nodes: int, options: AgentOptions
+    ) -> None:
         self.work = work
         self.pki = Pki(work / "pki")
         self.coordinator: Coordinator = start_coordinator(work / "coordinator", tls=self.pki)
@@ -41,8 +42,9 @@ class Rig:
                 install_ledger(work / node / "state")
                 gpus = FakeGpus(work / node / "gpus.state")
                 gpus.set(gpus=1)
-                self.agents[node] = start_agent(work, node, self.coordinator, docker_host, gpus,
-                                                nvml_lib, options)  # fmt: skip
+                self.agents[node] = start_agent(
+                    work, node, self.coordinator, docker_host, gpus, nvml_lib, options
+                )
         except BaseException:
             self.stop()
             raise
@@ -64,9 +66,11 @@ class Rig:
         while True:
             try:
                 self.coordinator = start_coordinator(
-                    self.work / "coordinator", tls=self.pki, db=self.coordinator.db,
+                    self.work / "coordinator",
+                    tls=self.pki,
+                    db=self.coordinator.db,
                     port=self.port,
-                )  # fmt: skip
+                )
                 return
             except (RuntimeError, TimeoutError):
                 if time.monotonic() > deadline:
@@ -95,8 +99,12 @@ class Rig:
         agent = self.agents[node]
         offset = agent.log_path.stat().st_size
         agent.restart()
-        wait_until(lambda: _since(agent.log_path, offset, AGENT_UP) or _exited(agent),
-                   START_TIMEOUT_S, f"agent {node} to start again", every=0.1)  # fmt: skip
+        wait_until(
+            lambda: _since(agent.log_path, offset, AGENT_UP) or _exited(agent),
+            START_TIMEOUT_S,
+            f"agent {node} to start again",
+            every=0.1,
+        )
 
     # --- crashes -----------------------------------------------------------------------------
 
@@ -128,6 +136,8 @@ def _since(path: Path, offset: int, text: str) -> bool:
 
 def _exited(agent: Agent) -> bool:
     if agent.proc.popen.poll() is not None:
-        raise RuntimeError(f"agent {agent.node_id} exited {agent.proc.popen.returncode} "
-                           f"while starting again; see {agent.log_path}")  # fmt: skip
+        raise RuntimeError(
+            f"agent {agent.node_id} exited {agent.proc.popen.returncode} "
+            f"while starting again; see {agent.log_path}"
+        )
     return False

@@ -51,8 +51,12 @@ from .workload import Workload, boot_clock_offset, running
 KINDS = ("notice", "pause", "cancel")
 DEADLINE_KEYS = ("t0", "terminate_at", "grace_deadline", "overrun_at")
 # What the agent's bundle outcome is recorded as, among the reclamation's events.
-OUTCOME_EVENTS = {"drained": "drained", "overrun": "overrun", "cancelled": "notice_cancelled",
-                  "resumed": "pause_resumed"}  # fmt: skip
+OUTCOME_EVENTS = {
+    "drained": "drained",
+    "overrun": "overrun",
+    "cancelled": "notice_cancelled",
+    "resumed": "pause_resumed",
+}
 POLL_S = 0.1
 
 
@@ -77,8 +81,11 @@ class SoakConfig:
     settle_s: float = 180.0  # a reclamation not settled by then is reported, and left
 
     def agent_options(self) -> AgentOptions:
-        return AgentOptions(grace_s=self.grace_s, overrun_s=self.overrun_s,
-                            extra=["--pause-notice-s", str(self.pause_notice_s)])  # fmt: skip
+        return AgentOptions(
+            grace_s=self.grace_s,
+            overrun_s=self.overrun_s,
+            extra=["--pause-notice-s", str(self.pause_notice_s)],
+        )
 
 
 @dataclass(frozen=True)
@@ -100,8 +107,14 @@ def plan(config: SoakConfig, number: int) -> Plan:
         for b in rng.choices(("exits", "checkpoints", "ignores"), config.behaviours, k=count)
     )
     resume_after = rng.uniform(0.2, 3.0) if rng.random() < config.resume_mid_drain else None
-    return Plan(number, kind, round(rng.uniform(*config.notice_s), 3), workloads,
-                round(rng.uniform(0.0, 1.5), 3), resume_after if kind == "pause" else None)
+    return Plan(
+        number,
+        kind,
+        round(rng.uniform(*config.notice_s), 3),
+        workloads,
+        round(rng.uniform(0.0, 1.5), 3),
+        resume_after if kind == "pause" else None,
+    )
 
 
 @dataclass
@@ -130,8 +143,15 @@ class Round:
 
 
 class Soak:
-    def __init__(self, config: SoakConfig, work: Path, docker_host: str, nvml_lib: Path,
-                 prefix: str = "sdsoak-", say=print) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: SoakConfig,
+        work: Path,
+        docker_host: str,
+        nvml_lib: Path,
+        prefix: str = "sdsoak-",
+        say=print,
+    ) -> None:
         self.config = config
         self.work = work
         self.docker_host = docker_host
@@ -159,20 +179,36 @@ class Soak:
         started = time.monotonic()
         client = docker.DockerClient(base_url=self.docker_host, version="auto", timeout=60)
         signals = EngineSignals(client)
-        rig = Rig(self.work, self.docker_host, self.nvml_lib, self.config.nodes,
-                  self.config.agent_options())  # fmt: skip
+        rig = Rig(
+            self.work,
+            self.docker_host,
+            self.nvml_lib,
+            self.config.nodes,
+            self.config.agent_options(),
+        )
         self.rig = rig
         self.engine_signals = signals
         mirror = EventMirror(rig.coordinator.channel())
         self.mirror = mirror
-        injector = FaultInjector(rig, random.Random(f"{self.config.seed}/faults"),
-                                 self.config.fault_every_s, self.config.faults)  # fmt: skip
+        injector = FaultInjector(
+            rig,
+            random.Random(f"{self.config.seed}/faults"),
+            self.config.fault_every_s,
+            self.config.faults,
+        )
         try:
-            wait_until(lambda: sum(n.connected for n in rig.coordinator.admin().nodes())
-                       == self.config.nodes, 60, "every agent to register")  # fmt: skip
+            wait_until(
+                lambda: (
+                    sum(n.connected for n in rig.coordinator.admin().nodes()) == self.config.nodes
+                ),
+                60,
+                "every agent to register",
+            )
             injector.start()
-            threads = [threading.Thread(target=self._node_loop, args=(node,), name=node)
-                       for node in rig.agents]  # fmt: skip
+            threads = [
+                threading.Thread(target=self._node_loop, args=(node,), name=node)
+                for node in rig.agents
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -186,8 +222,9 @@ class Soak:
             for rnd in self.rounds:
                 tl = mirror.timeline(rnd.reclaim_id) if rnd.reclaim_id else None
                 self.timelines[rnd.reclaim_id] = tl
-                rnd.faults = injector.overlapping(rnd.opened_at, rnd.settled_at or time.time(),
-                                                  rnd.node)  # fmt: skip
+                rnd.faults = injector.overlapping(
+                    rnd.opened_at, rnd.settled_at or time.time(), rnd.node
+                )
             self.faults = list(injector.log)
             self.crashes = list(rig.crashes)
         finally:
@@ -223,11 +260,14 @@ class Soak:
         what = ", ".join(f"{b}{f' {c}s' if c else ''}" for b, c in rnd.plan.workloads)
         took = rnd.settled_at - rnd.opened_at if rnd.settled_at else float("nan")
         state = f"UNSETTLED: {rnd.unsettled}" if rnd.unsettled else rnd.agent_outcome
-        return (f"#{rnd.plan.number:<4} {rnd.node} {rnd.plan.kind:<6} [{what}] -> {state} "
-                f"in {took:.1f} s")  # fmt: skip
+        return (
+            f"#{rnd.plan.number:<4} {rnd.node} {rnd.plan.kind:<6} [{what}] -> {state} "
+            f"in {took:.1f} s"
+        )
 
     def _quiesce(self) -> None:
         """After the last fault: every event each agent stored reaches the coordinator."""
+
         def all_delivered() -> bool:
             self.mirror.refresh()
             for agent in self.rig.agents.values():
@@ -251,8 +291,12 @@ class Soak:
         agent = self.rig.agents[rnd.node]
         p = rnd.plan
         for i, (behaviour, checkpoint_s) in enumerate(p.workloads):
-            w = Workload(f"{self.prefix}{p.number:05d}-{i}", behaviour, checkpoint_s,
-                         self.work / "rounds" / f"{p.number:05d}-{i}")  # fmt: skip
+            w = Workload(
+                f"{self.prefix}{p.number:05d}-{i}",
+                behaviour,
+                checkpoint_s,
+                self.work / "rounds" / f"{p.number:05d}-{i}",
+            )
             w.start(client, rnd.node, agent.deadline_file)
             rnd.workloads.append(w)
         wait_until(lambda: all(w.ready() for w in rnd.workloads), 60, "the workloads' traps")
@@ -264,12 +308,22 @@ class Soak:
         else:
             rnd.notice_id = f"soak-{self.config.seed}-{p.number}"
             rnd.written_terminate_at = round(rnd.opened_at + p.notice_in_s, 3)
-            agent.write_notice({"id": rnd.notice_id, "action": "terminate",
-                                "terminate_at": rnd.written_terminate_at, "source": "soak"})
+            agent.write_notice(
+                {
+                    "id": rnd.notice_id,
+                    "action": "terminate",
+                    "terminate_at": rnd.written_terminate_at,
+                    "source": "soak",
+                }
+            )
             rnd.reclaim_id = reclaim_id_for(rnd.node, "id:" + rnd.notice_id)
         try:
-            wait_until(lambda: self._follow(client, rnd), self.config.settle_s,
-                       f"reclamation #{p.number} to settle", every=POLL_S)  # fmt: skip
+            wait_until(
+                lambda: self._follow(client, rnd),
+                self.config.settle_s,
+                f"reclamation #{p.number} to settle",
+                every=POLL_S,
+            )
         except TimeoutError as e:
             rnd.unsettled = f"{e}; {self._why_not_settled(client, rnd)}"
         rnd.settled_at = time.time()
@@ -341,11 +395,14 @@ class Soak:
         except (FileNotFoundError, ValueError):
             return
         if deadline.get("reclaim_id") == rnd.reclaim_id:
-            rnd.saw("deadline file", {
-                "reclaim_id": deadline.get("reclaim_id"),
-                "terminate_at": deadline.get("terminate_at_epoch"),
-                "grace_deadline": deadline.get("grace_deadline_epoch"),
-            })
+            rnd.saw(
+                "deadline file",
+                {
+                    "reclaim_id": deadline.get("reclaim_id"),
+                    "terminate_at": deadline.get("terminate_at_epoch"),
+                    "grace_deadline": deadline.get("grace_deadline_epoch"),
+                },
+            )
 
     def _why_not_settled(self, client: docker.DockerClient, rnd: Round) -> str:
         doc = self._bundle(rnd)
@@ -355,9 +412,11 @@ class Soak:
         alive = [w.name for w in rnd.workloads if running(client, w.container_id)]
         stored = read_ledger(self.rig.agents[rnd.node].state_dir, rnd.reclaim_id)
         missing = [e["kind"] for e in stored if not self.mirror.has_all({e["uid"]})]
-        return (f"phase {rec.phase}, outcome {rec.outcome or '-'}, finished {rec.finished}, "
-                f"taint {rec.taint_mode or '-'}/remote {rec.remote_taint}, still running "
-                f"{alive}, not at the coordinator: {missing}")  # fmt: skip
+        return (
+            f"phase {rec.phase}, outcome {rec.outcome or '-'}, finished {rec.finished}, "
+            f"taint {rec.taint_mode or '-'}/remote {rec.remote_taint}, still running "
+            f"{alive}, not at the coordinator: {missing}"
+        )
 
     # --- the owner's switch ------------------------------------------------------------------
 
@@ -372,5 +431,6 @@ class Soak:
         return answer if answer.get("ok") else None
 
     def _ask(self, socket: Path, command: str, timeout: float) -> dict[str, Any]:
-        return wait_until(lambda: self._try(socket, command), timeout,
-                          f"the agent to answer {command}", every=0.2)  # fmt: skip
+        return wait_until(
+            lambda: self._try(socket, command), timeout, f"the agent to answer {command}", every=0.2
+        )

@@ -40,8 +40,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=4, help="agents on the one coordinator")
     p.add_argument("--seed", type=int, default=None, help="default: a random one, printed")
     p.add_argument("--no-faults", action="store_true", help="no fault injection")
-    p.add_argument("--fault-every-s", type=float, nargs=2, default=(1.0, 6.0),
-                   metavar=("MIN", "MAX"), help="seconds between faults, uniform")
+    p.add_argument(
+        "--fault-every-s",
+        type=float,
+        nargs=2,
+        default=(1.0, 6.0),
+        metavar=("MIN", "MAX"),
+        help="seconds between faults, uniform",
+    )
     p.add_argument("--json", type=Path, help="write the counts and findings here")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, state)")
     return p.parse_args(argv)
@@ -50,18 +56,33 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
-    config = replace(SoakConfig(), reclamations=args.reclamations, nodes=args.nodes, seed=seed,
-                     faults=not args.no_faults, fault_every_s=tuple(args.fault_every_s))
-    print(f"soak: seed {seed} (replay with --seed {seed}), {config.reclamations} reclamations "
-          f"on {config.nodes} nodes, faults {'on' if config.faults else 'off'}", flush=True)
+    config = replace(
+        SoakConfig(),
+        reclamations=args.reclamations,
+        nodes=args.nodes,
+        seed=seed,
+        faults=not args.no_faults,
+        fault_every_s=tuple(args.fault_every_s),
+    )
+    print(
+        f"soak: seed {seed} (replay with --seed {seed}), {config.reclamations} reclamations "
+        f"on {config.nodes} nodes, faults {'on' if config.faults else 'off'}",
+        flush=True,
+    )
     work = Path(tempfile.mkdtemp(prefix="sdsoak-", dir="/tmp"))
     print(f"soak: work dir {work}", flush=True)
     keep = args.keep
     engine = ensure_engine(work / "docker")
     try:
         ensure_images(engine.client)
-        soak = Soak(config, work, engine.host, build(work / "nvml"),
-                    prefix=f"sdsoak-{os.getpid()}-", say=lambda s: print(s, flush=True))
+        soak = Soak(
+            config,
+            work,
+            engine.host,
+            build(work / "nvml"),
+            prefix=f"sdsoak-{os.getpid()}-",
+            say=lambda s: print(s, flush=True),
+        )
         started = time.monotonic()
         soak.run()
         counts = count(soak)
@@ -69,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"soak: wall time {time.monotonic() - started:.0f} s", flush=True)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"seed": seed, "nodes": config.nodes,
-                                             **counts.to_json()}, indent=2) + "\n")
+            args.json.write_text(
+                json.dumps({"seed": seed, "nodes": config.nodes, **counts.to_json()}, indent=2)
+                + "\n"
+            )
             print(f"soak: wrote {args.json}")
         keep = keep or counts.failed
         return 1 if counts.failed else 0

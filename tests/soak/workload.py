@@ -104,8 +104,11 @@ class Workload:
             BASE_IMAGE,
             ["sh", "-c", SCRIPT],
             name=self.name,
-            labels={"spotdrain.node": node_id, "spotdrain.kind": "batch",
-                    "spotdrain.test.behaviour": self.behaviour},  # fmt: skip
+            labels={
+                "spotdrain.node": node_id,
+                "spotdrain.kind": "batch",
+                "spotdrain.test.behaviour": self.behaviour,
+            },
             environment={
                 "SPOTDRAIN_SOAK_BEHAVIOUR": self.behaviour,
                 "CHECKPOINT_CS": str(round(self.checkpoint_s * 100)),
@@ -113,8 +116,9 @@ class Workload:
             },
             mounts=[
                 docker.types.Mount(CONTAINER_DIR, str(self.host_dir), type="bind"),
-                docker.types.Mount(DEADLINE_DIR, str(deadline_file.parent), type="bind",
-                                   read_only=True),  # fmt: skip
+                docker.types.Mount(
+                    DEADLINE_DIR, str(deadline_file.parent), type="bind", read_only=True
+                ),
             ],
             network_mode="none",
             detach=True,

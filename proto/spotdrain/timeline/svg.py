@@ -23,8 +23,12 @@ from datetime import UTC, datetime
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 SOURCE, AGENT, COORDINATOR, WORKLOADS, ACQUIRER = (
-    "notice source", "agent", "coordinator", "workloads", "acquirer"
-)  # fmt: skip
+    "notice source",
+    "agent",
+    "coordinator",
+    "workloads",
+    "acquirer",
+)
 LANES = (SOURCE, AGENT, COORDINATOR, WORKLOADS, ACQUIRER)
 
 # Where each kind of step happens: (from, to). from == to is a step inside one participant.
@@ -143,16 +147,22 @@ def render(tl: pb.Timeline) -> str:
     for i, lane in enumerate(LANES):
         y = lane_y[lane]
         fill = "#f4f4f4" if i % 2 == 0 else "#ffffff"
-        out.append(f'<rect x="0" y="{TOP + LANE_H * i:.1f}" width="{width:.0f}" '
-                   f'height="{LANE_H:.1f}" fill="{fill}"/>')  # fmt: skip
+        out.append(
+            f'<rect x="0" y="{TOP + LANE_H * i:.1f}" width="{width:.0f}" '
+            f'height="{LANE_H:.1f}" fill="{fill}"/>'
+        )
         out.append(f'<text x="8" y="{y + 4:.1f}" class="lane">{_t(lane)}</text>')
-        out.append(f'<line x1="{LEFT:.1f}" y1="{y:.1f}" x2="{LEFT + PLOT_W:.1f}" y2="{y:.1f}" '
-                   f'stroke="#bbb" stroke-dasharray="2 3"/>')  # fmt: skip
+        out.append(
+            f'<line x1="{LEFT:.1f}" y1="{y:.1f}" x2="{LEFT + PLOT_W:.1f}" y2="{y:.1f}" '
+            f'stroke="#bbb" stroke-dasharray="2 3"/>'
+        )
     out += _shading(rec, t0, tl, scale, lanes_bottom)
     out += _axis(scale, lanes_bottom)
-    for name, at, colour in (("G", rec.grace_deadline, "#c77800"),
-                             ("O", rec.overrun_at, "#b00020"),
-                             ("D", rec.terminate_at, "#000000")):  # fmt: skip
+    for name, at, colour in (
+        ("G", rec.grace_deadline, "#c77800"),
+        ("O", rec.overrun_at, "#b00020"),
+        ("D", rec.terminate_at, "#000000"),
+    ):
         if not at:
             continue
         x = scale.x(at - t0)
@@ -222,8 +232,10 @@ def _shading(
 
 
 def _axis(scale: Scale, bottom: float) -> list[str]:
-    out = [f'<line x1="{LEFT:.1f}" y1="{bottom:.1f}" x2="{LEFT + PLOT_W:.1f}" y2="{bottom:.1f}" '
-           'stroke="#333"/>']  # fmt: skip
+    out = [
+        f'<line x1="{LEFT:.1f}" y1="{bottom:.1f}" x2="{LEFT + PLOT_W:.1f}" y2="{bottom:.1f}" '
+        'stroke="#333"/>'
+    ]
     span = scale.t_max - scale.t_min
     if span <= 0:
         return out
@@ -231,10 +243,14 @@ def _axis(scale: Scale, bottom: float) -> list[str]:
     t = math.ceil(scale.t_min / step) * step
     while t <= scale.t_max + 1e-9:
         x = scale.x(t)
-        out.append(f'<line x1="{x:.2f}" y1="{bottom:.1f}" x2="{x:.2f}" y2="{bottom + 4:.1f}" '
-                   'stroke="#333"/>')  # fmt: skip
-        out.append(f'<text x="{x:.2f}" y="{bottom + 16:.1f}" text-anchor="middle" '
-                   f'font-size="10">T+{t:g}</text>')  # fmt: skip
+        out.append(
+            f'<line x1="{x:.2f}" y1="{bottom:.1f}" x2="{x:.2f}" y2="{bottom + 4:.1f}" '
+            'stroke="#333"/>'
+        )
+        out.append(
+            f'<text x="{x:.2f}" y="{bottom + 16:.1f}" text-anchor="middle" '
+            f'font-size="10">T+{t:g}</text>'
+        )
         t += step
     return out
 
@@ -248,18 +264,21 @@ def _tick(span: float) -> float:
 def _step(s: Step, scale: Scale, lane_y: dict[str, float]) -> str:
     x = scale.x(s.t)
     y1, y2 = lane_y[s.source], lane_y[s.target]
-    title = _t(f"{s.n}. T+{s.t:.3f} s {s.kind}" + (f"\n{s.detail}" if s.detail else ""),
-               MAX_TITLE)  # fmt: skip
+    title = _t(f"{s.n}. T+{s.t:.3f} s {s.kind}" + (f"\n{s.detail}" if s.detail else ""), MAX_TITLE)
     parts = [
         f'<g class="step" data-n="{s.n}" data-kind="{_a(s.kind)}" data-t="{s.t:.3f}" '
         f'data-x="{x:.2f}"><title>{title}</title>'
     ]
     if y1 != y2:
         head = -5 if y2 > y1 else 5
-        parts.append(f'<line x1="{x:.2f}" y1="{y1:.1f}" x2="{x:.2f}" y2="{y2 + head:.1f}" '
-                     'stroke="#1f4e99" stroke-width="1.2"/>')  # fmt: skip
-        parts.append(f'<path d="M{x - 3.5:.2f},{y2 + head:.1f} L{x + 3.5:.2f},{y2 + head:.1f} '
-                     f'L{x:.2f},{y2:.1f} Z" fill="#1f4e99"/>')  # fmt: skip
+        parts.append(
+            f'<line x1="{x:.2f}" y1="{y1:.1f}" x2="{x:.2f}" y2="{y2 + head:.1f}" '
+            'stroke="#1f4e99" stroke-width="1.2"/>'
+        )
+        parts.append(
+            f'<path d="M{x - 3.5:.2f},{y2 + head:.1f} L{x + 3.5:.2f},{y2 + head:.1f} '
+            f'L{x:.2f},{y2:.1f} Z" fill="#1f4e99"/>'
+        )
     parts.append(f'<circle cx="{x:.2f}" cy="{y1:.1f}" r="4.5" fill="#1f4e99"/>')
     parts.append(f'<text x="{x + 5:.2f}" y="{y1 - 7:.1f}" font-size="10">{s.n}</text></g>')
     return "".join(parts)

@@ -49,8 +49,12 @@ _CHANGES = (
 def ensure_checkpoint_job_image(client: docker.DockerClient, *, force: bool = False) -> str:
     base = ensure_python_base(client, force=force)
     files = {"job.py": JOB_PY.read_bytes(), "workload.py": WORKLOAD_PY.read_bytes()}
-    recipe = _digest(_RECIPE.encode(), client.images.get(base).id.encode(),
-                     *(c.encode() for c in _CHANGES), *files.values())
+    recipe = _digest(
+        _RECIPE.encode(),
+        client.images.get(base).id.encode(),
+        *(c.encode() for c in _CHANGES),
+        *files.values(),
+    )
     old = _image_with_recipe(client, JOB_IMAGE)
     if not force and old is not None and old[1] == recipe:
         return JOB_IMAGE
@@ -65,8 +69,12 @@ def ensure_checkpoint_job_image(client: docker.DockerClient, *, force: bool = Fa
                 raise RuntimeError(f"could not put the job into a {base} container")
             repository, tag = JOB_IMAGE.rsplit(":", 1)
             image = builder.commit(
-                repository, tag, changes=[*_CHANGES, f"LABEL {RECIPE_LABEL}={recipe}"],
-                message="COPY job.py workload.py /srv/", pause=False)
+                repository,
+                tag,
+                changes=[*_CHANGES, f"LABEL {RECIPE_LABEL}={recipe}"],
+                message="COPY job.py workload.py /srv/",
+                pause=False,
+            )
         finally:
             with contextlib.suppress(docker.errors.APIError):
                 builder.remove(force=True)

@@ -218,6 +218,30 @@ def azure_options(tmp_path, node: str, server: AzureMetadata) -> AgentOptions:
     )
 
 
+def azure_agent(tmp_path, coordinator, docker_engine, gpus, nvml_lib):
+    """node-a's agent reading Scheduled Events from its own emulated Azure, connected."""
+    server = AzureMetadata(vm_name="node-a")
+    options = azure_options(tmp_path, "node-a", server)
+    agent = start_agent(
+        tmp_path, "node-a", coordinator, docker_engine.host, gpus, nvml_lib, options
+    )
+    events = coordinator.admin()
+    try:
+        wait_until(lambda: any(n.connected for n in events.nodes()), 20, "node-a")
+    except BaseException:
+        server.close()
+        agent.proc.stop()
+        raise
+    return server, agent, events
+
+
+def schedule_terminate(server: AzureMetadata, event_id: str, not_before: float, **kw) -> None:
+    event = azure_event(
+        event_id, event_type="Terminate", resources=["node-a"], not_before=not_before, **kw
+    )
+    server.set_events([event])
+
+
 def taints(events, node: str) -> list:
     return [t for n in events.nodes() if n.node_id == node for t in n.taints]
 
@@ -230,31 +254,10 @@ def test_a_terminate_removed_early_from_an_empty_node_lifts_its_taint(
     before NotBefore the platform removes the event: the provider called it off. Nothing was
     stopped under it, so the taint is lifted, the timeline says lifted, and the node is
     available again."""
-    server = AzureMetadata(vm_name="node-a")
-    agent = start_agent(
-        tmp_path,
-        "node-a",
-        coordinator,
-        docker_engine.host,
-        gpus,
-        nvml_lib,
-        azure_options(tmp_path, "node-a", server),
-    )
-    events = coordinator.admin()
+    server, agent, events = azure_agent(tmp_path, coordinator, docker_engine, gpus, nvml_lib)
     try:
-        wait_until(lambda: any(n.connected for n in events.nodes()), 20, "node-a")
         not_before = int(time.time()) + 120
-        server.set_events(
-            [
-                azure_event(
-                    "T-1",
-                    event_type="Terminate",
-                    resources=["node-a"],
-                    not_before=not_before,
-                    date_style="iso",
-                )
-            ]
-        )
+        schedule_terminate(server, "T-1", not_before, date_style="iso")
         notice = events.wait_for("notice_received", node="node-a", timeout=15)
         assert (notice["source"], notice["terminate_at"]) == ("azure", not_before)
         events.wait_for("drained", node="node-a", timeout=15)
@@ -280,29 +283,9 @@ def test_a_terminate_removed_after_a_job_was_stopped_keeps_the_taint(
     run_workload(
         docker_engine.client, name=containers + "job", node_id="node-a", kind="exits_on_term"
     )
-    server = AzureMetadata(vm_name="node-a")
-    agent = start_agent(
-        tmp_path,
-        "node-a",
-        coordinator,
-        docker_engine.host,
-        gpus,
-        nvml_lib,
-        azure_options(tmp_path, "node-a", server),
-    )
-    events = coordinator.admin()
+    server, agent, events = azure_agent(tmp_path, coordinator, docker_engine, gpus, nvml_lib)
     try:
-        wait_until(lambda: any(n.connected for n in events.nodes()), 20, "node-a")
-        server.set_events(
-            [
-                azure_event(
-                    "T-2",
-                    event_type="Terminate",
-                    resources=["node-a"],
-                    not_before=time.time() + 120,
-                )
-            ]
-        )
+        schedule_terminate(server, "T-2", time.time() + 120)
         events.wait_for("sigterm_sent", node="node-a", timeout=15)
         events.wait_for("drained", node="node-a", timeout=15)
         server.set_events([])

@@ -18,7 +18,7 @@ from asyncinotify import Inotify, Mask
 
 from spotdrain import workload
 from spotdrain.agent.core.notice import Notice
-from spotdrain.agent.core.reclamation import PENDING_REPORTS_KEPT, Margins, Reclamation
+from spotdrain.agent.core.reclamation import Margins, Reclamation
 from spotdrain.agent.core.reclamation_commands import SIGKILL, SIGTERM, Emit
 from spotdrain.agent.core.reclamation_events import (
     ContainerExited,
@@ -31,6 +31,7 @@ from spotdrain.agent.core.reclamation_events import (
     Tick,
     WorkloadReported,
 )
+from spotdrain.agent.core.reclamation_reports import PENDING_REPORTS_KEPT
 from spotdrain.agent.workloads.status_dirs import (
     IGNORED_INTERVAL_S,
     IGNORED_LINES_PER_INTERVAL,

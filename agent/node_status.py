@@ -4,6 +4,7 @@ and the unit's STATUS= line (`systemctl status`). Read only: nothing here change
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from spotdrain.agent.drain.link import CoordinatorLink
@@ -13,22 +14,14 @@ from spotdrain.agent.workloads.inference import WorkerManager
 from spotdrain.agent.workloads.jobs import PlainWorkloads
 
 
+@dataclass(frozen=True)
 class NodeStatus:
-    def __init__(
-        self,
-        node_id: str,
-        drains: DrainRunner,
-        link: CoordinatorLink,
-        sources: SourceHub,
-        workers: WorkerManager,
-        plain: PlainWorkloads,
-    ) -> None:
-        self.node_id = node_id
-        self.drains = drains
-        self.link = link
-        self.sources = sources
-        self.workers = workers
-        self.plain = plain
+    node_id: str
+    drains: DrainRunner
+    link: CoordinatorLink
+    sources: SourceHub
+    workers: WorkerManager
+    plain: PlainWorkloads
 
     def status(self) -> dict[str, Any]:
         now = time.time()

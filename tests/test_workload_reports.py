@@ -1,7 +1,7 @@
 """Workload reports on the agent's side: the reclamation machine puts them in the timeline between
-the container's SIGTERM and its exit (agent/core/reclamation_reports.py), and the status directories are
-watched and read as hostile input (agent/workloads/status_dirs.py). Machine stories run on a fake
-clock: T0 = 1000, D = T0 + 30, G = D - 10, O = D - 2."""
+the container's SIGTERM and its exit (agent/core/reclamation_reports.py), and the status
+directories are watched and read as hostile input (agent/workloads/status_dirs.py). Machine
+stories run on a fake clock: T0 = 1000, D = T0 + 30, G = D - 10, O = D - 2."""
 
 from __future__ import annotations
 

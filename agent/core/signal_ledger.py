@@ -10,8 +10,8 @@ cleanup"); SIGKILL at G still comes. Each container's place moves only along
 LEDGER_TRANSITIONS, and every move is told in the reclamation's story.
 
 The ledger is kept in the record's own fields (announced, signalled, sigterm_by_previous_run),
-so the bundle's stored form is the record's; these functions, and the rounds below, are the only
-ones that move it.
+so the bundle's stored form is the record's; ledger_move is the one writer of those fields. The
+signal rounds that move it (started, listed, done, strays) are here too.
 """
 
 from __future__ import annotations

@@ -64,6 +64,12 @@ from spotdrain.agent.core.reclamation_events import (
     WorkersDraining,
     WorkloadReported,
 )
+from spotdrain.agent.core.signal_ledger import (
+    TERM_ANNOUNCED,
+    TERM_BY_PREVIOUS_RUN,
+    TERM_SENT,
+    ledger,
+)
 from spotdrain.agent.drain.link import CoordinatorLink, TaintError
 from spotdrain.agent.drain.outbox import Outbox, OutgoingEvent
 from spotdrain.agent.drain.state import BundleStore, LocalTaints, WriteHealth, write_deadline_file
@@ -776,12 +782,12 @@ class DrainRunner:
     def _sigtermed_elsewhere(self, rid: str) -> set[str]:
         """Containers another reclamation has SIGTERMed (or announced): a second notice for
         the same machine (two sources, one preemption) must not signal them again."""
-        terms = (r.TERM_ANNOUNCED, r.TERM_SENT, r.TERM_BY_PREVIOUS_RUN)
+        terms = (TERM_ANNOUNCED, TERM_SENT, TERM_BY_PREVIOUS_RUN)
         return {
             c
             for o in self._others(rid)
             for c in (*o.announced, *o.signalled)
-            if o.ledger(c) in terms
+            if ledger(o, c) in terms
         }
 
     async def _watch_exit(self, rid: str, container_id: str, name: str) -> None:

@@ -239,7 +239,8 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
             convert.finite(request.terminate_at, "terminate_at"),
             convert.finite(request.grace_deadline, "grace_deadline"),
         )
-        answer = await self.coord.ops.taint(*args, remove=request.remove)
+        ops = self.coord.ops
+        answer = await (ops.lift_taint(*args) if request.remove else ops.taint(*args))
         reason = "lift" if request.remove else ("pause" if args[2] == "pause" else "notice")
         self.coord.taint_answer.labels(reason).observe(time.perf_counter() - started)
         log.info(

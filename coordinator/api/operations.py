@@ -114,19 +114,16 @@ class Operations:
     # --- pauses and taints ------------------------------------------------------------------
 
     async def taint(
-        self,
-        node_id: str,
-        reclaim_id: str,
-        reason: str,
-        terminate_at: float,
-        grace: float,
-        remove: bool = False,
+        self, node_id: str, reclaim_id: str, reason: str, terminate_at: float, grace: float
     ) -> TaintAnswer:
-        """A node's reclamation taints it (a notice, the owner's pause) or lifts its taint."""
-        drains = self.fleet.drains
-        if remove:
-            return await drains.lift_taint(node_id, reclaim_id, reason, terminate_at, grace)
-        return await drains.taint(node_id, reclaim_id, reason, terminate_at, grace)
+        """A node's reclamation taints it (a notice, the owner's pause): answered once stored."""
+        return await self.fleet.drains.taint(node_id, reclaim_id, reason, terminate_at, grace)
+
+    async def lift_taint(
+        self, node_id: str, reclaim_id: str, reason: str, terminate_at: float, grace: float
+    ) -> TaintAnswer:
+        """A node's reclamation is over before its deadline (a cancelled notice)."""
+        return await self.fleet.drains.lift_taint(node_id, reclaim_id, reason, terminate_at, grace)
 
     async def end_pause(self, node_id: str, reclaim_id: str) -> bool:
         """The owner's resume; the workload flag as it is now."""

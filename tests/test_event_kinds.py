@@ -202,7 +202,7 @@ def test_the_scan_sees_the_emit_points_of_both_daemons():
         "checkpoint_committed",  # a workload's report
         "worker_ready",  # the worker machine's WorkerEvent
         "replacement_result",  # record_soon
-        "model_replicas_set",  # a servicer's record
+        "model_replicas_set",  # an operation's record (coordinator/api/operations.py)
     ):
         assert kind in kinds, kind
 

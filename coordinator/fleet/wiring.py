@@ -78,6 +78,8 @@ class Fleet:
         events.react({"container_exited": self.contracts.ended, "overrun": self.contracts.ended})
         self.reports = AgentReports(self)
         self.recovery = Recovery(self, node_gone_s)
+        # The deadline heap follows every stream, worker event and worker save (apply, save).
+        self.nodes.on_connection = self.recovery.connection_changed
 
     async def record(
         self, kind: str, node_id: str, details: dict[str, Any], reclaim_id: str = ""
@@ -107,6 +109,7 @@ class Fleet:
         before = worker.state
         effects = worker.handle(event)
         self.registry.changed(worker)
+        self.recovery.watch(worker)
         changed = worker.state != before
         if changed:
             self.nodes.load_changed(worker.node_id)
@@ -155,6 +158,7 @@ class Fleet:
         )
 
     async def save(self, worker: wm.Worker) -> None:
+        self.recovery.watch(worker)  # a new worker's start timeout is armed here
         await self.store.save_worker(
             worker.worker_id,
             worker.node_id,

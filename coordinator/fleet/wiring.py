@@ -20,6 +20,7 @@ from spotdrain.coordinator.capacity.acquirer import DEFAULT_AVOID_S, Acquirer
 from spotdrain.coordinator.capacity.keeper import CapacityKeeper
 from spotdrain.coordinator.capacity.replacement import Replacement
 from spotdrain.coordinator.core import messages as msg
+from spotdrain.coordinator.core import worker_effects as we
 from spotdrain.coordinator.core import worker_machine as wm
 from spotdrain.coordinator.fleet.agent_reports import AgentReports
 from spotdrain.coordinator.fleet.contracts import ContractPolicy, Contracts
@@ -117,13 +118,13 @@ class Fleet:
             await self.save(worker)
         for effect in effects:
             match effect:
-                case wm.RouteAdded(route):
+                case we.RouteAdded(route):
                     self.publish(worker, route)
-                case wm.RouteRemoved(worker_id):
+                case we.RouteRemoved(worker_id):
                     self.routes.remove(worker_id)
-                case wm.DrainOnNode():
+                case we.DrainOnNode():
                     await self.send_drain(worker)
-                case wm.WorkerEvent(kind, details):
+                case we.WorkerEvent(kind, details):
                     await self.record(kind, worker.node_id, dict(details), "")
                 case _:
                     raise TypeError(effect)
@@ -134,7 +135,7 @@ class Fleet:
                 await self.capacity.start_failed(worker)
             await self.drains.stopped(worker)
 
-    def publish(self, worker: wm.Worker, route: wm.Route | None = None) -> None:
+    def publish(self, worker: wm.Worker, route: we.Route | None = None) -> None:
         r = route or worker.route()
         self.routes.upsert(
             RouteEntry(

@@ -30,6 +30,7 @@ from spotdrain.coordinator.store.rows import (
     TaintRow,
 )
 from spotdrain.coordinator.store.schema import SCHEMA_VERSION
+from spotdrain.coordinator.store.transactions import StoreStats
 from spotdrain.coordinator.store.workload_tables import WorkloadTables
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "StartBackoff",
     "Store",
     "StoreError",
+    "StoreStats",
     "StoreUnavailable",
     "TaintRow",
     "backend_for",

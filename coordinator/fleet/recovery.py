@@ -105,8 +105,8 @@ class Recovery:
 
     async def recover(self) -> None:
         """Nodes whose workload is off (or that are draining) but still have workers: drain
-        them again; ready workers whose node went silent: replace them. Each node's part is
-        its own: one that fails is recorded and the others are still recovered."""
+        them again (workers that time out are the deadline timer's, not this pass's). Each
+        node's part is its own: one that fails is recorded and the others are still recovered."""
         fleet = self.fleet
         now = fleet.clock()
         self._failed_now = set()

@@ -22,6 +22,7 @@ from spotdrain.coordinator.capacity.keeper import CapacityKeeper
 from spotdrain.coordinator.capacity.replacement import Replacement
 from spotdrain.coordinator.capacity.risks import Risks
 from spotdrain.coordinator.core import messages as msg
+from spotdrain.coordinator.core import worker_effects as we
 from spotdrain.coordinator.core import worker_machine as wm
 from spotdrain.coordinator.fleet.agent_reports import AgentReports
 from spotdrain.coordinator.fleet.contracts import ContractPolicy, Contracts
@@ -135,6 +136,8 @@ class Fleet:
             start_timeout_s=start_timeout_s,
             node_gone_s=node_gone_s,
         )
+        # The deadline heap follows every stream, worker event and worker save (apply, save).
+        self.nodes.on_connection = self.recovery.connection_changed
 
     async def _gpus_freed(self, node_id: str) -> None:
         """A rental's GPUs came free: a worker the fleet wants goes back there first."""
@@ -160,6 +163,7 @@ class Fleet:
         before = worker.state
         effects = worker.handle(event)
         self.registry.changed(worker)
+        self.recovery.watch(worker)
         changed = worker.state != before
         if changed:
             self.nodes.load_changed(worker.node_id)
@@ -167,13 +171,13 @@ class Fleet:
             await self.save(worker)
         for effect in effects:
             match effect:
-                case wm.RouteAdded(route):
+                case we.RouteAdded(route):
                     self.publish(worker, route)
-                case wm.RouteRemoved(worker_id):
+                case we.RouteRemoved(worker_id):
                     self.routes.remove(worker_id)
-                case wm.DrainOnNode():
+                case we.DrainOnNode():
                     await self.send_drain(worker)
-                case wm.WorkerEvent(kind, details):
+                case we.WorkerEvent(kind, details):
                     await self.events.record(kind, worker.node_id, dict(details), "")
                 case _:
                     raise TypeError(effect)
@@ -184,7 +188,7 @@ class Fleet:
                 await self.capacity.start_failed(worker)
             await self.drains.stopped(worker)
 
-    def publish(self, worker: wm.Worker, route: wm.Route | None = None) -> None:
+    def publish(self, worker: wm.Worker, route: we.Route | None = None) -> None:
         r = route or worker.route()
         self.routes.upsert(
             RouteEntry(
@@ -208,6 +212,7 @@ class Fleet:
         )
 
     async def save(self, worker: wm.Worker) -> None:
+        self.recovery.watch(worker)  # a new worker's start timeout is armed here
         await self.store.save_worker(
             worker.worker_id,
             worker.node_id,

@@ -19,7 +19,7 @@ import docker
 import docker.errors
 import pytest
 
-from dockerenv import run_workload
+from fakes.dockerenv import run_workload
 from spotdrain.agent.core.reclamation_commands import SIGKILL, SIGTERM, SignalContainers
 from spotdrain.agent.drain.state import write_deadline_file
 from spotdrain.agent.workloads.docker_engine import DockerEngine

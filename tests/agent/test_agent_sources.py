@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import BIN
+from fakes.harness import BIN
 from spotdrain.agent import config
 from spotdrain.agent.core.advisories import AdvisoryBook, Drain, Record
 from spotdrain.agent.notices.base import Advisory

@@ -1,6 +1,6 @@
 """One AWS interruption, heard many times: the real AWS source polling the suite's IMDS emulator
-(tests/cloudmeta.py), the agent's source hub and its drain runner over in-memory adapters (as
-tests/test_one_machine_two_notices.py has them). However often the instance-action is read,
+(tests/fakes/cloudmeta.py), the agent's source hub and its drain runner over in-memory adapters (as
+tests/agent/test_one_machine_two_notices.py has them). However often the instance-action is read,
 re-stamped or rewritten, it is one reclamation whose D is the earliest heard; an interruption
 after the instance hibernated and resumed (same boot id) is another, and drains again."""
 
@@ -19,7 +19,7 @@ import pytest
 from test_full_disk import Gpus, Link, Workers
 from test_one_machine_two_notices import StubbornEngine, one_machine
 
-from cloudmeta import AwsImds, ManualClock, iso_utc
+from fakes.cloudmeta import AwsImds, ManualClock, iso_utc
 from spotdrain.agent.config import AgentConfig
 from spotdrain.agent.drain.outbox import Outbox
 from spotdrain.agent.drain.runner import DrainRunner

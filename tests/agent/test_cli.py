@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import BIN
+from fakes.harness import BIN
 from spotdrain.agent import config
 from spotdrain.runtime.cli import UsageError
 
@@ -388,7 +388,7 @@ def test_spotctl_follow_prints_new_events(pki, coordinator):
 
 def test_proto_stubs_match_the_protos():
     """The committed stubs are what proto/generate.sh makes from the .proto files."""
-    script = Path(__file__).parent.parent / "proto" / "generate.sh"
+    script = Path(__file__).parents[2] / "proto" / "generate.sh"
     result = subprocess.run([str(script), "--check"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 
@@ -396,7 +396,7 @@ def test_proto_stubs_match_the_protos():
 def test_the_packaged_config_file_names_every_setting_and_parses(tmp_path):
     """packaging/agent.toml is the operator's reference: uncommented, it must load, and it must
     mention every setting the agent has."""
-    text = (Path(__file__).parent.parent / "packaging" / "agent.toml").read_text()
+    text = (Path(__file__).parents[2] / "packaging" / "agent.toml").read_text()
     for name in [*config.SETTINGS, "insecure", "spot", *config.MARGINS]:
         assert f"# {name} = " in text, name
     for key in ["sources.auto", "sources.dmi_dir", "advisory.action", "advisory.ttl_s"]:
@@ -507,7 +507,7 @@ def test_the_readme_edits_are_a_whole_agent_config():
     assert cfg.notice_file == Path("/run/spotdrain/notice.json")
     assert cfg.state_dir == Path("/var/lib/spotdrain")
     assert cfg.docker_host == "unix:///run/docker.sock"
-    unit = (Path(__file__).parent.parent / "packaging/systemd/spotdrain-agent.service").read_text()
+    unit = (Path(__file__).parents[2] / "packaging/systemd/spotdrain-agent.service").read_text()
     assert "StateDirectory=spotdrain" in unit and "RuntimeDirectory=spotdrain" in unit
 
 

@@ -4,7 +4,7 @@ path is recorded once as `state_write_failed`, and nothing is lost once the disk
 
 Unit level, with stores whose writer raises OSError(ENOSPC) and a real SQLite outbox whose file
 may not grow (PRAGMA max_page_count: SQLite's own SQLITE_FULL). The real agent on a filled tmpfs
-is in tests/test_full_disk_e2e.py.
+is in tests/e2e/test_full_disk_e2e.py.
 """
 
 from __future__ import annotations

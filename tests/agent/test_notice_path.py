@@ -2,7 +2,7 @@
 containers are listed while the Taint call is in flight (and a container started after that
 listing is still signalled, by the stray round right after), and the events of one drain step
 go to the outbox in one transaction. The drain runner with in-memory adapters, as
-tests/test_full_disk.py has them."""
+tests/agent/test_full_disk.py has them."""
 
 from __future__ import annotations
 

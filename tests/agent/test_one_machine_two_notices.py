@@ -1,7 +1,8 @@
 """One preemption heard by two sources (Google's `preempted` and the host's own shutdown come
 together, each with its own key): two reclamations, but one machine. A container gets one
 SIGTERM whichever sent it, and the workloads' deadline file never moves its G later
-(invariant 2). The drain runner with in-memory adapters, as tests/test_full_disk.py has them."""
+(invariant 2). The drain runner with in-memory adapters, as tests/agent/test_full_disk.py has
+them."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Every fact in a reclamation's record, once: what the soak (tests/soak) caught the agent
 losing or doubling. An exit the engine reports after the node was verified empty, and a cancel
 read again by a restarted agent. The drain runner with in-memory adapters, as
-tests/test_full_disk.py has them."""
+tests/agent/test_full_disk.py has them."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The shutdown source (agent/notices/shutdown.py) against a real, private dbus-daemon and a fake
-logind of the test's own on that bus (tests/fakelogind.py): Inhibit hands out the write end of a
-pipe whose read end the test watches, so "the lock is released" is the kernel's end-of-file, not
-a flag; the fake sends PrepareForShutdown and answers the properties the source reads.
+logind of the test's own on that bus (tests/fakes/fakelogind.py): Inhibit hands out the write end of
+a pipe whose read end the test watches, so "the lock is released" is the kernel's end-of-file, not a
+flag; the fake sends PrepareForShutdown and answers the properties the source reads.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from dbus_fast import Message
 from dbus_fast.aio import MessageBus
-from fakelogind import DELAY_S, FakeLogind, PrivateBus, start_bus
 
+from fakes.fakelogind import DELAY_S, FakeLogind, PrivateBus, start_bus
 from spotdrain.agent.core.notice import Notice
 from spotdrain.agent.notices import shutdown
 from spotdrain.agent.notices.base import DOWN_AFTER, Advisory, Health

@@ -1,5 +1,5 @@
 """Each cloud's notice source against the test suite's own emulator of its metadata service
-(tests/cloudmeta.py), failure modes included. The sink is a recorder: what the source told the
+(tests/fakes/cloudmeta.py), failure modes included. The sink is a recorder: what the source told the
 agent, in order. Deadlines are checked against an injected clock."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from cloudmeta import (
+from fakes.cloudmeta import (
     AZURE_DATE_STYLES,
     AwsImds,
     AzureMetadata,

@@ -12,7 +12,7 @@ from spotdrain import workload
 from spotdrain.protocol import events
 from spotdrain.timeline import svg
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = [ROOT / "agent", ROOT / "coordinator", ROOT / "proto" / "spotdrain"]
 
 # The calls that make an event, and where their kind argument is when it is not `kind=`.

@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from dockerenv import run_workload
-from harness import AgentOptions, start_agent, start_coordinator, wait_until
+from fakes.dockerenv import run_workload
+from fakes.harness import AgentOptions, start_agent, start_coordinator, wait_until
 from spotdrain.runtime import systemd
 
 

@@ -10,8 +10,8 @@ import time
 import grpc
 import pytest
 
-from fakenode import FakeNode, Ops, events, eventually, obey_starts
-from harness import start_coordinator
+from fakes.fakenode import FakeNode, Ops, events, eventually, obey_starts
+from fakes.harness import start_coordinator
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 

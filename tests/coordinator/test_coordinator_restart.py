@@ -1,7 +1,7 @@
 """A coordinator SIGKILLed and started again on the same store, on each backend: nothing it
 had promised is lost, and nothing is replaced because the restart made a node look late.
 
-Fake agents over real gRPC with mutual TLS (tests/fakenode.py); the coordinator is the real
+Fake agents over real gRPC with mutual TLS (tests/fakes/fakenode.py); the coordinator is the real
 process, killed with SIGKILL."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import asyncio
 import json
 import time
 
-from fakenode import FakeNode, Ops, eventually
-from harness import start_coordinator
+from fakes.fakenode import FakeNode, Ops, eventually
+from fakes.harness import start_coordinator
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 

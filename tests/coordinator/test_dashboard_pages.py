@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 from html.parser import HTMLParser
 
-from harness import BIN
+from fakes.harness import BIN
 from spotdrain.coordinator.dashboard import pages
 from spotdrain.coordinator.dashboard.app import is_loopback
 from spotdrain.v1 import spotdrain_pb2 as pb

@@ -10,7 +10,7 @@ import uuid
 import grpc
 import pytest
 
-from fakenode import FakeNode, Ops
+from fakes.fakenode import FakeNode, Ops
 from spotdrain.protocol import limits
 from spotdrain.v1 import spotdrain_pb2 as pb
 

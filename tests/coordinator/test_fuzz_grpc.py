@@ -12,7 +12,7 @@ rejection line per peer a minute, every rejection the clients saw is counted in
 spotdrain_rpc_rejected_total, and its memory grew by less than RSS_GROWTH_BOUND.
 
 Bounded for CI (derandomized there, so a run is reproducible from its seed); more examples on
-demand: SPOTDRAIN_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz_grpc.py.
+demand: SPOTDRAIN_FUZZ_EXAMPLES=2000 pytest tests/coordinator/test_fuzz_grpc.py.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fakenode import FakeNode
-from harness import Coordinator, start_coordinator, wait_until
-from pki import CertFiles, Pki
+from fakes.fakenode import FakeNode
+from fakes.harness import Coordinator, start_coordinator, wait_until
+from fakes.pki import CertFiles, Pki
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 

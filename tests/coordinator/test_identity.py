@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from harness import BIN, start_coordinator
+from fakes.harness import BIN, start_coordinator
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
@@ -106,7 +106,7 @@ def test_plaintext_is_refused_by_a_tls_coordinator(coordinator):
 
 
 def test_a_certificate_from_another_ca_is_refused(coordinator, tmp_path):
-    from pki import Pki
+    from fakes.pki import Pki
 
     rogue = Pki(tmp_path / "rogue").issue("operator:mallory")
     creds = grpc.ssl_channel_credentials(

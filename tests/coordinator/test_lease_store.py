@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pgserver import fresh_database
+from fakes.pgserver import fresh_database
 from spotdrain.coordinator.store import NewEvent, StoreError, open_store
 from spotdrain.coordinator.store.backend import Fenced
 

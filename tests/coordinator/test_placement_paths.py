@@ -12,8 +12,8 @@ import asyncio
 import grpc
 import pytest
 
-from fakenode import FakeNode, Ops
-from harness import start_coordinator
+from fakes.fakenode import FakeNode, Ops
+from fakes.harness import start_coordinator
 
 
 @pytest.fixture

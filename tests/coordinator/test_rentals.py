@@ -11,8 +11,8 @@ import time
 import grpc
 import pytest
 
-from fakenode import FakeNode, Ops, aio_channel, eventually
-from harness import BIN, start_coordinator
+from fakes.fakenode import FakeNode, Ops, aio_channel, eventually
+from fakes.harness import BIN, start_coordinator
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 

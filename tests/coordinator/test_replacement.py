@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fakenode import FakeNode, Ops, events, eventually, obey_starts
-from harness import start_coordinator
+from fakes.fakenode import FakeNode, Ops, events, eventually, obey_starts
+from fakes.harness import start_coordinator
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 ACQUIRE = """

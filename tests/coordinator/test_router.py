@@ -31,8 +31,8 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from harness import Coordinator, Proc, start_coordinator
-from pki import CertFiles, Pki
+from fakes.harness import Coordinator, Proc, start_coordinator
+from fakes.pki import CertFiles, Pki
 from spotdrain.coordinator.router.app import main as router_main
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc

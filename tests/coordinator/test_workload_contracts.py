@@ -15,8 +15,8 @@ import subprocess
 import grpc
 import pytest
 
-from fakenode import FakeNode, Ops, eventually
-from harness import BIN, start_coordinator
+from fakes.fakenode import FakeNode, Ops, eventually
+from fakes.harness import BIN, start_coordinator
 from spotdrain.coordinator.api.agent_link import Coordinator
 from spotdrain.coordinator.core.admission import CONTRACT_FLAGGED, NodeView, PlacementRequest, admit
 from spotdrain.coordinator.fleet.contracts import ContractPolicy

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import wait_until
-from moto_s3 import S3Endpoint
+from fakes.harness import wait_until
+from fakes.moto_s3 import S3Endpoint
 
-JOB = Path(__file__).parent.parent / "examples" / "checkpoint_job" / "job.py"
+JOB = Path(__file__).parents[2] / "examples" / "checkpoint_job" / "job.py"
 RUNS = 20
 
 

@@ -1,9 +1,9 @@
-"""Real agents hearing a cloud themselves: AWS's metadata service, Google's metadata server
-and Azure's Scheduled Events emulated on loopback (tests/cloudmeta.py), a real coordinator, real
-containers. Something that is not Google's metadata server is not believed. An advisory
-prepares without draining; a notice that follows drains with the replacement already serving; a
-broken source is reported and a malformed notice taints nothing; a Terminate the platform
-removes early lifts the taint when nothing was stopped under it, and only then."""
+"""Real agents hearing a cloud themselves: AWS's metadata service, Google's metadata server and
+Azure's Scheduled Events emulated on loopback (tests/fakes/cloudmeta.py), a real coordinator, real
+containers. Something that is not Google's metadata server is not believed. An advisory prepares
+without draining; a notice that follows drains with the replacement already serving; a broken source
+is reported and a malformed notice taints nothing; a Terminate the platform removes early lifts the
+taint when nothing was stopped under it, and only then."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 from test_capacity_live import RouteWatcher, two_ready_workers
 from test_pause import spotctl, wait_state
 
-from cloudmeta import AwsImds, AzureMetadata, GceMetadata, azure_event, iso_utc
-from dockerenv import run_workload
-from harness import AgentOptions, start_agent, wait_until
+from fakes.cloudmeta import AwsImds, AzureMetadata, GceMetadata, azure_event, iso_utc
+from fakes.dockerenv import run_workload
+from fakes.harness import AgentOptions, start_agent, wait_until
 from images.fake_model import ensure_model_image
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc

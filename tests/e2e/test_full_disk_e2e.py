@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from dockerenv import run_workload
-from harness import AgentOptions, start_agent, wait_until
+from fakes.dockerenv import run_workload
+from fakes.harness import AgentOptions, start_agent, wait_until
 
 pytestmark = pytest.mark.docker
 

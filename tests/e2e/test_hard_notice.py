@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from dockerenv import run_workload
-from harness import AgentOptions, start_agent, wait_until
+from fakes.dockerenv import run_workload
+from fakes.harness import AgentOptions, start_agent, wait_until
 
 pytestmark = pytest.mark.docker
 
@@ -296,7 +296,7 @@ def test_events_made_while_the_coordinator_is_down_arrive_once_it_is_back(
     """The coordinator crashes (SIGKILL) before the notice and comes back on the same database
     a few seconds later. The agent drained under its local taint meanwhile; every event it made
     is in its outbox on disk and reaches the coordinator exactly once."""
-    from harness import start_coordinator
+    from fakes.harness import start_coordinator
 
     coord = start_coordinator(tmp_path / "coordinator", tls=pki, db=coordinator_db)
     port = int(coord.address.rsplit(":", 1)[1])

@@ -10,8 +10,8 @@ import urllib.request
 
 import pytest
 
-from dockerenv import run_workload
-from harness import AgentOptions, start_agent, start_coordinator, wait_until
+from fakes.dockerenv import run_workload
+from fakes.harness import AgentOptions, start_agent, start_coordinator, wait_until
 
 pytestmark = pytest.mark.docker
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fakenvml import FakeGpus
-from harness import AgentOptions, start_agent, start_coordinator, wait_until
+from fakes.fakenvml import FakeGpus
+from fakes.harness import AgentOptions, start_agent, start_coordinator, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "packaging" / "grafana" / "spotdrain.json"
 RULES = REPO / "packaging" / "prometheus" / "spotdrain-alerts.yml"
 # Two files: the 7-day overrun budget evaluated hourly, the rest minute by minute (one file
@@ -305,7 +305,7 @@ def test_the_agent_says_whether_it_reaches_the_coordinator(daemons):
 
 def test_the_coordinator_package_ships_both_files():
     """debian/spotdrain-coordinator.install puts the dashboard and the rules under
-    /usr/share/spotdrain/ (the packaged install itself is tests/test_packaging.py's)."""
+    /usr/share/spotdrain/ (the packaged install itself is tests/e2e/test_packaging.py's)."""
     lines = (REPO / "packaging/debian/spotdrain-coordinator.install").read_text().splitlines()
     shipped = {src: dest for src, dest in (line.split() for line in lines if line.strip())}
     assert shipped[str(DASHBOARD.relative_to(REPO))] == "usr/share/spotdrain/grafana/"

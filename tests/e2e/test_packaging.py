@@ -10,7 +10,7 @@ script keeps a hash of them), boots the container and installs both packages; th
 check each point in order, as an operator would find them. The coordinator is the packaged one,
 in the same container; the agent's Docker engine is the test engine, whose socket is
 bind-mounted at /run/docker.sock. The container's NVML is the fake library
-(tests/fakenvml), set for the agent by a systemd drop-in, as an operator would set any
+(tests/fakes/fakenvml), set for the agent by a systemd drop-in, as an operator would set any
 environment.
 """
 
@@ -32,16 +32,16 @@ import docker.types
 import grpc
 import pytest
 
-from dockerenv import DockerEngine, remove_test_containers, run_workload
-from fakenvml import LIB_NAME, build
-from harness import Admin, wait_until
+from fakes.dockerenv import DockerEngine, remove_test_containers, run_workload
+from fakes.fakenvml import LIB_NAME, build
+from fakes.harness import Admin, wait_until
 from images.fake_model import cache_dir
 from images.systemd_debian import SystemdContainer, boot, ensure_systemd_image
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
 log = logging.getLogger("spotdrain.tests.packaging")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BUILD_DEB = REPO / "packaging" / "build-deb.sh"
 NODE = f"pkg-node-{os.getpid()}"
 PREFIX = f"sdt-pkg-{os.getpid()}-"
@@ -237,7 +237,8 @@ def test_apt_installs_both_packages_with_their_dependencies(host):
     # The venv runs on the system's own interpreter.
     assert host.sh("readlink -f /opt/spotdrain/bin/python3").strip() == "/usr/bin/python3.11"
     # The units as installed, ExecStart included, are what `systemd-analyze verify` accepts
-    # silently (tests/test_units.py checks them from the source tree with a stub program).
+    # silently (tests/repository/test_units.py checks them from the source tree with a stub
+    # program).
     code, said = host.system.sh(
         "systemd-analyze verify --man=no spotdrain-agent.service spotdrain-coordinator.service",
         check=False,

@@ -1,5 +1,5 @@
 """The database's own failover: the coordinator on a PostgreSQL cluster under Patroni
-(tests/patroni.py: one etcd, two PostgreSQL instances, synchronous mode), through a multi-host
+(tests/fakes/patroni.py: one etcd, two PostgreSQL instances, synchronous mode), through a multi-host
 URI with `target_session_attrs=read-write`. The primary host is killed mid-drain; Patroni
 promotes the standby; the coordinator reconnects to it. A real agent and a real container."""
 
@@ -13,11 +13,11 @@ import time
 import grpc
 import psycopg
 import pytest
-from patroni import Cluster, start_cluster
 
-from dockerenv import run_workload
-from fakenode import FakeNode
-from harness import AgentOptions, start_agent, start_coordinator, wait_until
+from fakes.dockerenv import run_workload
+from fakes.fakenode import FakeNode
+from fakes.harness import AgentOptions, start_agent, start_coordinator, wait_until
+from fakes.patroni import Cluster, start_cluster
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 pytestmark = [pytest.mark.postgres, pytest.mark.docker]

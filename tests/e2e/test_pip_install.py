@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # What a toolchain or a -dev package would answer to; each shim fails loudly instead.
 HIDDEN_TOOLS = (
     "cc",

@@ -17,8 +17,8 @@ from datetime import datetime
 import grpc
 import pytest
 
-from dockerenv import run_workload
-from harness import BIN, AgentOptions, start_agent, start_coordinator, wait_until
+from fakes.dockerenv import run_workload
+from fakes.harness import BIN, AgentOptions, start_agent, start_coordinator, wait_until
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 

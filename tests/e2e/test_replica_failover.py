@@ -1,5 +1,5 @@
 """Coordinator replicas with real clients through a leader's SIGKILL: two replicas on the real
-PostgreSQL (as tests/test_replicas.py runs them), real agents over fake GPUs, real model and
+PostgreSQL (as tests/e2e/test_replicas.py runs them), real agents over fake GPUs, real model and
 batch containers, the reference router and spotctl as processes."""
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from test_replicas import (  # noqa: F401 (fixtures)
     store_rows,
 )
 
-from dockerenv import remove_test_containers, run_workload
-from fakenode import FakeNode
-from harness import BIN, AgentOptions, start_agent, start_router, wait_until
+from fakes.dockerenv import remove_test_containers, run_workload
+from fakes.fakenode import FakeNode
+from fakes.harness import BIN, AgentOptions, start_agent, start_router, wait_until
 from images.fake_model import ensure_model_image
 
 pytestmark = pytest.mark.docker

@@ -1,5 +1,5 @@
 """A leader frozen (SIGSTOP, a paused VM) in the middle of a write: two replica processes on the
-real PostgreSQL (as tests/test_replicas.py runs them). The frozen leader's open transaction
+real PostgreSQL (as tests/e2e/test_replicas.py runs them). The frozen leader's open transaction
 holds a share lock on the lease row; the takeover ends its sessions (coordinator/store/
 postgres.py, END_EXPIRED) instead of waiting for it for as long as it stays frozen."""
 
@@ -18,8 +18,8 @@ from test_replicas import (  # noqa: F401 (fixtures)
     store_rows,
 )
 
-from fakenode import FakeNode
-from harness import wait_until
+from fakes.fakenode import FakeNode
+from fakes.harness import wait_until
 from spotdrain.coordinator.store.pg_conn import EVENTS_LOCK
 
 # The leader's event batch waits for the events lock the test holds: its transaction has passed

@@ -1,5 +1,5 @@
-"""Two coordinator replicas on one real PostgreSQL (tests/pgserver.py), as processes that can be
-SIGKILLed and SIGSTOPped: one leads through the lease, the other sends callers to it, and a
+"""Two coordinator replicas on one real PostgreSQL (tests/fakes/pgserver.py), as processes that
+can be SIGKILLed and SIGSTOPped: one leads through the lease, the other sends callers to it, and a
 leader that is gone or deposed is replaced within the lease's TTL
 (coordinator/replicas/leadership.py)."""
 
@@ -15,9 +15,9 @@ import psycopg
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fakenode import FakeNode, aio_channel
-from harness import AgentOptions, start_agent, start_coordinator, wait_until
-from pgserver import fresh_database
+from fakes.fakenode import FakeNode, aio_channel
+from fakes.harness import AgentOptions, start_agent, start_coordinator, wait_until
+from fakes.pgserver import fresh_database
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 

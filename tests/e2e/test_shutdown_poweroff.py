@@ -5,7 +5,7 @@ job checkpoints and exits, verified empty), its events reach a coordinator outsi
 and only then does it release the lock, so systemd powers the host off right after the drain:
 not before it, and not at the end of logind's delay either.
 
-The poweroff ends the container, so this module boots a host of its own (tests/test_packaging.py
+The poweroff ends the container, so this module boots a host of its own (tests/e2e/test_packaging.py
 shares one across its tests). The host's journal is written to a directory of the test's
 (bind-mounted at /var/log/journal), so the agent's and systemd's own lines, with their times,
 are still there to read once the host is gone; a unit ordered before the agent notes the moment
@@ -27,9 +27,9 @@ import docker.types
 import pytest
 from test_packaging import debs  # noqa: F401  (the module-scoped fixture: both packages)
 
-from dockerenv import DockerEngine, SignalProbe, remove_test_containers, run_workload
-from fakenvml import LIB_NAME, build
-from harness import start_coordinator, wait_until
+from fakes.dockerenv import DockerEngine, SignalProbe, remove_test_containers, run_workload
+from fakes.fakenvml import LIB_NAME, build
+from fakes.harness import start_coordinator, wait_until
 from images.systemd_debian import boot, ensure_systemd_image
 
 log = logging.getLogger("spotdrain.tests.shutdown_poweroff")

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from dockerenv import run_workload
-from harness import AgentOptions, start_agent, wait_until
+from fakes.dockerenv import run_workload
+from fakes.harness import AgentOptions, start_agent, wait_until
 
 pytestmark = pytest.mark.docker
 

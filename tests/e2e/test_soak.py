@@ -9,6 +9,7 @@ import os
 import random
 
 import pytest
+
 from soak.counts import FAILURES, count, report
 from soak.scenario import Soak, SoakConfig
 

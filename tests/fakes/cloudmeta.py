@@ -32,7 +32,7 @@ What each emulator answers follows the providers' documentation:
   `unreadable_event()` is an event for this VM nobody can read, for documents that mix one
   with good events.
 
-Run one alone for a benchmark process: `python tests/cloudmeta.py aws|gcp|azure --port N`;
+Run one alone for a benchmark process: `python tests/fakes/cloudmeta.py aws|gcp|azure --port N`;
 with `--control` it takes calls of its setters on stdin, one JSON line each, and answers each
 with the wall-clock time at which the change became visible (`control()`).
 """

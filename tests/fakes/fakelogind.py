@@ -1,5 +1,5 @@
 """A private dbus-daemon and a fake logind on it, for the shutdown source
-(agent/notices/shutdown.py): its tests (tests/test_source_shutdown.py) and the benchmark
+(agent/notices/shutdown.py): its tests (tests/agent/test_source_shutdown.py) and the benchmark
 tests/bench/source_to_sigterm.py.
 
 `start_bus(dir)` runs Debian's dbus-daemon on a unix socket in `dir`; `FakeLogind.start(address)`
@@ -7,8 +7,8 @@ owns org.freedesktop.login1 there: Inhibit hands out the write end of a pipe who
 caller watches, so "the lock is released" is the kernel's end-of-file, not a flag; it sends
 PrepareForShutdown and answers the properties the source reads.
 
-Run alone (a benchmark's separate process): `python tests/fakelogind.py DIR [--delay-s S]` prints
-the bus address, then takes one command a line on stdin and answers one JSON line each:
+Run alone (a benchmark's separate process): `python tests/fakes/fakelogind.py DIR [--delay-s S]`
+prints the bus address, then takes one command a line on stdin and answers one JSON line each:
 `prepare true|false` (sends PrepareForShutdown; answers {"sent_at": time.time() just before the
 send}), `locks` ({"locks": N, "held": N, "calls": N}), `delay S`. End of input stops it.
 """

@@ -3,7 +3,7 @@ and an admin client that reads what the coordinator stored.
 
 Everything here is a real thing a user runs: `spotdrain-coordinator` and `spotdrain-agent` as
 subprocesses (so they can be SIGSTOPped and SIGKILLed), gRPC on a free loopback port, SQLite
-files or PostgreSQL databases (tests/pgserver.py), and the real pynvml loading the fake
+files or PostgreSQL databases (tests/fakes/pgserver.py), and the real pynvml loading the fake
 libnvidia-ml.so.1 through LD_LIBRARY_PATH.
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 
 import grpc
 
-from fakenvml import FakeGpus
-from pki import CertFiles, Pki
+from fakes.fakenvml import FakeGpus
+from fakes.pki import CertFiles, Pki
 from spotdrain.protocol.events import stored_event_to_dict
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc

@@ -3,7 +3,7 @@ the tests themselves (tests/setup.sh installs both).
 
 `start_cluster()` starts one etcd and two PostgreSQL instances managed by Patroni, everything on
 loopback on free ports, in a fresh directory under /tmp, as the `postgres` user (as
-tests/pgserver.py runs its server), and waits for a primary and a synchronous standby. The
+tests/fakes/pgserver.py runs its server), and waits for a primary and a synchronous standby. The
 cluster runs in Patroni's synchronous mode, so a commit the coordinator was told of is on the
 standby too and a failover loses none of it (asynchronous replication would). The DCS timings
 are short (TTL 6 s, loop 1 s) so a dead primary is replaced in seconds. `Cluster.kill_primary()`
@@ -30,7 +30,7 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
-from pgserver import HOST, USER, PostgresUnavailable, _postgres_user, server_bin
+from fakes.pgserver import HOST, USER, PostgresUnavailable, _postgres_user, server_bin
 
 PATRONI = Path("/usr/bin/patroni")
 ETCD = Path("/usr/bin/etcd")

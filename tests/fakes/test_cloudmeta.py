@@ -1,5 +1,6 @@
-"""The cloud metadata emulators (tests/cloudmeta.py) against a plain HTTP client: each documented
-behaviour and failure mode once, so a notice source's test can trust what it is talking to."""
+"""The cloud metadata emulators (tests/fakes/cloudmeta.py) against a plain HTTP client: each
+documented behaviour and failure mode once, so a notice source's test can trust what it is talking
+to."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-import cloudmeta
-from cloudmeta import AwsImds, AzureMetadata, GceMetadata, ManualClock
+from fakes import cloudmeta
+from fakes.cloudmeta import AwsImds, AzureMetadata, GceMetadata, ManualClock
 
 TTL = "X-aws-ec2-metadata-token-ttl-seconds"
 GOOGLE = {"Metadata-Flavor": "Google"}

@@ -1,4 +1,4 @@
-"""The Docker test environment does what the drain tests rely on (tests/dockerenv.py)."""
+"""The Docker test environment does what the drain tests rely on (tests/fakes/dockerenv.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import uuid
 import docker.types
 import pytest
 
-from dockerenv import (
+from fakes.dockerenv import (
     BASE_IMAGE,
     READY_LINE,
     SignalProbe,

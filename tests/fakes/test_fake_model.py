@@ -16,7 +16,7 @@ import openai
 import pytest
 from docker.models.containers import Container
 
-from dockerenv import DockerEngine, remove_test_containers
+from fakes.dockerenv import DockerEngine, remove_test_containers
 from images.fake_model import MODEL_IMAGE, RECIPE_LABEL, ensure_model_image, run_model
 
 pytestmark = pytest.mark.docker

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from fakenvml import GIB, FakeGpus, build
+from fakes.fakenvml import GIB, FakeGpus, build
 
 # One request a line ("op arg..."), one JSON reply a line:
 # {"ok": value} or {"error": "<pynvml exception class>"}, plus "s": call seconds.

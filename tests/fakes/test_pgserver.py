@@ -1,4 +1,4 @@
-"""The PostgreSQL test server (tests/pgserver.py) and the fixtures built on it."""
+"""The PostgreSQL test server (tests/fakes/pgserver.py) and the fixtures built on it."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import psutil
 import psycopg
 import pytest
 
-from pgserver import PgServer, database_name, fresh_database, start_postgres
+from fakes.pgserver import PgServer, database_name, fresh_database, start_postgres
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def owners(processes: list[psutil.Process]) -> set[str]:

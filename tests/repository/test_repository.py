@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from harness import BIN
+from fakes.harness import BIN
 from spotdrain.agent import config as agent_config
 from spotdrain.agent.notices import MODULES, module
 from spotdrain.agent.spotctl import main as spotctl
 from spotdrain.coordinator import main as coordinator_main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 
 # Roots of a developer's machine rather than of the system a clone runs on: /run, /etc, /var,

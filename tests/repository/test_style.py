@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 # The rules of the node and of the fleet, and what both sides agree on: typed strictly.
 STRICT_PACKAGES = ("spotdrain.agent.core", "spotdrain.coordinator.core", "spotdrain.protocol")

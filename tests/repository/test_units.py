@@ -20,7 +20,7 @@ import pytest
 
 from spotdrain.agent.core.reclamation import Margins
 
-UNITS = Path(__file__).resolve().parent.parent / "packaging" / "systemd"
+UNITS = Path(__file__).resolve().parents[2] / "packaging" / "systemd"
 AGENT = UNITS / "spotdrain-agent.service"
 COORDINATOR = UNITS / "spotdrain-coordinator.service"
 PROGRAMS = {

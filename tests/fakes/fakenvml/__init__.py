@@ -1,4 +1,4 @@
-"""Build and drive the fake ``libnvidia-ml.so.1`` (tests/fakenvml/fake_nvml.c).
+"""Build and drive the fake ``libnvidia-ml.so.1`` (tests/fakes/fakenvml/fake_nvml.c).
 
 The real ``pynvml`` loads the fake through ``LD_LIBRARY_PATH``; the dynamic
 loader reads that variable only at process start, so the fake can only be used

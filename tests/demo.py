@@ -58,7 +58,7 @@ from fakes.dockerenv import (  # noqa: E402
     run_workload,
 )
 from fakes.fakenvml import FakeGpus, build  # noqa: E402
-from fakes.harness import (  # noqa: E402
+from fakes.harness import (
     BIN,
     Admin,
     AgentOptions,
@@ -66,10 +66,10 @@ from fakes.harness import (  # noqa: E402
     start_agent,
     start_coordinator,
     start_router,
-    wait_until,
 )
 from fakes.pgserver import fresh_database, start_postgres  # noqa: E402
 from fakes.pki import Pki  # noqa: E402
+from fakes.waiting import wait_until
 from images.checkpoint_job import ensure_checkpoint_job_image  # noqa: E402
 from images.fake_model import ensure_model_image  # noqa: E402
 from spotdrain.agent.workloads.jobs import CONTAINER_DEADLINE_DIR  # noqa: E402

@@ -20,6 +20,7 @@ import docker.errors
 import pytest
 
 from fakes.dockerenv import run_workload
+from fakes.waiting import eventually
 from spotdrain.agent.core.reclamation_commands import SIGKILL, SIGTERM, SignalContainers
 from spotdrain.agent.drain.state import write_deadline_file
 from spotdrain.agent.workloads.docker_engine import DockerEngine
@@ -58,13 +59,14 @@ class Node:
         self, what: str, key: str, state: str, timeout: float = 10.0, after: int = 0
     ) -> dict[str, Any]:
         """The first report about `key` in `state`, among those from index `after` on."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def found() -> dict[str, Any] | None:
             for w, k, rep in self.reports[after:]:
                 if (w, k, rep.get("state")) == (what, key, state):
                     return rep
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"no {what} {key} {state} in {self.reports}")
+            return None
+
+        return await eventually(found, f"a {what} {key} {state} report", timeout)
 
 
 @pytest.fixture
@@ -83,15 +85,6 @@ async def node(docker_engine, rental_image, tmp_path) -> AsyncIterator[Node]:
 
 def container(docker_engine, container_id: str):
     return docker_engine.client.containers.get(container_id)
-
-
-async def eventually(predicate: Callable[[], Any], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def in_thread(fn: Callable[[], Any]) -> Any:

@@ -20,6 +20,7 @@ from test_full_disk import Gpus, Link, Workers
 from test_one_machine_two_notices import StubbornEngine, one_machine
 
 from fakes.cloudmeta import AwsImds, ManualClock, iso_utc
+from fakes.waiting import eventually
 from spotdrain.agent.config import AgentConfig
 from spotdrain.agent.drain.outbox import Outbox
 from spotdrain.agent.drain.runner import DrainRunner
@@ -66,13 +67,6 @@ def events(outbox: Outbox, kind: str) -> list[dict[str, Any]]:
     return [e.details for e in outbox.pending(1000) if e.kind == kind]
 
 
-async def until(what: str, predicate: Callable[[], Any], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.01)
-
-
 def heard_again(outbox: Outbox) -> bool:
     """A barrier: the agent has handled a later read, as an update or as a second notice."""
     return bool(events(outbox, "notice_updated")) or len(events(outbox, "notice_received")) > 1
@@ -108,13 +102,13 @@ async def test_an_instance_action_re_stamped_on_every_read_is_one_reclamation(tm
     with AwsImds(wall=lambda: next(wall)) as imds:
         imds.set_instance_action("terminate", restamp_in_s=120)
         async with agent_hearing(tmp_path, imds) as (drains, outbox):
-            await until("the notice", lambda: events(outbox, "notice_received"))
+            await eventually(lambda: events(outbox, "notice_received"), "the notice")
             first = reads(imds)
             # A barrier, not a sleep: ten more reads of a new document each, all handled.
             await imds.await_seen(
                 lambda s: s.path == INSTANCE_ACTION and s.status == 200, count=first + 10
             )
-            await until("a later read handled", lambda: heard_again(outbox))
+            await eventually(lambda: heard_again(outbox), "a later read handled")
             [received] = events(outbox, "notice_received")
             updated = events(outbox, "notice_updated")
             assert len(bundles(drains)) == 1
@@ -129,9 +123,9 @@ async def test_a_rewrite_to_a_later_time_is_recorded_and_d_stays_the_earliest(tm
         t = int(time.time())
         imds.set_instance_action("terminate", iso_utc(t + 60))
         async with agent_hearing(tmp_path, imds) as (drains, outbox):
-            await until("the notice", lambda: events(outbox, "notice_received"))
+            await eventually(lambda: events(outbox, "notice_received"), "the notice")
             imds.set_instance_action("terminate", iso_utc(t + 300))
-            await until("a later read handled", lambda: heard_again(outbox))
+            await eventually(lambda: heard_again(outbox), "a later read handled")
             [received] = events(outbox, "notice_received")
             [updated] = events(outbox, "notice_updated")
             assert received["terminate_at"] == t + 60
@@ -150,9 +144,9 @@ async def test_a_rewrite_to_an_earlier_time_moves_d_earlier_and_the_workloads_se
         t = int(time.time())
         imds.set_instance_action("terminate", iso_utc(t + 300))
         async with agent_hearing(tmp_path, imds) as (drains, outbox):
-            await until("the deadline file", lambda: events(outbox, "deadline_file_written"))
+            await eventually(lambda: events(outbox, "deadline_file_written"), "the deadline file")
             imds.set_instance_action("terminate", iso_utc(t + 60))
-            await until("a later read handled", lambda: heard_again(outbox))
+            await eventually(lambda: heard_again(outbox), "a later read handled")
             assert len(events(outbox, "notice_received")) == 1 and len(bundles(drains)) == 1
             [updated] = events(outbox, "notice_updated")
             assert (updated["terminate_at"], updated["moved"]) == (t + 60, True)
@@ -177,7 +171,7 @@ async def test_a_hibernated_instance_resumed_and_interrupted_again_drains_again(
     with AwsImds() as imds:
         imds.set_instance_action("hibernate", iso_utc(time.time() + 3))
         async with agent_hearing(tmp_path, imds, machine, slept) as (drains, outbox):
-            await until("the first drain", lambda: events(outbox, "drained"), timeout=15)
+            await eventually(lambda: events(outbox, "drained"), "the first drain", timeout=15)
             gone = reads(imds, 404)
             imds.resume()
             job_runs_again(engine)
@@ -189,7 +183,7 @@ async def test_a_hibernated_instance_resumed_and_interrupted_again_drains_again(
                     count=gone + aws.GONE_AFTER,
                 )
             imds.set_instance_action("terminate", iso_utc(time.time() + 3))
-            await until("the second drain", lambda: len(events(outbox, "drained")) == 2, 15)
+            await eventually(lambda: len(events(outbox, "drained")) == 2, "the second drain", 15)
             received = events(outbox, "notice_received")
             assert [r["action"] for r in received] == ["hibernate", "terminate"]
             assert len(bundles(drains)) == 2
@@ -208,14 +202,14 @@ async def test_an_agent_restarted_after_the_resume_still_hears_the_next_interrup
     with AwsImds() as imds:
         imds.set_instance_action("hibernate", iso_utc(time.time() + 3))
         async with agent_hearing(tmp_path, imds, machine, slept) as (drains, outbox):
-            await until("the first drain", lambda: events(outbox, "drained"), timeout=15)
+            await eventually(lambda: events(outbox, "drained"), "the first drain", timeout=15)
             first = bundles(drains)
         imds.resume()
         slept.advance(6 * 3600.0)
         imds.set_instance_action("terminate", iso_utc(time.time() + 3))
         again = restarted(cfg)
         async with agent_hearing(tmp_path, imds, again, slept) as (drains, outbox):
-            await until("the second drain", lambda: len(events(outbox, "drained")) == 2, 15)
+            await eventually(lambda: len(events(outbox, "drained")) == 2, "the second drain", 15)
             assert len(events(outbox, "notice_received")) == 2
             assert len(bundles(drains)) == 2 and set(first) < set(bundles(drains))
             assert (again[2].job.id, "SIGKILL") in again[2].signals
@@ -228,7 +222,7 @@ async def test_a_notice_missing_from_two_reads_is_still_the_one_interruption(tmp
         t = int(time.time())
         imds.set_instance_action("terminate", iso_utc(t + 300))
         async with agent_hearing(tmp_path, imds) as (drains, outbox):
-            await until("the notice", lambda: events(outbox, "notice_received"))
+            await eventually(lambda: events(outbox, "notice_received"), "the notice")
             imds.fail_next(2, 404, path=INSTANCE_ACTION)
             missing = reads(imds, 404)
             await imds.await_seen(
@@ -240,7 +234,7 @@ async def test_a_notice_missing_from_two_reads_is_still_the_one_interruption(tmp
             )
             # A barrier: an earlier time, handled after whatever the reads above led to.
             imds.set_instance_action("terminate", iso_utc(t + 200))
-            await until("the earlier time", lambda: events(outbox, "notice_updated"))
+            await eventually(lambda: events(outbox, "notice_updated"), "the earlier time")
             [updated] = events(outbox, "notice_updated")
             assert (updated["terminate_at"], updated["moved"]) == (t + 200, True)
             assert len(events(outbox, "notice_received")) == 1 and len(bundles(drains)) == 1

@@ -17,6 +17,7 @@ from typing import Any
 
 from test_full_disk import NODE, Engine, Gpus, Link, Workers
 
+from fakes.waiting import eventually
 from spotdrain.agent.config import AgentConfig
 from spotdrain.agent.core.notice import Notice
 from spotdrain.agent.core.reclamation import Margins, reclaim_id_for
@@ -86,13 +87,6 @@ def config(tmp_path: Path) -> AgentConfig:
     return cfg
 
 
-async def until(predicate: Any, what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.005)
-
-
 @contextlib.asynccontextmanager
 async def running(drains: DrainRunner, outbox: Outbox) -> AsyncIterator[asyncio.Task[None]]:
     """The drain loop for the length of a scenario; stopped, closed and the outbox shut after."""
@@ -125,7 +119,7 @@ async def test_containers_are_listed_while_the_taint_is_in_flight(tmp_path: Path
             )
         )
         await asyncio.wait_for(link.asked.wait(), 5)
-        await until(lambda: engine.listings, "a listing while the Taint is unanswered")
+        await eventually(lambda: engine.listings, "a listing while the Taint is unanswered")
         assert engine.listings == [(engine.job.id,)]
         assert engine.signals == []  # listed, not signalled: the taint is not in force yet
 
@@ -165,10 +159,10 @@ async def test_a_cancel_before_the_answer_signals_nothing(tmp_path: Path) -> Non
         outcome = await asyncio.wait_for(drains.settled("n-2"), 5)
         assert outcome == "cancelled"
         link.answer.set()
-        await until(
+        await eventually(
             lambda: "notice_cancelled" in [e.kind for e in outbox.pending()], "the cancel recorded"
         )
-        await until(lambda: not drains._listed_ahead, "the listing made ahead dropped")
+        await eventually(lambda: not drains._listed_ahead, "the listing made ahead dropped")
         assert engine.signals == []
 
 
@@ -196,11 +190,11 @@ async def test_one_step_puts_its_events_in_one_transaction(tmp_path: Path) -> No
             )
         )
         await asyncio.wait_for(link.asked.wait(), 5)
-        await until(lambda: not outbox.held_in_memory, "the notice's own events stored")
+        await eventually(lambda: not outbox.held_in_memory, "the notice's own events stored")
         before = len(commits)
         link.answer.set()
-        await until(lambda: engine.signals, "the SIGTERM")
-        await until(lambda: not outbox.held_in_memory, "the step's events stored")
+        await eventually(lambda: engine.signals, "the SIGTERM")
+        await eventually(lambda: not outbox.held_in_memory, "the step's events stored")
         step = commits[before:]
         tainted = next(i for i, sql in enumerate(step) if '"kind": "tainted"' in sql)
         written = next(i for i, sql in enumerate(step) if '"kind": "deadline_file_written"' in sql)
@@ -297,7 +291,7 @@ async def test_the_drain_loop_stops_when_cancelled_between_two_wakeups(tmp_path:
         )
         await asyncio.wait_for(link.asked.wait(), 5)
         link.answer.set()
-        await until(lambda: engine.signals, "the SIGTERM")
+        await eventually(lambda: engine.signals, "the SIGTERM")
         # The job never exits (its exit is never reported): the loop keeps waking to observe.
         for _ in range(50):
             await asyncio.sleep(0.001)
@@ -340,10 +334,10 @@ async def test_the_first_sigterm_round_is_announced_in_the_answers_own_save(
             )
         )
         await asyncio.wait_for(link.asked.wait(), 5)
-        await until(lambda: engine.listings, "the listing made ahead")
+        await eventually(lambda: engine.listings, "the listing made ahead")
         before = len(bundles.saves)
         link.answer.set()
-        await until(lambda: engine.signals, "the SIGTERM")
+        await eventually(lambda: engine.signals, "the SIGTERM")
         between = [s for s in bundles.saves[before:] if s[0] == 0]  # saved before any signal
         assert between == [(0, (engine.job.id,))]
         assert engine.signals == [(engine.job.id, "SIGTERM")]
@@ -391,7 +385,7 @@ async def test_the_notice_path_holds_the_events_from_its_taint_to_its_sigterms(
         rid = reclaim_id_for(NODE, "n-9")
         assert link.holds == []  # the notice's events go at once
         link.answer.set()
-        await until(lambda: ("release", rid, 1) in link.holds, "the release after the SIGTERM")
+        await eventually(lambda: ("release", rid, 1) in link.holds, "the release after the SIGTERM")
         assert link.holds[:2] == [("hold", rid, 0), ("release", rid, 1)]
 
         link.answer.clear()
@@ -412,5 +406,5 @@ async def test_the_notice_path_holds_the_events_from_its_taint_to_its_sigterms(
         other = reclaim_id_for(NODE, "n-10")
         await asyncio.wait_for(drains.settled("n-10"), 5)
         link.answer.set()
-        await until(lambda: not drains.live, "the cancelled reclamation finished")
+        await eventually(lambda: not drains.live, "the cancelled reclamation finished")
         assert not any(h[1] == other and h[0] == "hold" for h in link.holds)

@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from fakes.waiting import eventually
 from spotdrain.agent.config import AgentConfig
 from spotdrain.agent.drain import link as link_module
 from spotdrain.agent.drain.link import CoordinatorLink, batches, to_pb
@@ -202,16 +203,6 @@ def test_an_oversized_event_an_older_agent_left_in_the_outbox_is_sent_as_a_summa
 
 
 # --- through a real gRPC stream --------------------------------------------------------------
-
-
-async def eventually(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Poll until predicate() holds; the bound only stops a broken test from hanging."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class RecordingLink(pb_grpc.AgentLinkServicer):

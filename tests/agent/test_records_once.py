@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 
 from test_full_disk import Engine, Gpus, Link, Workers
-from test_notice_path import config, running, until
+from test_notice_path import config, running
 
+from fakes.waiting import eventually
 from spotdrain.agent.core.notice import Notice
 from spotdrain.agent.drain.outbox import Outbox
 from spotdrain.agent.drain.runner import DrainRunner
@@ -54,10 +55,10 @@ async def test_an_exit_reported_after_the_node_was_verified_empty_is_recorded(
             )
         )
         assert await asyncio.wait_for(drains.settled("late-exit"), 5) == "drained"
-        await until(lambda: not drains.live, "the reclamation finished")
+        await eventually(lambda: not drains.live, "the reclamation finished")
         assert "container_exited" not in kinds(outbox)
         engine.wait_returns.set()
-        await until(lambda: "container_exited" in kinds(outbox), "the late exit recorded")
+        await eventually(lambda: "container_exited" in kinds(outbox), "the late exit recorded")
         assert kinds(outbox).count("container_exited") == 1
 
 
@@ -87,12 +88,12 @@ async def test_a_cancel_read_again_after_a_restart_is_recorded_once(tmp_path: Pa
             if run == 0:
                 drains.notice(notice)
             drains.notice(cancel)  # run 0: the cancel itself; later runs: read again
-            await until(lambda: kinds(outbox).count("notice_cancelled") >= 1, "the cancel")
+            await eventually(lambda: kinds(outbox).count("notice_cancelled") >= 1, "the cancel")
             if run == 2:
-                await until(lambda d=drains: not d.live, "the lift answered: finished")
+                await eventually(lambda d=drains: not d.live, "the lift answered: finished")
                 drains.notice(cancel)  # and read once more, after it finished
             await asyncio.sleep(0)
-            await until(lambda d=drains: d._queue.empty(), "the runner idle")
+            await eventually(lambda d=drains: d._queue.empty(), "the runner idle")
         finally:
             loop.cancel()
             await asyncio.gather(loop, return_exceptions=True)
@@ -132,14 +133,14 @@ async def test_a_cancel_after_an_empty_node_finished_its_drain_lifts_it(tmp_path
             )
         )
         assert await asyncio.wait_for(drains.settled("early"), 5) == "drained"
-        await until(lambda: not drains.live, "the drain finished")
+        await eventually(lambda: not drains.live, "the drain finished")
         assert cfg.deadline_file.exists()
         drains.notice(
             Notice(
                 key="early", notice_id="early", action="cancel", terminate_at=None, source="azure"
             )
         )
-        await until(lambda: link.lifted and not drains.live, "the lift confirmed")
+        await eventually(lambda: link.lifted and not drains.live, "the lift confirmed")
         [rec] = drains.recent.values()
         assert rec.lifted and rec.finished and link.lifted == [rec.reclaim_id]
         assert not cfg.deadline_file.exists()
@@ -182,7 +183,7 @@ async def test_a_step_whose_agent_died_before_the_outbox_loses_no_event(tmp_path
                 source="file",
             )
         )
-        await until(lambda: outbox.dead, "the agent died after the SIGTERM step's bundle")
+        await eventually(lambda: outbox.dead, "the agent died after the SIGTERM step's bundle")
     assert "sigterm_sent" not in kinds(Outbox(cfg.state_dir / "outbox.sqlite"))
 
     again = Outbox(cfg.state_dir / "outbox.sqlite")

@@ -25,6 +25,7 @@ from aiohttp import web
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from fakes.waiting import eventually
 from spotdrain.agent.workloads.slot_gate import Interrupted, SlotGate
 
 WORKER = "w-1"
@@ -304,13 +305,6 @@ def error_events(text: str) -> list[dict[str, Any]]:
     return out
 
 
-async def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
-
-
 # --- passing through -------------------------------------------------------------------------
 
 
@@ -377,7 +371,7 @@ async def test_a_chunked_answer_the_worker_breaks_is_truncated_for_the_client(
     async with client.get(f"{gate.url}/chunked?n=2&die=1") as resp:
         with pytest.raises(aiohttp.ClientPayloadError):
             await resp.read()
-    await wait_for(lambda: gate.gate.in_flight == 0, "slot released")
+    await eventually(lambda: gate.gate.in_flight == 0, "slot released")
     assert [(i.streamed, i.reason) for i in gate.interrupted] == [(True, "upstream_failed")]
 
 
@@ -507,7 +501,7 @@ async def test_the_grace_deadline_cuts_an_open_stream(
     assert errors[0]["error"]["message"]
     assert gate.interrupted == [Interrupted(WORKER, "long-1", True, "stopped")]
     assert gate.gate.in_flight == 0 and gate.idle == [WORKER]
-    await wait_for(lambda: worker.endings.get("long-1") == "client_gone", "worker request closed")
+    await eventually(lambda: worker.endings.get("long-1") == "client_gone", "worker request closed")
     async with client.post(f"{gate.url}/v1/chat/completions", json=chat()) as after:
         assert after.status == 503  # still draining after a cut
 
@@ -523,7 +517,7 @@ async def test_the_grace_deadline_cuts_a_request_waiting_for_its_answer(
             headers={"X-Request-Id": "slow-1"},
         )
     )
-    await wait_for(lambda: worker.seen, "the worker to get the request")
+    await eventually(lambda: worker.seen, "the worker to get the request")
     await gate.gate.cut()
     async with await request as resp:
         assert resp.status == 503
@@ -554,7 +548,7 @@ async def test_a_cut_is_not_held_up_by_a_client_that_stopped_reading(
     loop = asyncio.get_running_loop()
     try:
         await loop.sock_sendall(sock, head.encode() + body)
-        await wait_for(lambda: gate.gate.in_flight == 1 and worker.seen, "the stream to open")
+        await eventually(lambda: gate.gate.in_flight == 1 and worker.seen, "the stream to open")
         await asyncio.sleep(0.3)  # not reading: the gate's writes to us block
         t0 = time.monotonic()
         await gate.gate.cut()
@@ -571,7 +565,7 @@ async def test_a_cut_is_not_held_up_by_a_client_that_stopped_reading(
     assert len(received) > 1_000_000  # the gate really was blocked on us
     assert b"event: error" in received[-1000:]
     assert b"[DONE]" not in received
-    await wait_for(lambda: worker.endings.get("stuck") == "client_gone", "worker request closed")
+    await eventually(lambda: worker.endings.get("stuck") == "client_gone", "worker request closed")
 
 
 async def test_closing_the_gate_cuts_open_streams_but_is_no_drain(
@@ -695,9 +689,9 @@ async def test_a_client_that_leaves_mid_stream_frees_its_slot(
     gate.gate.drain()
     resp.close()
     t0 = time.monotonic()
-    await wait_for(lambda: gate.gate.in_flight == 0, "slot released", timeout=2)
+    await eventually(lambda: gate.gate.in_flight == 0, "slot released", timeout=2)
     assert time.monotonic() - t0 < 1.0
-    await wait_for(lambda: worker.endings.get("leaver") == "client_gone", "worker request closed")
+    await eventually(lambda: worker.endings.get("leaver") == "client_gone", "worker request closed")
     assert gate.interrupted == []
     assert gate.idle == [WORKER]
 
@@ -845,7 +839,7 @@ async def many_streams(reqs: list[Req], cut_after_ms: int | None) -> dict[str, s
 
             async def deadline() -> None:
                 # Every request has reached the worker (some short ones may be over already).
-                await wait_for(lambda: len(worker.seen) == len(reqs), "all requests in")
+                await eventually(lambda: len(worker.seen) == len(reqs), "all requests in")
                 g.gate.drain()
                 if cut_after_ms is not None:
                     await asyncio.sleep(cut_after_ms / 1000)
@@ -853,7 +847,7 @@ async def many_streams(reqs: list[Req], cut_after_ms: int | None) -> dict[str, s
 
             tasks = [one(i, r) for i, r in enumerate(reqs)]
             await asyncio.wait_for(asyncio.gather(deadline(), *tasks), 20)
-        await wait_for(lambda: g.gate.in_flight == 0, "every slot released")
+        await eventually(lambda: g.gate.in_flight == 0, "every slot released")
     finally:
         await g.gate.close()
         await worker.close()

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from dbus_fast import Message
 from dbus_fast.aio import MessageBus
 
 from fakes.fakelogind import DELAY_S, FakeLogind, PrivateBus, start_bus
+from fakes.waiting import eventually
 from spotdrain.agent.core.notice import Notice
 from spotdrain.agent.notices import shutdown
 from spotdrain.agent.notices.base import DOWN_AFTER, Advisory, Health
@@ -83,17 +84,6 @@ class FakeSink:
         self._outcome(key).set_result(outcome)
 
 
-async def until(predicate: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
-    """Poll until `predicate()` is truthy (waiting for something to happen, never for proof
-    that something did not)."""
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
-    return value
-
-
 @contextlib.asynccontextmanager
 async def running(source: shutdown.Source) -> AsyncIterator[asyncio.Task]:
     task = asyncio.create_task(source.run())
@@ -128,10 +118,10 @@ async def test_the_agent_holds_a_delay_lock_for_shutdown_from_the_start(bus, log
     sink = FakeSink()
     source = source_for(bus.address, sink)
     async with running(source):
-        lock = await until(lambda: logind.locks and logind.locks[0], "the lock")
+        lock = await eventually(lambda: logind.locks and logind.locks[0], "the lock")
         assert (lock.what, lock.who, lock.mode) == ("shutdown", "spotdrain-agent", "delay")
         assert lock.why  # shown by `systemd-inhibit --list`
-        await until(lambda: source.delay_s is not None, "the delay read")
+        await eventually(lambda: source.delay_s is not None, "the delay read")
         assert source.delay_s == DELAY_S
         assert (lock.released, sink.notices, sink.health) == (False, [], [])
         assert source.health.up and source.health.last_ok == T0
@@ -145,13 +135,13 @@ async def test_poweroff_is_a_notice_with_logind_delay_and_waits_for_the_drain(bu
     sink = FakeSink()
     source = source_for(bus.address, sink)
     async with running(source):
-        lock = await until(lambda: logind.locks and logind.locks[0], "the lock")
-        await until(lambda: source.delay_s is not None, "the delay read")
+        lock = await eventually(lambda: logind.locks and logind.locks[0], "the lock")
+        await eventually(lambda: source.delay_s is not None, "the delay read")
         logind.delay_usec = int(45 * 1e6)  # reloaded since: the delay at the shutdown counts
         await logind.prepare_for_shutdown(True)
-        await until(lambda: sink.notices, "the notice")
+        await eventually(lambda: sink.notices, "the notice")
         assert sink.notices == [shutdown_notice(T0 + 45.0)]
-        await until(lambda: sink.settle_waits, "the source to wait for the reclamation")
+        await eventually(lambda: sink.settle_waits, "the source to wait for the reclamation")
         assert sink.settle_waits == [KEY]
         assert not lock.released, "released before the reclamation settled"
         sink.settle(KEY, "drained")
@@ -165,9 +155,9 @@ async def test_delay_s_caps_the_deadline(bus, logind):
     sink = FakeSink()
     source = source_for(bus.address, sink, delay_s=12.0)
     async with running(source):
-        await until(lambda: source.delay_s is not None, "the lock")
+        await eventually(lambda: source.delay_s is not None, "the lock")
         await logind.prepare_for_shutdown(True)
-        await until(lambda: sink.notices, "the notice")
+        await eventually(lambda: sink.notices, "the notice")
         assert sink.notices == [shutdown_notice(T0 + 12.0)]
 
 
@@ -177,14 +167,14 @@ async def test_a_shutdown_logind_calls_off_after_the_drain_gets_the_lock_back(bu
     sink = FakeSink()
     source = source_for(bus.address, sink)
     async with running(source):
-        first = await until(lambda: logind.locks and logind.locks[0], "the lock")
+        first = await eventually(lambda: logind.locks and logind.locks[0], "the lock")
         await logind.prepare_for_shutdown(True)
-        await until(lambda: sink.settle_waits, "the wait for the reclamation")
+        await eventually(lambda: sink.settle_waits, "the wait for the reclamation")
         sink.settle(KEY)
         await first.wait_released(5)
         await logind.prepare_for_shutdown(False)
-        second = await until(lambda: len(logind.locks) == 2 and logind.locks[1], "a new lock")
-        await until(lambda: source.locked, "the new lock held")
+        second = await eventually(lambda: len(logind.locks) == 2 and logind.locks[1], "a new lock")
+        await eventually(lambda: source.locked, "the new lock held")
         assert (second.mode, second.released) == ("delay", False)
         assert len(sink.notices) == 1
 
@@ -196,13 +186,13 @@ async def test_a_shutdown_called_off_during_the_drain_keeps_the_lock(bus, logind
     sink = FakeSink()
     source = source_for(bus.address, sink)
     async with running(source):
-        lock = await until(lambda: logind.locks and logind.locks[0], "the lock")
+        lock = await eventually(lambda: logind.locks and logind.locks[0], "the lock")
         await logind.prepare_for_shutdown(True)
-        await until(lambda: sink.settle_waits, "the wait for the reclamation")
+        await eventually(lambda: sink.settle_waits, "the wait for the reclamation")
         await logind.prepare_for_shutdown(False)
         await logind.prepare_for_shutdown(True)
         # The second notice proves the first wait ended and (false) was handled before it.
-        await until(lambda: len(sink.notices) == 2, "the second notice")
+        await eventually(lambda: len(sink.notices) == 2, "the second notice")
         assert (lock.released, len(logind.locks)) == (False, 1)
         assert sink.notices == [shutdown_notice(T0 + DELAY_S)] * 2
         sink.settle(KEY)
@@ -218,8 +208,8 @@ async def test_the_lock_goes_when_logind_delay_runs_out_even_if_the_drain_has_no
     sink = FakeSink()
     source = source_for(bus.address, sink, clock=time.time)
     async with running(source):
-        lock = await until(lambda: logind.locks and logind.locks[0], "the lock")
-        await until(lambda: source.delay_s is not None, "the delay read")
+        lock = await eventually(lambda: logind.locks and logind.locks[0], "the lock")
+        await eventually(lambda: source.delay_s is not None, "the delay read")
         asked = time.time()
         await logind.prepare_for_shutdown(True)
         released_at = await lock.wait_released(5)
@@ -239,14 +229,14 @@ async def test_an_agent_started_during_a_shutdown_reports_it_at_once(bus, logind
     sink = FakeSink()
     source = source_for(bus.address, sink)
     async with running(source):
-        await until(lambda: sink.notices, "the notice")
+        await eventually(lambda: sink.notices, "the notice")
         assert sink.notices == [shutdown_notice(T0 + DELAY_S)]
         assert (logind.locks, source.health.up, sink.health) == ([], True, [])
-        await until(lambda: sink.settle_waits, "the wait for the reclamation")
+        await eventually(lambda: sink.settle_waits, "the wait for the reclamation")
         sink.settle(KEY, "drained")
         logind.in_progress = False
         await logind.prepare_for_shutdown(False)
-        lock = await until(lambda: logind.locks and logind.locks[0], "the lock")
+        lock = await eventually(lambda: logind.locks and logind.locks[0], "the lock")
         assert not lock.released
 
 
@@ -257,7 +247,7 @@ async def test_a_prepare_for_shutdown_from_anyone_but_logind_is_ignored(bus, log
     sink = FakeSink()
     source = source_for(bus.address, sink)
     async with running(source):
-        lock = await until(lambda: logind.locks and logind.locks[0], "the lock")
+        lock = await eventually(lambda: logind.locks and logind.locks[0], "the lock")
         spoofer = await MessageBus(bus_address=bus.address).connect()
         try:
             fake = Message.new_signal(
@@ -278,13 +268,13 @@ async def test_a_prepare_for_shutdown_from_anyone_but_logind_is_ignored(bus, log
             await logind.bus.release_name(shutdown.LOGIND)
             second = await FakeLogind.start(bus.address)
             try:
-                new_lock = await until(lambda: second.locks and second.locks[0], "a new lock")
+                new_lock = await eventually(lambda: second.locks and second.locks[0], "a new lock")
                 assert sink.notices == []
-                await until(lambda: lock.released, "the old lock closed after the new one")
+                await eventually(lambda: lock.released, "the old lock closed after the new one")
                 assert not new_lock.released
                 # The new logind is believed.
                 await second.prepare_for_shutdown(True)
-                await until(lambda: sink.notices, "the notice")
+                await eventually(lambda: sink.notices, "the notice")
                 assert sink.notices == [shutdown_notice(T0 + DELAY_S)]
             finally:
                 await second.stop()
@@ -301,20 +291,20 @@ async def test_no_bus_and_no_logind_is_down_then_up(tmp_path):
     sink = FakeSink()
     source = source_for(address, sink, clock=time.time)
     async with running(source):
-        await until(lambda: sink.health, "the source reported down")
+        await eventually(lambda: sink.health, "the source reported down")
         assert source.health.failures == DOWN_AFTER
         [(name, up, error)] = sink.health
         assert (name, up) == ("shutdown", False)
         assert str(directory / "bus") in error and "FileNotFoundError" in error, error
         private = start_bus(directory)
         try:
-            await until(lambda: "ServiceUnknown" in source.health.error, "logind's absence")
+            await eventually(lambda: "ServiceUnknown" in source.health.error, "logind's absence")
             assert "org.freedesktop.login1" in source.health.error
             assert [up for _, up, _ in sink.health] == [False]
             fake = await FakeLogind.start(private.address)
             try:
-                lock = await until(lambda: fake.locks and fake.locks[0], "the lock", 15)
-                await until(lambda: len(sink.health) == 2, "the source reported up")
+                lock = await eventually(lambda: fake.locks and fake.locks[0], "the lock", 15)
+                await eventually(lambda: len(sink.health) == 2, "the source reported up")
                 assert sink.health[1] == ("shutdown", True, "")
                 assert not lock.released
             finally:
@@ -333,15 +323,15 @@ async def test_the_lock_is_kept_while_the_bus_is_away_and_taken_again_after(tmp_
     sink = FakeSink()
     source = source_for(private.address, sink, clock=time.time)
     async with running(source):
-        old = await until(lambda: first.locks and first.locks[0], "the lock")
+        old = await eventually(lambda: first.locks and first.locks[0], "the lock")
         private.stop()
-        await until(lambda: source.health.failures, "the source to notice the bus gone")
+        await eventually(lambda: source.health.failures, "the source to notice the bus gone")
         assert not old.released
         private = start_bus(directory)
         second = await FakeLogind.start(private.address, at_inhibit=lambda: old.released)
         try:
-            new = await until(lambda: second.locks and second.locks[0], "a new lock", 15)
-            await until(lambda: old.released, "the old lock closed")
+            new = await eventually(lambda: second.locks and second.locks[0], "a new lock", 15)
+            await eventually(lambda: old.released, "the old lock closed")
             assert second.seen_at_inhibit == [False], "the old lock went before a new one came"
             assert not new.released and source.health.failures == 0
         finally:
@@ -366,7 +356,7 @@ async def test_a_socket_that_is_no_bus_is_a_failed_read_not_a_crash(tmp_path):
     source = source_for(f"unix:path={path}", sink, clock=time.time)
     try:
         async with running(source):
-            await until(lambda: sink.health, "the source reported down")
+            await eventually(lambda: sink.health, "the source reported down")
             [(name, up, error)] = sink.health
             assert (name, up) == ("shutdown", False) and str(path) in error, error
             assert not source.locked

@@ -12,7 +12,8 @@ import zlib
 import docker.types
 import pytest
 
-from fakes.harness import BIN, AgentOptions, start_agent, wait_until
+from fakes.harness import BIN, AgentOptions, start_agent
+from fakes.waiting import wait_until
 from images.checkpoint_job import ensure_checkpoint_job_image
 from spotdrain.agent.workloads.jobs import CONTAINER_DEADLINE_DIR
 from spotdrain.agent.workloads.status_dirs import CONTAINER_STATUS_DIR

@@ -59,8 +59,9 @@ from benchutil import (  # noqa: E402
 )
 
 from fakes.fakenvml import FakeGpus, build  # noqa: E402
-from fakes.harness import AgentOptions, start_agent, start_coordinator, wait_until  # noqa: E402
+from fakes.harness import AgentOptions, start_agent, start_coordinator  # noqa: E402
 from fakes.pki import Pki  # noqa: E402
+from fakes.waiting import wait_until  # noqa: E402
 from spotdrain.agent.core.reclamation import reclaim_id_for  # noqa: E402
 
 SCENARIOS = ("floor", "poll-2s", "spotdrain", "spotdrain-frozen")

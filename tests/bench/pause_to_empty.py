@@ -64,8 +64,9 @@ from benchutil import base_environment, print_environment, say, summary, table, 
 
 from fakes.dockerenv import ensure_engine  # noqa: E402
 from fakes.fakenvml import FakeGpus, build  # noqa: E402
-from fakes.harness import BIN, AgentOptions, start_agent, start_coordinator, wait_until  # noqa: E402
+from fakes.harness import BIN, AgentOptions, start_agent, start_coordinator  # noqa: E402
 from fakes.pki import Pki  # noqa: E402
+from fakes.waiting import wait_until  # noqa: E402
 from images.fake_model import ensure_model_image  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2 as pb  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc  # noqa: E402

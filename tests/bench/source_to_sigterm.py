@@ -91,16 +91,9 @@ from benchutil import (  # noqa: E402
 
 from fakes.cloudmeta import azure_event, iso_utc  # noqa: E402
 from fakes.fakenvml import FakeGpus, build  # noqa: E402
-from fakes.harness import (  # noqa: E402
-    Admin,
-    Agent,
-    AgentOptions,
-    Coordinator,
-    start_agent,
-    start_coordinator,
-    wait_until,
-)
+from fakes.harness import Admin, Agent, AgentOptions, Coordinator, start_agent, start_coordinator
 from fakes.pki import Pki  # noqa: E402
+from fakes.waiting import wait_until
 from spotdrain.agent.core.reclamation import reclaim_id_for  # noqa: E402
 from spotdrain.agent.notices.base import boot_id  # noqa: E402
 

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
+from fakes.waiting import eventually
 from spotdrain.agent.spotctl import main as spotctl
 from spotdrain.coordinator.router.model_routes import ModelRoutes, ModelWatch, Route
 from spotdrain.net.leader import LEADER_KEY, Replicas, addresses
@@ -286,12 +287,6 @@ def change(version: int, upsert: tuple[str, ...] = (), removed: tuple[str, ...] 
     )
 
 
-async def until(predicate: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():  # noqa: ASYNC110 (a plain attribute of the watch: polled)
-            await asyncio.sleep(0.01)
-
-
 async def test_the_router_watch_moves_to_the_new_leader_and_never_shows_an_older_table(fleet):
     """The router watches the leader (found through the follower it was given). The leader
     dies; the other replica leads, but its snapshot is at a lower version: the router keeps
@@ -304,18 +299,18 @@ async def test_the_router_watch_moves_to_the_new_leader_and_never_shows_an_older
     versions: list[int] = []
     seen = asyncio.create_task(_record(watch, versions))
     try:
-        await until(lambda: watch.table.version == 101, "the old leader's table")
+        await eventually(lambda: watch.table.version == 101, "the old leader's table")
         assert set(watch.table.routes) == {"w2"}
 
         new.routes = [snapshot(50, "w1", "w3"), change(60, ("w4",))]
         new.leader = None
         await old.stop()
-        await until(lambda: new.calls.count("WatchRoutes") >= 2, "the watch at the new leader")
+        await eventually(lambda: new.calls.count("WatchRoutes") >= 2, "the watch at the new leader")
         await asyncio.sleep(0.3)
         assert (watch.table.version, set(watch.table.routes)) == (101, {"w2"})
 
         new.routes.append(change(200, (), ("w1",)))
-        await until(lambda: watch.table.version == 200, "the new leader's newer table")
+        await eventually(lambda: watch.table.version == 200, "the new leader's newer table")
         assert set(watch.table.routes) == {"w3", "w4"}
         assert versions == sorted(versions)  # never went down
     finally:

@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 
 from fakes.dockerenv import run_workload
-from fakes.harness import AgentOptions, start_agent, start_coordinator, wait_until
+from fakes.harness import AgentOptions, start_agent, start_coordinator
+from fakes.waiting import wait_until
 from spotdrain.runtime import systemd
 
 

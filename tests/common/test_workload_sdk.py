@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fakes.harness import wait_until
+from fakes.waiting import wait_until
 from spotdrain import workload
 from spotdrain.agent.drain.state import write_deadline_file
 from spotdrain.workload import Deadline, DeadlineInvalid, Reclaim, ReportInvalid, parse_report

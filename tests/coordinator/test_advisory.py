@@ -10,8 +10,9 @@ import time
 import grpc
 import pytest
 
-from fakes.fakenode import FakeNode, Ops, events, eventually, obey_starts
+from fakes.fakenode import FakeNode, Ops, events, obey_starts
 from fakes.harness import start_coordinator
+from fakes.waiting import eventually
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 
@@ -53,13 +54,13 @@ async def test_a_rebalance_recommendation_replaces_elsewhere_and_drains_nothing(
         await ops.admin.SetModelReplicas(
             pb.SetModelReplicasRequest(model="m", replicas=2, image="img", slots=4)
         )
-        await eventually(lambda: model_counts(ops), lambda c: c == (2, 0))
+        await eventually(lambda: model_counts(ops), ok=lambda c: c == (2, 0))
         assert [len(started[n]) for n in "abc"] == [1, 1, 0]
         on_a = started["a"][0]
 
         uid = await nodes["a"].event("advisory_received", advisory("aws:rebalance:1"))
-        await eventually(lambda: asyncio.sleep(0, started["c"]), bool, timeout=5)
-        await eventually(lambda: model_counts(ops), lambda c: c == (3, 0))
+        await eventually(lambda: asyncio.sleep(0, started["c"]), timeout=5)
+        await eventually(lambda: model_counts(ops), ok=lambda c: c == (3, 0))
         assert (await ops.workers())[on_a].state == "ready"
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await ops.start("a")
@@ -73,7 +74,7 @@ async def test_a_rebalance_recommendation_replaces_elsewhere_and_drains_nothing(
             "advisory_lifted",
             {"source": "aws", "reason": "rebalance", "key": "aws:rebalance:1", "why": "ttl"},
         )
-        await eventually(lambda: model_counts(ops), lambda c: c == (2, 1))
+        await eventually(lambda: model_counts(ops), ok=lambda c: c == (2, 1))
         workers = await ops.workers()
         assert workers[started["c"][0]].state == "draining"
         assert workers[on_a].state == "ready"
@@ -96,7 +97,7 @@ async def test_an_advisory_ends_at_its_expiry_and_survives_a_coordinator_restart
     try:
         await node.connect()
         await node.event("advisory_received", advisory("gcp:migrate:1", ttl_s=6.0))
-        await eventually(lambda: events(ops, "advisory_received"), bool)
+        await eventually(lambda: events(ops, "advisory_received"))
         coordinator.proc.stop()
         await node.close()
         await ops.channel.close()
@@ -116,7 +117,7 @@ async def test_an_advisory_ends_at_its_expiry_and_survives_a_coordinator_restart
                 await asyncio.sleep(0.2)
                 return None
 
-        await eventually(placed, bool, timeout=15)
+        await eventually(placed, timeout=15)
     finally:
         await node.close()
         await ops.channel.close()
@@ -136,7 +137,7 @@ async def test_an_advisory_with_a_bad_expiry_or_another_action_changes_nothing(c
             advisory("k5", ttl_s=-10),
         ):
             await node.event("advisory_received", details)
-        await eventually(lambda: events(ops, "advisory_received"), lambda e: len(e) == 5)
+        await eventually(lambda: events(ops, "advisory_received"), ok=lambda e: len(e) == 5)
         await ops.start("a")  # none of them put the node at risk
     finally:
         await node.close()

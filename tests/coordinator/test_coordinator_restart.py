@@ -10,8 +10,9 @@ import asyncio
 import json
 import time
 
-from fakes.fakenode import FakeNode, Ops, eventually
+from fakes.fakenode import FakeNode, Ops
 from fakes.harness import start_coordinator
+from fakes.waiting import eventually
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 
@@ -96,7 +97,7 @@ async def test_a_models_start_backoff_survives_a_coordinator_crash(tmp_path, pki
                 )
             )
         )
-        [failed] = await eventually(lambda: details(ops, "capacity_start_failed"), bool)
+        [failed] = await eventually(lambda: details(ops, "capacity_start_failed"))
         retry_at = failed["_time"] + failed["retry_in_s"]
         await ops.channel.close()
         await node.close()
@@ -155,7 +156,7 @@ async def test_a_restart_gives_every_node_a_full_heartbeat_ttl(tmp_path, pki, co
         )
         await a.heartbeat(wa)
         started = time.monotonic()
-        missing = await eventually(lambda: details(ops, "worker_missing"), bool, timeout=20)
+        missing = await eventually(lambda: details(ops, "worker_missing"), timeout=20)
         assert time.monotonic() - started >= 1.5  # a TTL from the restart, not from before
         assert [m["worker_id"] for m in missing] == [wb]
         workers = await ops.workers()

@@ -35,8 +35,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fakes.fakenode import FakeNode
-from fakes.harness import Coordinator, start_coordinator, wait_until
+from fakes.harness import Coordinator, start_coordinator
 from fakes.pki import CertFiles, Pki
+from fakes.waiting import wait_until
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 

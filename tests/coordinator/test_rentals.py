@@ -11,8 +11,9 @@ import time
 import grpc
 import pytest
 
-from fakes.fakenode import FakeNode, Ops, aio_channel, eventually
+from fakes.fakenode import FakeNode, Ops, aio_channel
 from fakes.harness import BIN, start_coordinator
+from fakes.waiting import eventually
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
@@ -51,7 +52,7 @@ async def running_rental(node: FakeNode, renter: Renter) -> pb.Rental:
     assert msg.start_rental.rental_id == rental.rental_id
     assert msg.start_rental.renter == "alice"
     await node.report_rental(rental.rental_id, "started")
-    await eventually(lambda: renter.get(rental.rental_id), lambda r: r.state == "running")
+    await eventually(lambda: renter.get(rental.rental_id), ok=lambda r: r.state == "running")
     return rental
 
 
@@ -146,10 +147,10 @@ async def test_a_resume_before_reclaim_at_lets_the_rental_go_on(coordinator, pki
         await node.connect()
         rental = await running_rental(node, alice)
         await node.pause("pause")
-        await eventually(lambda: alice.get(rental.rental_id), lambda r: r.HasField("reclaim_at"))
+        await eventually(lambda: alice.get(rental.rental_id), ok=lambda r: r.HasField("reclaim_at"))
         await node.resume()
         back = await eventually(
-            lambda: alice.get(rental.rental_id), lambda r: not r.HasField("reclaim_at")
+            lambda: alice.get(rental.rental_id), ok=lambda r: not r.HasField("reclaim_at")
         )
         assert back.state == "running" and back.reclaim_id == ""
     finally:
@@ -176,7 +177,9 @@ async def test_the_spot_flag_cannot_change_under_a_rental(coordinator, pki, ops,
         # The owner pauses: on-demand, so it is the provider's doing.
         await node.pause("pause")
         await node.report_rental(rental.rental_id, "stopped", exit_code=137)
-        ended = await eventually(lambda: alice.get(rental.rental_id), lambda r: r.state == "ended")
+        ended = await eventually(
+            lambda: alice.get(rental.rental_id), ok=lambda r: r.state == "ended"
+        )
         assert ended.ended_by == "provider"
 
         changed = await ops.admin.SetNodeSpot(pb.SetNodeSpotRequest(node_id="node-a", spot=True))
@@ -246,7 +249,7 @@ async def test_a_node_back_without_its_rental_container_ends_the_rental(
         await node.connect(rentals=[pb.RentalReport(rental_id=stale.rental_id, state="started")])
         stop = await node.next_of("stop_rental")
         assert stop.stop_rental.rental_id == stale.rental_id
-        ended = await eventually(lambda: alice.get(gone.rental_id), lambda r: r.state == "ended")
+        ended = await eventually(lambda: alice.get(gone.rental_id), ok=lambda r: r.state == "ended")
         assert ended.ended_by == "platform" and "gone" in ended.detail
     finally:
         await node.close()
@@ -316,7 +319,7 @@ async def test_a_killed_coordinator_keeps_rentals_reclaims_and_avoided_groups(tm
         await node.connect()
         rental = await running_rental(node, alice)
         taint = await node.pause("notice")
-        await eventually(lambda: alice.get(rental.rental_id), lambda r: r.HasField("reclaim_at"))
+        await eventually(lambda: alice.get(rental.rental_id), ok=lambda r: r.HasField("reclaim_at"))
     finally:
         await node.close()
         await elsewhere.close()
@@ -336,7 +339,9 @@ async def test_a_killed_coordinator_keeps_rentals_reclaims_and_avoided_groups(tm
         shown = {n.node_id: n for n in (await ops.admin.ListNodes(pb.ListNodesRequest())).nodes}
         assert shown["node-a"].group_avoided_until > time.time() + 200  # still avoided (300 s)
         await node.report_rental(rental.rental_id, "stopped", exit_code=137)
-        ended = await eventually(lambda: alice.get(rental.rental_id), lambda r: r.state == "ended")
+        ended = await eventually(
+            lambda: alice.get(rental.rental_id), ok=lambda r: r.state == "ended"
+        )
         assert ended.ended_by == "reclaim"
     finally:
         await node.close()
@@ -353,12 +358,12 @@ async def test_a_resume_during_a_notice_leaves_the_notices_reclaim_at(coordinato
         await node.pause("pause", grace_s=100)
         notice = await node.pause("notice", grace_s=200)
         told = await eventually(
-            lambda: alice.get(rental.rental_id), lambda r: r.HasField("reclaim_at")
+            lambda: alice.get(rental.rental_id), ok=lambda r: r.HasField("reclaim_at")
         )
         assert told.reclaim_reason == "pause"
         await node.resume()
         after = await eventually(
-            lambda: alice.get(rental.rental_id), lambda r: r.reclaim_reason == "notice"
+            lambda: alice.get(rental.rental_id), ok=lambda r: r.reclaim_reason == "notice"
         )
         assert (after.reclaim_at, after.reclaim_id) == (notice.grace_deadline, notice.reclaim_id)
     finally:
@@ -379,7 +384,7 @@ async def test_an_ended_rentals_gpus_stay_booked_until_its_container_stopped(
         assert "not_enough_gpus" in err.value.details()
         await node.report_rental(rental.rental_id, "stopped", exit_code=143)
         ended = await eventually(
-            lambda: alice.get(rental.rental_id), lambda r: r.HasField("exit_code")
+            lambda: alice.get(rental.rental_id), ok=lambda r: r.HasField("exit_code")
         )
         assert (ended.ended_by, ended.exit_code) == ("renter", 143)
         assert (await ops.start("node-a")).node_id == "node-a"
@@ -418,11 +423,13 @@ async def test_a_node_that_cannot_list_its_containers_loses_no_rental(coordinato
                 )
             )
         )
-        ended = await eventually(lambda: alice.get(paused.rental_id), lambda r: r.state == "ended")
+        ended = await eventually(
+            lambda: alice.get(paused.rental_id), ok=lambda r: r.state == "ended"
+        )
         assert (ended.ended_by, ended.reclaim_id) == ("provider", "rcl-local-pause")
         assert (await alice.get(gone.rental_id)).state == "running"  # its report may come
         vanished = await eventually(
-            lambda: alice.get(gone.rental_id), lambda r: r.state == "ended", timeout=15
+            lambda: alice.get(gone.rental_id), ok=lambda r: r.state == "ended", timeout=15
         )
         assert vanished.ended_by == "platform" and "gone" in vanished.detail
     finally:
@@ -437,7 +444,9 @@ async def test_a_rental_never_started_is_given_up(tmp_path, pki):
         await node.connect()
         rental = await alice.rent("node-a")
         await node.next_of("start_rental")  # and never answers
-        ended = await eventually(lambda: alice.get(rental.rental_id), lambda r: r.state == "ended")
+        ended = await eventually(
+            lambda: alice.get(rental.rental_id), ok=lambda r: r.state == "ended"
+        )
         assert ended.ended_by == "platform" and "never reported started" in ended.detail
         assert (await node.next_of("stop_rental")).stop_rental.rental_id == rental.rental_id
     finally:
@@ -480,7 +489,9 @@ async def test_a_rental_on_a_node_gone_for_good_ends_as_platform(tmp_path, pki):
         await asyncio.sleep(1.5)
         assert (await alice.get(rental.rental_id)).state == "running"  # connected: not gone
         await node.disconnect()
-        ended = await eventually(lambda: alice.get(rental.rental_id), lambda r: r.state == "ended")
+        ended = await eventually(
+            lambda: alice.get(rental.rental_id), ok=lambda r: r.state == "ended"
+        )
         assert ended.ended_by == "platform" and "gone for" in ended.detail
     finally:
         await node.close()

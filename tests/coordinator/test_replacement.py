@@ -13,8 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fakes.fakenode import FakeNode, Ops, events, eventually, obey_starts
+from fakes.fakenode import FakeNode, Ops, events, obey_starts
 from fakes.harness import start_coordinator
+from fakes.waiting import eventually
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 ACQUIRE = """
@@ -65,7 +66,7 @@ async def test_a_hard_notice_asks_another_group_and_avoids_its_own(tmp_path, pki
 
         taint = await a1.pause("notice")
         noticed = time.time()
-        await eventually(lambda: asyncio.sleep(0, out.exists()), bool, timeout=5)
+        await eventually(lambda: asyncio.sleep(0, out.exists()), timeout=5)
         called = json.loads(out.read_text())
         assert called["at"] - noticed < 1.0  # asked within a second of the notice
         request = called["request"]
@@ -78,7 +79,7 @@ async def test_a_hard_notice_asks_another_group_and_avoids_its_own(tmp_path, pki
 
         [asked] = await events(ops, "replacement_requested")
         assert asked["reclaim_id"] == taint.reclaim_id and asked["target_group"] == "group-b"
-        [result] = await eventually(lambda: events(ops, "replacement_result"), bool)
+        [result] = await eventually(lambda: events(ops, "replacement_result"))
         assert result["ok"] is True and result["response"] == {"instances": ["i-new"]}
         timeline = await ops.admin.GetTimeline(pb.GetTimelineRequest(reclaim_id=taint.reclaim_id))
         assert "replacement_requested" in timeline.reclamation.steps
@@ -120,7 +121,7 @@ async def test_an_acquirer_that_hangs_or_fails_is_recorded_and_delays_nothing(
         drain = await a1.next_of("drain_worker", timeout=2)
         assert drain.drain_worker.worker_id == worker.worker_id
         assert not await events(ops, "replacement_result")
-        [result] = await eventually(lambda: events(ops, "replacement_result"), bool, timeout=10)
+        [result] = await eventually(lambda: events(ops, "replacement_result"), timeout=10)
         assert result["ok"] is False and detail in result["detail"]
         assert out.exists()  # it was asked
     finally:
@@ -143,7 +144,7 @@ async def test_one_group_only_is_not_avoided_and_the_replacement_goes_beside(coo
         )
         await a1.start_next()
         await a1.pause("notice")
-        [unavailable] = await eventually(lambda: events(ops, "replacement_unavailable"), bool)
+        [unavailable] = await eventually(lambda: events(ops, "replacement_unavailable"))
         assert unavailable["reclaimed_group"] == "group-a"
         assert unavailable["avoided_until"] is None
         assert (await a2.next_of("start_worker")).start_worker.model == "m"
@@ -179,19 +180,20 @@ async def test_a_paused_nodes_workers_are_replaced_while_it_drains(coordinator, 
             pb.SetModelReplicasRequest(model="m", replicas=2, image="img", slots=4)
         )
         await eventually(
-            lambda: ops.admin.ListModels(pb.ListModelsRequest()), lambda r: r.models[0].ready == 2
+            lambda: ops.admin.ListModels(pb.ListModelsRequest()),
+            ok=lambda r: r.models[0].ready == 2,
         )
         assert [len(started[n]) for n in "abc"] == [1, 1, 0]  # least loaded first
         watcher = asyncio.create_task(watch_ready())
         await asyncio.sleep(0.1)
 
         await nodes["a"].pause("pause")
-        await eventually(lambda: asyncio.sleep(0, started["c"]), bool, timeout=5)
+        await eventually(lambda: asyncio.sleep(0, started["c"]), timeout=5)
         paused_worker = started["a"][0]
         assert (await ops.workers())[paused_worker].state == "draining"  # still draining
         await eventually(
             lambda: ops.admin.ListModels(pb.ListModelsRequest()),
-            lambda r: (r.models[0].ready, r.models[0].draining) == (2, 1),
+            ok=lambda r: (r.models[0].ready, r.models[0].draining) == (2, 1),
         )
         # a's worker finishes its requests and stops.
         await nodes["a"].outgoing.put(
@@ -256,7 +258,7 @@ async def test_a_model_whose_workers_fail_to_start_is_retried_with_backoff(coord
                 )
             )
         )
-        [failed] = await eventually(lambda: events(ops, "capacity_start_failed"), bool)
+        [failed] = await eventually(lambda: events(ops, "capacity_start_failed"))
         assert (failed["failures"], failed["retry_in_s"]) == (1, 5.0)
         second = await node.next_of("start_worker", timeout=15)
         assert time.monotonic() - failed_at >= 4.5  # not before the backoff ran out
@@ -273,7 +275,8 @@ async def test_a_model_whose_workers_fail_to_start_is_retried_with_backoff(coord
             )
         )
         await eventually(
-            lambda: ops.admin.ListModels(pb.ListModelsRequest()), lambda r: r.models[0].ready == 1
+            lambda: ops.admin.ListModels(pb.ListModelsRequest()),
+            ok=lambda r: r.models[0].ready == 1,
         )
     finally:
         await node.close()
@@ -300,9 +303,9 @@ async def test_a_coordinator_that_died_before_asking_asks_when_it_is_back(tmp_pa
         )
         ops = Ops(coordinator)
         try:
-            [asked] = await eventually(lambda ops=ops: events(ops, "replacement_requested"), bool)
+            [asked] = await eventually(lambda ops=ops: events(ops, "replacement_requested"))
             assert (asked["reclaim_id"], asked["target_group"]) == ("rcl-crashed", "group-b")
-            await eventually(lambda ops=ops: events(ops, "replacement_result"), bool)
+            await eventually(lambda ops=ops: events(ops, "replacement_result"))
             if attempt == 0:
                 assert json.loads(out.read_text())["request"]["reclaimed_node"] == "a1"
                 out.unlink()

@@ -33,25 +33,12 @@ from multidict import CIMultiDict
 
 from fakes.harness import Coordinator, Proc, start_coordinator
 from fakes.pki import CertFiles, Pki
+from fakes.waiting import eventually
 from spotdrain.coordinator.router.app import main as router_main
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
 MODEL = "fake-llm"
-
-
-async def eventually(predicate: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
-    """Poll (without blocking the loop) until predicate() is truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def aio_channel(coordinator: Coordinator, who: CertFiles) -> grpc.aio.Channel:
@@ -357,14 +344,11 @@ class RouterProc:
 
     async def caught_up(self, model: str, version: int) -> None:
         """Until the router's table for `model` is at `version` or later."""
-        deadline = time.monotonic() + 10
-        while True:
-            table = (await self.get("/routes")).get(model)
-            if table is not None and table["version"] >= version:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"router table of {model} never reached version {version}")
-            await asyncio.sleep(0.02)
+        await eventually(
+            lambda: self.get("/routes"),
+            f"the router's table of {model} at version {version}",
+            ok=lambda tables: (tables.get(model) or {}).get("version", -1) >= version,
+        )
 
     async def chat(self, **body: Any) -> tuple[int, CIMultiDict[str], Any]:
         headers = body.pop("headers", {})

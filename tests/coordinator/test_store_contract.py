@@ -14,12 +14,13 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import psycopg
 import pytest
 
+from fakes.waiting import eventually
 from spotdrain.coordinator.core import timeline
 from spotdrain.coordinator.store import (
     SCHEMA_VERSION,
@@ -127,13 +128,6 @@ def notice(uid: str, t0: float, **kw: Any) -> NewEvent:
         overrun_at=t0 + 28.0,
         **kw,
     )
-
-
-async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait for something to happen (never used to show that something did not)."""
-    async with asyncio.timeout(timeout):
-        while not condition():  # noqa: ASYNC110 (a condition, not an event: polled)
-            await asyncio.sleep(0.005)
 
 
 def waiting_writers(store: Store) -> int:
@@ -753,11 +747,11 @@ async def test_a_taint_overtakes_queued_event_batches(store):
         committed.append("taint")
 
     batches = [asyncio.create_task(batch(name)) for name in names]
-    await until(lambda: len(entered) + waiting_writers(store) == len(names))
+    await eventually(lambda: len(entered) + waiting_writers(store) == len(names))
     queued = set(names) - set(entered)
     assert queued
     task = asyncio.create_task(taint())
-    await until(lambda: "taint" in committed or waiting_writers(store) == len(queued) + 1)
+    await eventually(lambda: "taint" in committed or waiting_writers(store) == len(queued) + 1)
     gate.set()
     async with asyncio.timeout(20):
         await asyncio.gather(task, *batches)
@@ -1050,9 +1044,9 @@ async def test_sqlite_a_taints_blind_writes_go_before_queued_bulk_ones(tmp_path,
         holder = asyncio.create_task(busy_writer())
         await holding.wait()
         bulks = [asyncio.create_task(bulk(n)) for n in range(40)]
-        await until(lambda: waiting_writers(store) == 1)  # the bulk groups' trip, queued
+        await eventually(lambda: waiting_writers(store) == 1)  # the bulk groups' trip, queued
         critical = asyncio.create_task(taint())
-        await until(lambda: waiting_writers(store) == 2)
+        await eventually(lambda: waiting_writers(store) == 2)
         gate.set()
         async with asyncio.timeout(20):
             await asyncio.gather(holder, critical, *bulks)

@@ -15,8 +15,9 @@ import subprocess
 import grpc
 import pytest
 
-from fakes.fakenode import FakeNode, Ops, eventually
+from fakes.fakenode import FakeNode, Ops
 from fakes.harness import BIN, start_coordinator
+from fakes.waiting import eventually
 from spotdrain.coordinator.api.agent_link import Coordinator
 from spotdrain.coordinator.core.admission import CONTRACT_FLAGGED, NodeView, PlacementRequest, admit
 from spotdrain.coordinator.fleet.contracts import ContractPolicy
@@ -264,7 +265,7 @@ async def test_no_spot_for_flagged_through_the_gate_and_spotctl(tmp_path, pki):
         # Flagged at the 20th reclamation already; wait until all 40 are stored.
         await eventually(
             lambda: ops.admin.ListWorkloadContracts(pb.ListWorkloadContractsRequest()),
-            lambda got: [c.reclamations for c in got.contracts] == [40],
+            ok=lambda got: [c.reclamations for c in got.contracts] == [40],
         )
         assert len(await ops.events("workload_contract_flagged")) == 1
         out = await spotctl(coord, "workloads", "--json")

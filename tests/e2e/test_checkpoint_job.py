@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from fakes.harness import wait_until
 from fakes.moto_s3 import S3Endpoint
+from fakes.waiting import wait_until
 
 JOB = Path(__file__).parents[2] / "examples" / "checkpoint_job" / "job.py"
 RUNS = 20

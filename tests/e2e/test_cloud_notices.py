@@ -15,7 +15,8 @@ from test_pause import spotctl, wait_state
 
 from fakes.cloudmeta import AwsImds, AzureMetadata, GceMetadata, azure_event, iso_utc
 from fakes.dockerenv import run_workload
-from fakes.harness import AgentOptions, start_agent, wait_until
+from fakes.harness import AgentOptions, start_agent
+from fakes.waiting import wait_until
 from images.fake_model import ensure_model_image
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc

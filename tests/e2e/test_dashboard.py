@@ -11,7 +11,8 @@ import time
 import pytest
 
 from fakes.dockerenv import run_workload
-from fakes.harness import BIN, AgentOptions, start_agent, start_coordinator, wait_until
+from fakes.harness import BIN, AgentOptions, start_agent, start_coordinator
+from fakes.waiting import wait_until
 from spotdrain.timeline import svg as timeline_svg
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc

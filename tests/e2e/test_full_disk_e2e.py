@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from fakes.dockerenv import run_workload
-from fakes.harness import AgentOptions, start_agent, wait_until
+from fakes.harness import AgentOptions, start_agent
+from fakes.waiting import wait_until
 
 pytestmark = pytest.mark.docker
 

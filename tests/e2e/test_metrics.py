@@ -11,7 +11,8 @@ import urllib.request
 import pytest
 
 from fakes.dockerenv import run_workload
-from fakes.harness import AgentOptions, start_agent, start_coordinator, wait_until
+from fakes.harness import AgentOptions, start_agent, start_coordinator
+from fakes.waiting import wait_until
 
 pytestmark = pytest.mark.docker
 

@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from fakes.fakenvml import FakeGpus
-from fakes.harness import AgentOptions, start_agent, start_coordinator, wait_until
+from fakes.harness import AgentOptions, start_agent, start_coordinator
+from fakes.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "packaging" / "grafana" / "spotdrain.json"

@@ -34,7 +34,8 @@ import pytest
 
 from fakes.dockerenv import DockerEngine, remove_test_containers, run_workload
 from fakes.fakenvml import LIB_NAME, build
-from fakes.harness import Admin, wait_until
+from fakes.harness import Admin
+from fakes.waiting import wait_until
 from images.fake_model import cache_dir
 from images.systemd_debian import SystemdContainer, boot, ensure_systemd_image
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc

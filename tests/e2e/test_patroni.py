@@ -16,8 +16,9 @@ import pytest
 
 from fakes.dockerenv import run_workload
 from fakes.fakenode import FakeNode
-from fakes.harness import AgentOptions, start_agent, start_coordinator, wait_until
+from fakes.harness import AgentOptions, start_agent, start_coordinator
 from fakes.patroni import Cluster, start_cluster
+from fakes.waiting import wait_until
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 pytestmark = [pytest.mark.postgres, pytest.mark.docker]

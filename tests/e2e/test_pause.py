@@ -17,7 +17,8 @@ import grpc
 import pytest
 
 from fakes.dockerenv import remove_test_containers, run_workload
-from fakes.harness import BIN, AgentOptions, start_agent, start_coordinator, wait_until
+from fakes.harness import BIN, AgentOptions, start_agent, start_coordinator
+from fakes.waiting import wait_until
 from images.fake_model import ensure_model_image
 from spotdrain.v1 import spotdrain_pb2 as pb
 

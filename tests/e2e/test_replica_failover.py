@@ -27,7 +27,8 @@ from test_replicas import (  # noqa: F401 (fixtures)
 
 from fakes.dockerenv import remove_test_containers, run_workload
 from fakes.fakenode import FakeNode
-from fakes.harness import BIN, AgentOptions, start_agent, start_router, wait_until
+from fakes.harness import BIN, AgentOptions, start_agent, start_router
+from fakes.waiting import wait_until
 from images.fake_model import ensure_model_image
 
 pytestmark = pytest.mark.docker

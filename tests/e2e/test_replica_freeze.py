@@ -19,7 +19,7 @@ from test_replicas import (  # noqa: F401 (fixtures)
 )
 
 from fakes.fakenode import FakeNode
-from fakes.harness import wait_until
+from fakes.waiting import wait_until
 from spotdrain.coordinator.store.pg_conn import EVENTS_LOCK
 
 # The leader's event batch waits for the events lock the test holds: its transaction has passed

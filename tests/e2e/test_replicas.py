@@ -16,8 +16,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fakes.fakenode import FakeNode, aio_channel
-from fakes.harness import AgentOptions, start_agent, start_coordinator, wait_until
+from fakes.harness import AgentOptions, start_agent, start_coordinator
 from fakes.pgserver import fresh_database
+from fakes.waiting import wait_until
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 

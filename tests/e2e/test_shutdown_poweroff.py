@@ -29,7 +29,8 @@ from test_packaging import debs  # noqa: F401  (the module-scoped fixture: both 
 
 from fakes.dockerenv import DockerEngine, SignalProbe, remove_test_containers, run_workload
 from fakes.fakenvml import LIB_NAME, build
-from fakes.harness import start_coordinator, wait_until
+from fakes.harness import start_coordinator
+from fakes.waiting import wait_until
 from images.systemd_debian import boot, ensure_systemd_image
 
 log = logging.getLogger("spotdrain.tests.shutdown_poweroff")

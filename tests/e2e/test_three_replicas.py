@@ -23,7 +23,8 @@ from test_replica_failover import (  # noqa: F401 (fixtures)
 from test_replicas import FAILOVER_S, db, leading, lease_row, start_replica  # noqa: F401
 
 from fakes.dockerenv import run_workload
-from fakes.harness import AgentOptions, start_agent, start_router, wait_until
+from fakes.harness import AgentOptions, start_agent, start_router
+from fakes.waiting import wait_until
 
 pytestmark = pytest.mark.docker
 

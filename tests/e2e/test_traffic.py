@@ -13,7 +13,8 @@ import pytest
 from test_pause import spotctl, start_worker, wait_state
 
 from fakes.dockerenv import remove_test_containers
-from fakes.harness import AgentOptions, start_agent, start_router, wait_until
+from fakes.harness import AgentOptions, start_agent, start_router
+from fakes.waiting import wait_until
 from images.fake_model import ensure_model_image
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc

@@ -10,19 +10,9 @@ from pathlib import Path
 
 import grpc
 
+from fakes.waiting import eventually
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
-
-
-async def eventually(fetch, ok, timeout: float = 10):
-    """Await fetch() until ok(value); the bound only stops a broken test from hanging."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await fetch()
-        if ok(value):
-            return value
-        assert time.monotonic() < deadline, f"never true: {value}"
-        await asyncio.sleep(0.05)
 
 
 def aio_channel(coordinator, who) -> grpc.aio.Channel:
@@ -202,10 +192,10 @@ class Ops:
         return out
 
     async def wait_state(self, worker_id: str, state: str, timeout: float = 10) -> None:
-        deadline = time.monotonic() + timeout
-        while (await self.workers())[worker_id].state != state:
-            assert time.monotonic() < deadline, f"{worker_id} never {state}"
-            await asyncio.sleep(0.05)
+        async def there() -> bool:
+            return (await self.workers())[worker_id].state == state
+
+        await eventually(there, f"{worker_id} {state}", timeout)
 
 
 async def obey_starts(node: FakeNode, started: list[str]) -> None:

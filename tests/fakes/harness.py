@@ -17,7 +17,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,23 +25,12 @@ import grpc
 
 from fakes.fakenvml import FakeGpus
 from fakes.pki import CertFiles, Pki
+from fakes.waiting import wait_until
 from spotdrain.protocol.events import stored_event_to_dict
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
 BIN = Path(sys.executable).parent
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, every: float = 0.05) -> Any:
-    """Poll until predicate() is truthy. The bound only stops a broken test from hanging."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(every)
 
 
 class Proc:

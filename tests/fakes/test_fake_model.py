@@ -17,6 +17,7 @@ import pytest
 from docker.models.containers import Container
 
 from fakes.dockerenv import DockerEngine, remove_test_containers
+from fakes.waiting import eventually
 from images.fake_model import MODEL_IMAGE, RECIPE_LABEL, ensure_model_image, run_model
 
 pytestmark = pytest.mark.docker
@@ -316,10 +317,10 @@ async def test_second_sigterm_exits_at_once(start_worker):
     task = asyncio.create_task(stream())
     await asyncio.wait_for(streaming.wait(), 5)
     await asyncio.to_thread(worker.container.kill, signal="SIGTERM")
-    deadline = time.monotonic() + 5
-    while b"SIGTERM: not accepting" not in worker.container.logs():  # the first one is handled
-        assert time.monotonic() < deadline, worker.container.logs().decode()
-        await asyncio.sleep(0.05)
+    # The first SIGTERM is handled:
+    await eventually(
+        lambda: b"SIGTERM: not accepting" in worker.container.logs(), "the SIGTERM handled", 5
+    )
     assert not task.done()
     await asyncio.to_thread(worker.container.kill, signal="SIGTERM")
     result = await asyncio.to_thread(worker.container.wait, timeout=5)

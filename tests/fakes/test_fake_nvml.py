@@ -13,13 +13,13 @@ import pathlib
 import select
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from fakes.fakenvml import GIB, FakeGpus, build
+from fakes.waiting import wait_until
 
 # One request a line ("op arg..."), one JSON reply a line:
 # {"ok": value} or {"error": "<pynvml exception class>"}, plus "s": call seconds.
@@ -194,13 +194,11 @@ def sleeper() -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
 
 
 def wait_for_zombie(pid: int, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def zombie() -> bool:
         stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-        if stat.rsplit(")", 1)[1].split()[0] == "Z":
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"{pid} did not become a zombie")
+        return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+    wait_until(zombie, timeout, f"{pid} a zombie", every=0.01)
 
 
 def test_build_skips_when_up_to_date(fake_lib: pathlib.Path) -> None:

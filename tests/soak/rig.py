@@ -15,15 +15,9 @@ import time
 from pathlib import Path
 
 from fakes.fakenvml import FakeGpus
-from fakes.harness import (
-    Agent,
-    AgentOptions,
-    Coordinator,
-    start_agent,
-    start_coordinator,
-    wait_until,
-)
+from fakes.harness import Agent, AgentOptions, Coordinator, start_agent, start_coordinator
 from fakes.pki import Pki
+from fakes.waiting import wait_until
 
 from .observe import install_ledger
 

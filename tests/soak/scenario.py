@@ -38,7 +38,8 @@ import docker
 import docker.errors
 
 from fakes.dockerenv import remove_test_containers
-from fakes.harness import AgentOptions, wait_until
+from fakes.harness import AgentOptions
+from fakes.waiting import wait_until
 from spotdrain.agent.core.reclamation import Reclamation, reclaim_id_for
 from spotdrain.agent.drain.state import STEP_EVENTS
 from spotdrain.agent.host import control_socket

@@ -325,7 +325,9 @@ class HoldingLink(RecordingLink):
 
 
 @contextlib.asynccontextmanager
-async def linked(tmp_path: Path) -> AsyncIterator[tuple[CoordinatorLink, HoldingLink, Outbox]]:
+async def linked(
+    tmp_path: Path, hold_events_max_s: float = link_module.HOLD_EVENTS_MAX_S
+) -> AsyncIterator[tuple[CoordinatorLink, HoldingLink, Outbox]]:
     """An agent's link, registered with a HoldingLink on a real gRPC server."""
     outbox = Outbox(tmp_path / "outbox.db")
     servicer = HoldingLink()
@@ -345,7 +347,7 @@ async def linked(tmp_path: Path) -> AsyncIterator[tuple[CoordinatorLink, Holding
     async def registration() -> pb.Register:
         return pb.Register(node_id=NODE)
 
-    link = CoordinatorLink(cfg, outbox, registration)
+    link = CoordinatorLink(cfg, outbox, registration, hold_events_max_s=hold_events_max_s)
     running = asyncio.create_task(link.run())
     try:
         await asyncio.wait_for(link.connected.wait(), 10)
@@ -385,11 +387,10 @@ async def test_a_drain_holding_the_events_lets_its_taint_and_reports_through(tmp
         assert [e.uid for e in servicer.batches[0]] == [uid]
 
 
-async def test_a_hold_never_released_ends_by_itself(tmp_path, monkeypatch):
+async def test_a_hold_never_released_ends_by_itself(tmp_path):
     """A drain that never releases its hold (a round wedged on a hung engine) holds the
     events back for HOLD_EVENTS_MAX_S at most: they reach the coordinator without a release."""
-    monkeypatch.setattr(link_module, "HOLD_EVENTS_MAX_S", 0.3)
-    async with linked(tmp_path) as (link, servicer, outbox):
+    async with linked(tmp_path, hold_events_max_s=0.3) as (link, servicer, outbox):
         link.hold_events("r-2")
         held_at = time.monotonic()
         uid = outbox.put("notice_received", NODE, "r-2", time.time(), 0.0, {}).uid

@@ -132,17 +132,15 @@ def test_a_small_coordinator_waits_for_the_floor_not_double(collector_by_hand) -
 
 
 def test_a_long_pause_is_logged_with_the_collectors_share(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A 120 ms generation-1 collection of which 30 ms was the collector's CPU (the rest, the
     process was not running) is logged with both figures and what it freed, counted in the
     pause histogram and kept as the longest; a 10 ms one is only counted."""
     wall = iter([10.0, 10.120, 20.0, 20.010])
     cpu = iter([1.0, 1.030, 2.0, 2.005])
-    monkeypatch.setattr(pauses_module.time, "perf_counter", lambda: next(wall))
-    monkeypatch.setattr(pauses_module.time, "thread_time", lambda: next(cpu))
     registry = CollectorRegistry()
-    pauses = Pauses(registry)
+    pauses = Pauses(registry, wall=lambda: next(wall), cpu=lambda: next(cpu))
     with caplog.at_level(logging.WARNING, "spotdrain.coordinator.gc"):
         pauses._on_gc("start", {"generation": 1})
         pauses._on_gc("stop", {"generation": 1, "collected": 40, "uncollectable": 0})
@@ -166,8 +164,7 @@ async def test_the_young_generation_is_collected_every_tick_and_only_it(
 
     collects: list[tuple] = []
     monkeypatch.setattr(gc, "collect", lambda *a, **k: collects.append(a) or 0)
-    monkeypatch.setattr(pauses_module, "YOUNG_EVERY_S", 0.001)
-    task = asyncio.create_task(Pauses(CollectorRegistry()).keep_young_small())
+    task = asyncio.create_task(Pauses(CollectorRegistry(), young_every_s=0.001).keep_young_small())
     try:
         for _ in range(2000):
             if len(collects) >= 2 * pauses_module.MIDDLE_EVERY:

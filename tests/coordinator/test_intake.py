@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from spotdrain.coordinator.api import agent_link as service_module
 from spotdrain.coordinator.api.agent_link import AgentLinkServicer, Coordinator
 from spotdrain.coordinator.api.intake import EVENT_MIN_COST, Intake, batch_cost
 from spotdrain.coordinator.store import open_store
@@ -71,7 +70,7 @@ def batch(node_id: str, n: int) -> pb.EventBatch:
 
 
 async def test_the_stream_waits_out_its_budget_then_takes_the_batch_in_whole(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """A stream past its budget: the reader waits (the stream is not read meanwhile) for what
     the budget says, then converts the whole batch, yielding the loop between slices; nothing
@@ -79,14 +78,12 @@ async def test_the_stream_waits_out_its_budget_then_takes_the_batch_in_whole(
     store = await open_store(str(tmp_path / "coordinator.sqlite"))
     servicer = AgentLinkServicer(Coordinator(store, insecure=True))
     sleeps: list[float] = []
-    real_sleep = asyncio.sleep
 
     async def sleep(seconds: float) -> None:
         sleeps.append(seconds)
-        await real_sleep(0)
+        await asyncio.sleep(0)
 
-    monkeypatch.setattr(service_module.asyncio, "sleep", sleep)
-    intake = Intake(rate_per_s=1000 * EVENT_MIN_COST, burst=100 * EVENT_MIN_COST)
+    intake = Intake(rate_per_s=1000 * EVENT_MIN_COST, burst=100 * EVENT_MIN_COST, sleep=sleep)
     first = await servicer._take_in("node-a", batch("node-a", 100), None, intake)
     assert [e.uid for e in first] == [f"u-{i}" for i in range(100)]
     assert sleeps == [0, 0]  # within the burst: two slices of 50, no wait

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
-from spotdrain.coordinator.replicas import leadership as replica_module
 from spotdrain.coordinator.replicas.leadership import Replica
 
 
@@ -49,44 +46,47 @@ class Store:
         self.backend = backend
 
 
-@pytest.fixture
-def exits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The deposed replica's exit, recorded instead of ending the test process."""
-    seen: list[int] = []
-    monkeypatch.setattr(replica_module, "_exit_deposed", seen.append)
-    monkeypatch.setattr(replica_module, "STEP_DOWN_EXIT_S", 0.0)
-    return seen
+def replica(backend: Backend, exits: list[int], renew_s: float) -> Replica:
+    """A replica whose deposed exit is recorded in `exits` at once, not the test process's end."""
+    return Replica(
+        Store(backend),  # type: ignore[arg-type]
+        "127.0.0.1:7443",
+        ttl_s=1.0,
+        renew_s=renew_s,
+        step_down_exit_s=0.0,
+        exit_deposed=exits.append,
+    )
 
 
-async def test_a_rebuild_that_fails_steps_down_instead_of_holding_the_lease(exits) -> None:
-    backend = Backend()
-    replica = Replica(Store(backend), "127.0.0.1:7443", ttl_s=1.0, renew_s=0.2)  # type: ignore[arg-type]
+async def test_a_rebuild_that_fails_steps_down_instead_of_holding_the_lease() -> None:
+    backend, exits = Backend(), []
+    replica_ = replica(backend, exits, renew_s=0.2)
 
     async def rebuild(term: int) -> None:
         raise RuntimeError("the store went away mid-rebuild")
 
-    await asyncio.wait_for(replica.run(rebuild), 10)  # returns: it stepped down
-    assert not replica.ready.is_set() and not replica.serving()
+    await asyncio.wait_for(replica_.run(rebuild), 10)  # returns: it stepped down
+    assert not replica_.ready.is_set() and not replica_.serving()
     assert ("to", 1) in backend.fences
     assert backend.fences[-1][0] == "off" and "rebuild of term 1 failed" in str(backend.fences[-1])
-    await asyncio.sleep(0)  # the exit is scheduled at once (STEP_DOWN_EXIT_S 0 here)
+    await asyncio.sleep(0)  # the exit is scheduled at once (step_down_exit_s 0 here)
     assert exits == [1]
 
 
-async def test_a_lease_statement_that_raises_is_tried_again(exits) -> None:
+async def test_a_lease_statement_that_raises_is_tried_again() -> None:
     """Something the store did not map to a StoreError: the try counts as failed and the next
     comes, rather than the replica waiting for an answer that never arrives."""
-    backend = Backend(acquire_errors=[ValueError("not enough values to unpack")])
-    replica = Replica(Store(backend), "127.0.0.1:7443", ttl_s=1.0, renew_s=0.05)  # type: ignore[arg-type]
+    backend, exits = Backend(acquire_errors=[ValueError("not enough values to unpack")]), []
+    replica_ = replica(backend, exits, renew_s=0.05)
     rebuilt: list[int] = []
 
     async def rebuild(term: int) -> None:
         rebuilt.append(term)
 
-    running = asyncio.create_task(replica.run(rebuild))
+    running = asyncio.create_task(replica_.run(rebuild))
     try:
-        await asyncio.wait_for(replica.ready.wait(), 10)
-        assert rebuilt == [1] and replica.serving()
+        await asyncio.wait_for(replica_.ready.wait(), 10)
+        assert rebuilt == [1] and replica_.serving()
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)

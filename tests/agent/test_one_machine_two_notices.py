@@ -15,6 +15,7 @@ from typing import Any
 
 from test_full_disk import NODE, Engine, Gpus, Link, Workers
 
+from fakes.waiting import eventually
 from spotdrain.agent.config import AgentConfig
 from spotdrain.agent.core.notice import Notice
 from spotdrain.agent.core.reclamation import Margins
@@ -74,10 +75,7 @@ async def test_one_machine_two_notices_one_sigterm_and_the_earlier_g(tmp_path: P
                 source="gcp",
             )
         )
-        for _ in range(200):
-            if engine.signals:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: engine.signals, "the SIGTERM")
         assert engine.signals == [(engine.job.id, "SIGTERM")]
         first_g = json.loads(cfg.deadline_file.read_text())["grace_deadline"]
         # The host's shutdown for the same preemption, with a later D of its own.
@@ -112,10 +110,7 @@ async def test_a_lift_leaves_the_deadline_file_to_the_drain_still_in_force(tmp_p
     loop = asyncio.create_task(drains.run())
     try:
         pause = drains.pause()
-        for _ in range(200):
-            if engine.signals:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: engine.signals, "the SIGTERM")
         assert engine.signals == [(engine.job.id, "SIGTERM")]
         drains.notice(
             Notice(
@@ -126,10 +121,12 @@ async def test_a_lift_leaves_the_deadline_file_to_the_drain_still_in_force(tmp_p
                 source="aws-imds",
             )
         )
-        for _ in range(200):
-            if len(drains.live) == 2 and all(r.phase == "draining" for r in drains.live.values()):
-                break
-            await asyncio.sleep(0.01)
+        await eventually(
+            lambda: (
+                len(drains.live) == 2 and all(r.phase == "draining" for r in drains.live.values())
+            ),
+            "both reclamations draining",
+        )
         notice = next(r for r in drains.live.values() if r.reclaim_id != pause.reclaim_id)
         assert json.loads(cfg.deadline_file.read_text())["reclaim_id"] == pause.reclaim_id
 

@@ -333,7 +333,10 @@ async def test_the_lock_is_kept_while_the_bus_is_away_and_taken_again_after(tmp_
             new = await eventually(lambda: second.locks and second.locks[0], "a new lock", 15)
             await eventually(lambda: old.released, "the old lock closed")
             assert second.seen_at_inhibit == [False], "the old lock went before a new one came"
-            assert not new.released and source.health.failures == 0
+            # The source counts itself healthy just after the swap: the old lock's end can be
+            # seen here first on a busy machine.
+            await eventually(lambda: source.health.failures == 0, "the source healthy again")
+            assert not new.released
         finally:
             await second.stop()
             private.stop()

@@ -114,10 +114,9 @@ async def test_an_advisory_ends_at_its_expiry_and_survives_a_coordinator_restart
                 return await ops.start("a")
             except grpc.aio.AioRpcError as e:
                 assert "at_risk" in e.details()
-                await asyncio.sleep(0.2)
                 return None
 
-        await eventually(placed, timeout=15)
+        await eventually(placed, "a placement on a once the advisory lapsed", 15, every=0.2)
     finally:
         await node.close()
         await ops.channel.close()

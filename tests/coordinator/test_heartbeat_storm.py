@@ -100,7 +100,15 @@ async def test_a_heartbeat_storm_claiming_ready_never_ends_a_drain(coordinator, 
     again = await asyncio.wait_for(stream.read(), 10)
     assert again.drain_worker.worker_id == info.worker_id
     assert again.drain_worker.grace_deadline == now + 110  # never extended
-    await asyncio.sleep(0.5)
+    # A barrier, not a sleep: the coordinator reads the stream in order, so the acknowledgement
+    # of an event sent after the storm comes once all 1,000 heartbeats have been handled.
+    barrier = pb.Event(uid="after-the-storm", kind="barrier", node_id="node-a", wall_time=now)
+    await outgoing.put(pb.AgentMessage(events=pb.EventBatch(events=[barrier])))
+    while True:
+        answer = await asyncio.wait_for(stream.read(), 10)
+        if answer.WhichOneof("body") == "ack" and barrier.uid in answer.ack.uids:
+            break
+        assert answer.WhichOneof("body") in ("drain_worker", "ack"), answer  # never a start
 
     workers = (await admin.ListWorkers(pb.ListWorkersRequest())).workers
     assert [(w.worker_id, w.state) for w in workers] == [(info.worker_id, "draining")]

@@ -116,7 +116,7 @@ async def test_the_recovery_loop_replaces_a_missing_worker_through_the_gate(tmp_
         await nodes["node-a"].start_next()
         await ops.wait_state(info.worker_id, "ready")
         await nodes["node-a"].heartbeat(info.worker_id)
-        await asyncio.sleep(0.3)
+        await nodes["node-a"].flushed()  # the heartbeat handled
         await nodes["node-a"].disconnect()
         replacement = await nodes["node-c"].start_next()
         await ops.wait_state(info.worker_id, "stopped")

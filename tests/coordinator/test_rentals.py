@@ -405,7 +405,7 @@ async def test_a_node_that_cannot_list_its_containers_loses_no_rental(coordinato
         gone = await running_rental(node, alice)
         await node.disconnect()
         await node.connect(incomplete=True)
-        await asyncio.sleep(0.5)
+        await node.flushed()  # the short inventory handled: a barrier, not a sleep
         for r in (paused, gone):
             assert (await alice.get(r.rental_id)).state == "running"
         await node.disconnect()

@@ -37,9 +37,12 @@ class FakeNode:
     ) -> None:
         self.node_id = node_id
         self.spot, self.group, self.provider, self.gpus = spot, group, provider, gpus
+        self.coordinator = coordinator
         self.channel = aio_channel(coordinator, pki.issue(f"node:{node_id}"))
         self.stub = pb_grpc.AgentLinkStub(self.channel)
         self.stream = None
+        self._unread: list[pb.CoordinatorMessage] = []  # commands read past by flushed()
+        self._operator: grpc.aio.Channel | None = None  # disconnect()'s witness, opened once
 
     async def connect(
         self,
@@ -48,6 +51,7 @@ class FakeNode:
         incomplete: bool = False,
     ) -> None:
         self.outgoing: asyncio.Queue[pb.AgentMessage] = asyncio.Queue()
+        self._unread = []
 
         async def messages():
             while True:
@@ -71,7 +75,22 @@ class FakeNode:
         assert (await self.stream.read()).WhichOneof("body") == "registered"
 
     async def command(self, timeout: float = 10) -> pb.CoordinatorMessage:
+        if self._unread:
+            return self._unread.pop(0)
         return await asyncio.wait_for(self.stream.read(), timeout)
+
+    async def flushed(self, timeout: float = 10) -> None:
+        """A barrier: returns once the coordinator has handled everything this node sent so
+        far. The coordinator reads a stream in order, so the acknowledgement of an event sent
+        now comes after it; commands that arrive meanwhile are kept for command()."""
+        uid = await self.event("barrier", {})
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = await asyncio.wait_for(self.stream.read(), max(0.01, deadline - time.monotonic()))
+            if msg.WhichOneof("body") == "ack" and uid in msg.ack.uids:
+                return
+            if msg.WhichOneof("body") != "ack":
+                self._unread.append(msg)
 
     async def start_next(self) -> str:
         """Obey the next start command; return the worker id."""
@@ -160,13 +179,28 @@ class FakeNode:
         return uid
 
     async def disconnect(self) -> None:
+        """Drop the stream and return once the coordinator has handled the loss: its node list
+        says not connected (what the placement gate reads) and the node's last_seen is stamped
+        after the drop (the coordinator's last step). A sleep here raced a busy coordinator."""
+        dropped_at = time.time()
         self.stream.cancel()
-        await asyncio.sleep(0.2)
+        if self._operator is None:
+            self._operator = aio_channel(self.coordinator, self.coordinator.operator)
+        admin = pb_grpc.AdminStub(self._operator)
+
+        async def gone() -> bool:
+            nodes = (await admin.ListNodes(pb.ListNodesRequest())).nodes
+            node = next(n for n in nodes if n.node_id == self.node_id)
+            return not node.connected and node.last_seen >= dropped_at
+
+        await eventually(gone, f"the coordinator to see {self.node_id} disconnected")
 
     async def close(self) -> None:
         if self.stream is not None:
             self.stream.cancel()
         await self.channel.close()
+        if self._operator is not None:
+            await self._operator.close()
 
 
 class Ops:

@@ -78,7 +78,11 @@ class Pauses:
         registry: CollectorRegistry,
         rss: Callable[[], int] = rss_bytes,
         clock: Callable[[], float] = time.monotonic,
+        young_every_s: float = YOUNG_EVERY_S,
+        wall: Callable[[], float] = time.perf_counter,
+        cpu: Callable[[], float] = time.thread_time,
     ) -> None:
+        # wall and cpu time each collection; tests pass fake ones, as they pass the clock.
         self.gc_pause = Histogram(
             "spotdrain_gc_pause_seconds",
             "Garbage collections by generation: how long each stopped the process.",
@@ -106,6 +110,7 @@ class Pauses:
             registry=registry,
         )
         self._rss, self._clock = rss, clock
+        self._young_every_s, self._wall, self._cpu = young_every_s, wall, cpu
         self._first_look_at = clock() + RECLAIM_AFTER_START_S
         self._reclaim_above: int | None = None  # the RSS that calls for a full look
         self._started: float | None = None
@@ -122,11 +127,11 @@ class Pauses:
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
-            self._started = time.perf_counter()
-            self._started_cpu = time.thread_time()
+            self._started = self._wall()
+            self._started_cpu = self._cpu()
         elif self._started is not None:
-            pause = time.perf_counter() - self._started
-            cpu = time.thread_time() - self._started_cpu
+            pause = self._wall() - self._started
+            cpu = self._cpu() - self._started_cpu
             self._started = None
             self.gc_pause.labels(str(info.get("generation", ""))).observe(pause)
             if pause > self._longest:
@@ -193,7 +198,7 @@ class Pauses:
     async def keep_young_small(self) -> None:
         tick = 0
         while True:
-            await asyncio.sleep(YOUNG_EVERY_S)
+            await asyncio.sleep(self._young_every_s)
             tick += 1
             gc.collect(1 if tick % MIDDLE_EVERY == 0 else 0)
 

@@ -1,5 +1,5 @@
-"""Shared fixtures. The Docker engine and test images come from tests/dockerenv.py, the
-PostgreSQL server from tests/pgserver.py."""
+"""Shared fixtures. The Docker engine and test images come from tests/fakes/dockerenv.py, the
+PostgreSQL server from tests/fakes/pgserver.py."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ from typing import NoReturn
 
 import pytest
 
-from dockerenv import (
+from fakes.dockerenv import (
     DockerEngine,
     ensure_engine,
     ensure_images,
     ensure_rental_image,
     remove_test_containers,
 )
-from fakenvml import FakeGpus, build
-from harness import start_coordinator
-from pgserver import PgServer, database_name, fresh_database, start_postgres
-from pki import Pki
+from fakes.fakenvml import FakeGpus, build
+from fakes.harness import start_coordinator
+from fakes.pgserver import PgServer, database_name, fresh_database, start_postgres
+from fakes.pki import Pki
 
 # The two store backends every store-level and end-to-end test runs against.
 STORE_BACKENDS = ["sqlite", "postgresql"]
@@ -138,7 +138,7 @@ def rental_image(docker_engine: DockerEngine, docker_images: dict[str, str]) -> 
 
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PgServer]:
-    """A private PostgreSQL server for the whole session (tests/pgserver.py)."""
+    """A private PostgreSQL server for the whole session (tests/fakes/pgserver.py)."""
     try:
         server = start_postgres()
     except Exception as e:

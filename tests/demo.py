@@ -21,10 +21,10 @@ and the timelines. Run it with tests/demo.sh (README.md); everything it starts, 
     coordinator asks group ondemand-b's acquirer for capacity at once, avoids group spot-a, and
     replaces node-b's worker on node-c: the clients never run out of workers.
 
-    --ha: the same on two coordinator replicas over a throwaway PostgreSQL (tests/pgserver.py),
-    every agent, the router and spotctl given both addresses (docs/fleet.md "Several
-    replicas"). Halfway from the pause to G the leader is SIGKILLed; the other replica takes
-    the lease, and the rest of both acts runs on it with every promise kept.
+    --ha: the same on two coordinator replicas over a throwaway PostgreSQL
+    (tests/fakes/pgserver.py), every agent, the router and spotctl given both addresses
+    (docs/fleet.md "Several replicas"). Halfway from the pause to G the leader is SIGKILLed; the
+    other replica takes the lease, and the rest of both acts runs on it with every promise kept.
 """
 
 from __future__ import annotations
@@ -50,15 +50,15 @@ import grpc  # noqa: E402
 import psycopg  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from dockerenv import (  # noqa: E402
+from fakes.dockerenv import (  # noqa: E402
     ensure_engine,
     ensure_images,
     ensure_rental_image,
     remove_test_containers,
     run_workload,
 )
-from fakenvml import FakeGpus, build  # noqa: E402
-from harness import (  # noqa: E402
+from fakes.fakenvml import FakeGpus, build  # noqa: E402
+from fakes.harness import (
     BIN,
     Admin,
     AgentOptions,
@@ -66,12 +66,12 @@ from harness import (  # noqa: E402
     start_agent,
     start_coordinator,
     start_router,
-    wait_until,
 )
+from fakes.pgserver import fresh_database, start_postgres  # noqa: E402
+from fakes.pki import Pki  # noqa: E402
+from fakes.waiting import wait_until
 from images.checkpoint_job import ensure_checkpoint_job_image  # noqa: E402
 from images.fake_model import ensure_model_image  # noqa: E402
-from pgserver import fresh_database, start_postgres  # noqa: E402
-from pki import Pki  # noqa: E402
 from spotdrain.agent.workloads.jobs import CONTAINER_DEADLINE_DIR  # noqa: E402
 from spotdrain.agent.workloads.status_dirs import CONTAINER_STATUS_DIR  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2 as pb  # noqa: E402

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs the test suite: set-up (tests/setup.sh), then pytest from the repository root.
 #   tests/run.sh                      # all tests, -q
-#   tests/run.sh tests/test_x.py -x   # pytest arguments pass through
-# The Docker-backed tests start their own engine when none answers (tests/dockerenv.py).
+#   tests/run.sh tests/agent/test_cli.py -x   # pytest arguments pass through
+# The Docker-backed tests start their own engine when none answers (tests/fakes/dockerenv.py).
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -2,11 +2,11 @@
 # Prepares this machine to run the tests. Idempotent; needs root only when it has to install.
 #   - Debian packages: Docker (the engine the tests start themselves), busybox-static (the test
 #     images' userland), python3-venv, a C compiler (the fake NVML library), PostgreSQL (the
-#     server the store tests start themselves, tests/pgserver.py), dbus-daemon (the private bus
+#     server the store tests start themselves, tests/fakes/pgserver.py), dbus-daemon (the private bus
 #     the shutdown source's tests run a fake logind on), chromium (the dashboard's browser test
 #     drives it through Playwright's executable_path; Playwright never downloads a browser here),
 #     patroni and etcd-server (the PostgreSQL cluster the failover test starts itself,
-#     tests/patroni.py; neither is started as a service).
+#     tests/fakes/patroni.py; neither is started as a service).
 #   - .venv in the repository root, with the project installed editable with its test extras,
 #     reinstalled whenever pyproject.toml changes.
 set -euo pipefail

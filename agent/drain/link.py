@@ -133,6 +133,7 @@ class CoordinatorLink:
         cfg: AgentConfig,
         outbox: Outbox,
         registration: Callable[[], Awaitable[pb.Register]],
+        hold_events_max_s: float = HOLD_EVENTS_MAX_S,
     ) -> None:
         self.cfg = cfg
         self.outbox = outbox
@@ -147,6 +148,7 @@ class CoordinatorLink:
         self.remote_taints: list[pb.Taint] = []
         # Drains whose notice path is under way (hold_events), each with when its hold ends.
         self._holds: dict[str, float] = {}
+        self._hold_events_max_s = hold_events_max_s
 
     def wake(self) -> None:
         """New events are in the outbox."""
@@ -157,7 +159,7 @@ class CoordinatorLink:
         release_events(key), at most HOLD_EVENTS_MAX_S, so the engine's kills share the cores
         with no event batch being stored by the coordinator. Everything else on the stream
         (heartbeats, worker and slot reports, Taint calls) goes on."""
-        self._holds.setdefault(key, time.monotonic() + HOLD_EVENTS_MAX_S)
+        self._holds.setdefault(key, time.monotonic() + self._hold_events_max_s)
 
     def release_events(self, key: str) -> None:
         if self._holds.pop(key, None) is not None:

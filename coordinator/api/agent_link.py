@@ -350,7 +350,7 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
         loop = asyncio.get_running_loop()
         wait = intake.take(batch_cost(size, len(batch.events)), loop.time())
         if wait > 0:
-            await asyncio.sleep(wait)  # not read meanwhile: the agent's sends wait in HTTP/2
+            await intake.sleep(wait)  # not read meanwhile: the agent's sends wait in HTTP/2
         events: list[NewEvent] = []
         for start in range(0, len(batch.events), CONVERT_SLICE):
             part = batch.events[start : start + CONVERT_SLICE]
@@ -358,5 +358,5 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
                 if ev.node_id != node_id:
                     await self.coord.node_only(context, ev.node_id, "Event")
             events += convert.batch_events(node_id, part)
-            await asyncio.sleep(0)
+            await intake.sleep(0)
         return events

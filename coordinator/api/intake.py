@@ -15,7 +15,9 @@ burst; an outbox of a day's outage (a few MiB) drains in seconds.
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import Awaitable, Callable
 
 INTAKE_BYTES_PER_S = 512 * 1024
 INTAKE_BURST_BYTES = 2 * 1024 * 1024
@@ -28,12 +30,17 @@ def batch_cost(byte_size: int, events: int) -> int:
 
 
 class Intake:
-    """A token bucket on a monotonic clock, pure: `take` says how long to wait."""
+    """A token bucket on a monotonic clock, pure: `take` says how long to wait. `sleep` is how
+    the stream waits it out and yields between slices (a test passes one that records)."""
 
     def __init__(
-        self, rate_per_s: float = INTAKE_BYTES_PER_S, burst: float = INTAKE_BURST_BYTES
+        self,
+        rate_per_s: float = INTAKE_BYTES_PER_S,
+        burst: float = INTAKE_BURST_BYTES,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.validate(rate_per_s, burst)
+        self.sleep = sleep
         self.rate, self.burst = float(rate_per_s), float(burst)
         self.tokens = self.burst
         self.at: float | None = None

@@ -27,7 +27,7 @@ Programmer errors against races:
   heartbeats and slot counts, which would drown the rest) leaves a line in the story.
 - `InvalidTransition` (spotdrain.protocol.machine) therefore means a bug in this module: a
   handler asked for a move the table does not have. The stateful test in
-  tests/test_worker_machine.py drives random event sequences and checks it is never raised.
+  tests/core/test_worker_machine.py drives random event sequences and checks it is never raised.
 """
 
 from __future__ import annotations

@@ -96,6 +96,8 @@ class Replica:
         ttl_s: float = DEFAULT_TTL_S,
         renew_s: float = DEFAULT_RENEW_S,
         clock: Callable[[], float] = time.monotonic,
+        step_down_exit_s: float = STEP_DOWN_EXIT_S,
+        exit_deposed: Callable[[int], None] | None = None,
     ) -> None:
         self.backend = store.backend
         if not hasattr(self.backend, "acquire_lease"):
@@ -107,6 +109,9 @@ class Replica:
         self.holder = self.backend.holder_for(advertise)
         self.lease = lm.Lease(ttl_s, renew_s)
         self.clock = clock
+        # How a deposed replica that has not stopped ends, and after how long (tests record it).
+        self._step_down_exit_s = step_down_exit_s
+        self._exit_deposed = exit_deposed or _exit_deposed
         self.ready = asyncio.Event()  # the leader has rebuilt: it serves
         self.leader_address = ""  # where followers send callers
         self.on_health: Callable[[bool], Awaitable[None]] = _nothing
@@ -167,7 +172,7 @@ class Replica:
                                 self.ready.clear()
                                 log.error("stepping down from term %d: %s", term, why)
                                 asyncio.get_running_loop().call_later(
-                                    STEP_DOWN_EXIT_S, _exit_deposed, term
+                                    self._step_down_exit_s, self._exit_deposed, term
                                 )
                                 await self.on_health(False)
                                 return

@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
 
-from harness import Coordinator  # noqa: E402
-from pki import CertFiles, Pki  # noqa: E402
+from fakes.harness import Coordinator  # noqa: E402
+from fakes.pki import CertFiles, Pki  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2 as pb  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc  # noqa: E402
 

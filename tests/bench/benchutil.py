@@ -28,7 +28,7 @@ from typing import Any
 import docker
 import docker.errors
 
-from dockerenv import (
+from fakes.dockerenv import (
     BASE_IMAGE,
     SignalProbe,
     ensure_engine,

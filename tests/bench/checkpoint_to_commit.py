@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from moto_s3 import S3Endpoint  # noqa: E402
+from fakes.moto_s3 import S3Endpoint  # noqa: E402
 from spotdrain.workload import parse_report  # noqa: E402
 
 JOB = Path(__file__).parents[2] / "examples" / "checkpoint_job" / "job.py"

@@ -8,7 +8,7 @@ Run on demand (pytest does not collect this file; it has no test functions):
 docs/design.md "Performance targets": worker marked draining to a router's watch seeing it,
 p99 <= 20 ms on loopback (anchor: Consul, < 1 s to 172k instances).
 
-What runs: a real `spotdrain-coordinator` process (mutual TLS from tests/pki.py by default;
+What runs: a real `spotdrain-coordinator` process (mutual TLS from tests/fakes/pki.py by default;
 `--insecure` for plaintext). Everything else is in this process, on one asyncio loop:
 
   fake nodes   `--nodes` agents, each on its own channel with its `node:<id>` certificate, on a
@@ -67,8 +67,8 @@ from benchutil import (  # noqa: E402
     verdict,
 )
 
-from harness import Coordinator, start_coordinator  # noqa: E402
-from pki import Pki  # noqa: E402
+from fakes.harness import Coordinator, start_coordinator  # noqa: E402
+from fakes.pki import Pki  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2 as pb  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -304,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         env = {
             **base_environment(),
             "grpcio": grpc.__version__,
-            "transport": "plaintext (--insecure)" if args.insecure else "mutual TLS (tests/pki.py)",
+            "transport": "plaintext (--insecure)"
+            if args.insecure
+            else "mutual TLS (tests/fakes/pki.py)",
             "coordinator": f"{coord.address} pid {coord.proc.pid}",
         }
         say(f"work dir {work}; coordinator log {coord.proc.log_path}")

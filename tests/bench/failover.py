@@ -37,7 +37,7 @@ sys.path.insert(0, str(HERE))
 import psycopg  # noqa: E402
 from fleet_scale import CachedPki, CoordinatorProc, ShardPool, node_specs, secure  # noqa: E402
 
-from pgserver import fresh_database, start_postgres  # noqa: E402
+from fakes.pgserver import fresh_database, start_postgres  # noqa: E402
 from spotdrain.coordinator.router.model_routes import ModelWatch  # noqa: E402
 from spotdrain.net.leader import Replicas  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2 as pb  # noqa: E402

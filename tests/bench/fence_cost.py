@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pgserver import fresh_database, start_postgres  # noqa: E402
+from fakes.pgserver import fresh_database, start_postgres  # noqa: E402
 from spotdrain.coordinator.api.agent_link import Coordinator  # noqa: E402
 from spotdrain.coordinator.store import open_store  # noqa: E402
 

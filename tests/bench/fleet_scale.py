@@ -45,7 +45,7 @@ from cryptography import x509  # noqa: E402
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
 
-from pki import CertFiles, Pki, _name, _write_key  # noqa: E402
+from fakes.pki import CertFiles, Pki, _name, _write_key  # noqa: E402
 from spotdrain.protocol.limits import MAX_ADMIN_MESSAGE_BYTES  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2 as pb  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc  # noqa: E402
@@ -80,7 +80,7 @@ def progress(text: str) -> None:
 
 
 class CachedPki(Pki):
-    """tests/pki.py's Pki over a CA kept on disk, so 10,000 node certificates are made once.
+    """tests/fakes/pki.py's Pki over a CA kept on disk, so 10,000 node certificates are made once.
     Certificates live a day (Pki.issue): the cache is thrown away after 20 hours."""
 
     MAX_AGE_S = 20 * 3600
@@ -445,7 +445,7 @@ def window_pauses(before: dict[float, float], after: dict[float, float]) -> dict
 @dataclass
 class Backend:
     name: str
-    pg: Any = None  # a tests/pgserver.py PgServer
+    pg: Any = None  # a tests/fakes/pgserver.py PgServer
 
     def new_db(self, work: Path, label: str) -> str:
         if self.pg is None:
@@ -1096,9 +1096,9 @@ def backends(opts: argparse.Namespace) -> list[Backend]:
         out.append(Backend("sqlite"))
     if opts.backend in ("postgresql", "both"):
         try:
-            import pgserver  # noqa: PLC0415 (another engineer's module, may be missing)
+            from fakes import pgserver  # noqa: PLC0415 (another engineer's module, may be missing)
         except ImportError:
-            print("postgresql: tests/pgserver.py missing", flush=True)
+            print("postgresql: tests/fakes/pgserver.py missing", flush=True)
             return out
         try:
             out.append(Backend("postgresql", pgserver.start_postgres(opts.work)))

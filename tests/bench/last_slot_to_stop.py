@@ -55,7 +55,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the fakes package
 
 from benchutil import base_environment, print_environment, say, summary, table, verdict  # noqa: E402
 

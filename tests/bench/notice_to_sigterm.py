@@ -15,7 +15,7 @@ Scenarios (docs/design.md "Performance targets"), each measured --runs times, al
   spotdrain-frozen  the same with the coordinator SIGSTOPped: the agent waits out the 800 ms
                     taint deadline, taints locally, then signals.
 
-"Received" is the workload's TERM trap writing a line to a host FIFO (tests/dockerenv.py
+"Received" is the workload's TERM trap writing a line to a host FIFO (tests/fakes/dockerenv.py
 SignalProbe), stamped with the host's time.time() by a reader thread blocked on the FIFO.
 Every measurement is on a container that has never been signalled. Containers are created in
 batches ahead of time (creation is slow on the vfs driver) and started one at a time just before
@@ -58,9 +58,10 @@ from benchutil import (  # noqa: E402
     write_json,
 )
 
-from fakenvml import FakeGpus, build  # noqa: E402
-from harness import AgentOptions, start_agent, start_coordinator, wait_until  # noqa: E402
-from pki import Pki  # noqa: E402
+from fakes.fakenvml import FakeGpus, build  # noqa: E402
+from fakes.harness import AgentOptions, start_agent, start_coordinator  # noqa: E402
+from fakes.pki import Pki  # noqa: E402
+from fakes.waiting import wait_until  # noqa: E402
 from spotdrain.agent.core.reclamation import reclaim_id_for  # noqa: E402
 
 SCENARIOS = ("floor", "poll-2s", "spotdrain", "spotdrain-frozen")

@@ -10,7 +10,7 @@ docs/design.md "Performance targets": pause with short requests (<= 1 s) to node
 a private one (tests/setup.sh installs it), and the fake model image (built on first use from
 the cached Debian root, tests/images/fake_model). Everything it starts it removes again.
 
-What runs: a real Docker engine, a real `spotdrain-coordinator` (mutual TLS, tests/pki.py), a
+What runs: a real Docker engine, a real `spotdrain-coordinator` (mutual TLS, tests/fakes/pki.py), a
 real `spotdrain-agent` on fake NVML (one GPU) with `--pause-notice-s 120` (D = pause + 120 s,
 G = D - 10 s), and the fake model server as the node's one inference worker, placed with
 Admin.StartWorker (4 slots) and reached at its slot gate. `--clients` threads send streamed
@@ -62,11 +62,12 @@ import docker  # noqa: E402
 import docker.errors  # noqa: E402
 from benchutil import base_environment, print_environment, say, summary, table, verdict  # noqa: E402
 
-from dockerenv import ensure_engine  # noqa: E402
-from fakenvml import FakeGpus, build  # noqa: E402
-from harness import BIN, AgentOptions, start_agent, start_coordinator, wait_until  # noqa: E402
+from fakes.dockerenv import ensure_engine  # noqa: E402
+from fakes.fakenvml import FakeGpus, build  # noqa: E402
+from fakes.harness import BIN, AgentOptions, start_agent, start_coordinator  # noqa: E402
+from fakes.pki import Pki  # noqa: E402
+from fakes.waiting import wait_until  # noqa: E402
 from images.fake_model import ensure_model_image  # noqa: E402
-from pki import Pki  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2 as pb  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -531,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
             "docker_engine": version.get("Version"),
             "storage_driver": info.get("Driver"),
             "engine": "private dockerd (started by this run)" if engine.owned else engine.host,
-            "transport": "mutual TLS (tests/pki.py)",
+            "transport": "mutual TLS (tests/fakes/pki.py)",
         }
         node = Node(work, engine, args)
         say(f"node {node.node_id}, agent log {node.agent.log_path}")

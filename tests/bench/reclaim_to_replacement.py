@@ -7,11 +7,10 @@ Run on demand (pytest does not collect this file; it has no test functions):
         [--scenarios pause notice] [--json PATH] [--keep]
 
 No Docker needed. Each scenario has its own real `spotdrain-coordinator` process (mutual TLS
-from tests/pki.py); everything else is in this process, on one asyncio loop: fake nodes, each on
-its own channel with its `node:<id>` certificate and a real `AgentLink.Connect` stream, answering
+from tests/fakes/pki.py); everything else is in this process, on one asyncio loop: fake nodes, each
+on its own channel with its `node:<id>` certificate and a real `AgentLink.Connect` stream, answering
 every start_worker at once with WorkerReport(state="started", gate_address=...) and stamping its
 receipt with time.perf_counter(); an operator channel (Admin).
-
 pause -> replacement start
     Nodes node-a, node-b, node-c (2 GPUs each, one group). The operator sets desired capacity:
     Admin.SetModelReplicas(model="m", replicas=2, image="img", slots=4); the workers land on two
@@ -73,8 +72,8 @@ from benchutil import (  # noqa: E402
     verdict,
 )
 
-from harness import Coordinator, start_coordinator  # noqa: E402
-from pki import Pki  # noqa: E402
+from fakes.harness import Coordinator, start_coordinator  # noqa: E402
+from fakes.pki import Pki  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2 as pb  # noqa: E402
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc  # noqa: E402
 

@@ -11,7 +11,7 @@ Scenarios, each measured --runs times, all in one run, against the same emulator
   floor     a bare Engine API kill -> probe line (what every path below ends with), as in
             notice_to_sigterm.py.
   aws       the real `spotdrain-agent` with `[sources.aws]` (IMDSv2, poll_s 1 s unless --poll-s)
-            on tests/cloudmeta.py's AwsImds. Timed from the state flip (set_instance_action):
+            on tests/fakes/cloudmeta.py's AwsImds. Timed from the state flip (set_instance_action):
             the figure includes the wait for the agent's next poll, up to one poll_s. The
             interruption is keyed by the boot id, so, as for gcp, every run gets a new agent
             (node id, state dir) after the instance-action is cleared (404), once it has read
@@ -30,18 +30,18 @@ Scenarios, each measured --runs times, all in one run, against the same emulator
             with a new node id and a fresh state dir (the flip back to FALSE, the new agent's
             hanging GETs parked, then the run; not timed). Target: p99 <= 50 ms.
   shutdown  `[sources.shutdown]` on a private dbus-daemon with the fake logind of
-            tests/fakelogind.py (InhibitDelayMaxUSec 300 s). Timed from just before the
+            tests/fakes/fakelogind.py (InhibitDelayMaxUSec 300 s). Timed from just before the
             PrepareForShutdown(true) signal is sent. Keyed by the boot id like gcp: a new agent
             (node id, state dir) per run, once it holds its delay lock. Target: p99 <= 50 ms.
 
-The emulators and the fake logind run as separate processes (`tests/cloudmeta.py CLOUD
---control`, `tests/fakelogind.py DIR`), so they do not share this process's GIL with the probe
+The emulators and the fake logind run as separate processes (`tests/fakes/cloudmeta.py CLOUD
+--control`, `tests/fakes/fakelogind.py DIR`), so they do not share this process's GIL with the probe
 reader; each flip is stamped in that process (cloudmeta: its changed_at on the wall clock,
 fakelogind: time.time() before the send) and answered over its stdin/stdout channel. All stamps
 are time.time() on this one host.
 
 "Received" is the workload's TERM trap writing a line to a host FIFO, stamped by a reader thread
-(tests/dockerenv.py SignalProbe, via tests/bench/benchutil.py ProbeReader). Every measurement
+(tests/fakes/dockerenv.py SignalProbe, via tests/bench/benchutil.py ProbeReader). Every measurement
 is on a container never signalled before; containers are created ahead and started one at a
 time (the agent signals every running container with its node label). Before the next run the
 script waits for the reclamation's `drained` event (the node verified empty), by reclaim id.
@@ -89,18 +89,11 @@ from benchutil import (  # noqa: E402
     write_json,
 )
 
-from cloudmeta import azure_event, iso_utc  # noqa: E402
-from fakenvml import FakeGpus, build  # noqa: E402
-from harness import (  # noqa: E402
-    Admin,
-    Agent,
-    AgentOptions,
-    Coordinator,
-    start_agent,
-    start_coordinator,
-    wait_until,
-)
-from pki import Pki  # noqa: E402
+from fakes.cloudmeta import azure_event, iso_utc  # noqa: E402
+from fakes.fakenvml import FakeGpus, build  # noqa: E402
+from fakes.harness import Admin, Agent, AgentOptions, Coordinator, start_agent, start_coordinator
+from fakes.pki import Pki  # noqa: E402
+from fakes.waiting import wait_until
 from spotdrain.agent.core.reclamation import reclaim_id_for  # noqa: E402
 from spotdrain.agent.notices.base import boot_id  # noqa: E402
 
@@ -159,10 +152,12 @@ class Child:
 
 
 class Emulator(Child):
-    """tests/cloudmeta.py CLOUD --control."""
+    """tests/fakes/cloudmeta.py CLOUD --control."""
 
     def __init__(self, cloud: str, log: Path) -> None:
-        super().__init__([sys.executable, str(TESTS / "cloudmeta.py"), cloud, "--control"], log)
+        super().__init__(
+            [sys.executable, str(TESTS / "fakes" / "cloudmeta.py"), cloud, "--control"], log
+        )
         self.cloud = cloud
         self.url = self.address
 
@@ -188,10 +183,10 @@ class Emulator(Child):
 
 
 class Logind(Child):
-    """tests/fakelogind.py DIR: a private dbus-daemon with a fake logind on it."""
+    """tests/fakes/fakelogind.py DIR: a private dbus-daemon with a fake logind on it."""
 
     def __init__(self, directory: Path, delay_s: float, log: Path) -> None:
-        argv = [sys.executable, str(TESTS / "fakelogind.py"), str(directory)]
+        argv = [sys.executable, str(TESTS / "fakes" / "fakelogind.py"), str(directory)]
         super().__init__([*argv, "--delay-s", str(delay_s)], log)
         self.bus = self.address
 

@@ -1,5 +1,6 @@
 """The soak's real parts: one `spotdrain-coordinator` (mutual TLS, SQLite) and several
-`spotdrain-agent`s, each on fake GPUs over the real pynvml, all as processes (tests/harness.py).
+`spotdrain-agent`s, each on fake GPUs over the real pynvml, all as processes
+(tests/fakes/harness.py).
 
 Each can be SIGKILLed and started again in place, as systemd's Restart= would: the coordinator
 on the same store and port, an agent with the same arguments and state dir. A daemon that exits
@@ -13,9 +14,10 @@ import threading
 import time
 from pathlib import Path
 
-from fakenvml import FakeGpus
-from harness import Agent, AgentOptions, Coordinator, start_agent, start_coordinator, wait_until
-from pki import Pki
+from fakes.fakenvml import FakeGpus
+from fakes.harness import Agent, AgentOptions, Coordinator, start_agent, start_coordinator
+from fakes.pki import Pki
+from fakes.waiting import wait_until
 
 from .observe import install_ledger
 

@@ -37,8 +37,9 @@ from typing import Any
 import docker
 import docker.errors
 
-from dockerenv import remove_test_containers
-from harness import AgentOptions, wait_until
+from fakes.dockerenv import remove_test_containers
+from fakes.harness import AgentOptions
+from fakes.waiting import wait_until
 from spotdrain.agent.core.reclamation import Reclamation, reclaim_id_for
 from spotdrain.agent.drain.state import STEP_EVENTS
 from spotdrain.agent.host import control_socket

@@ -2,7 +2,7 @@
 with short deadlines, spread over K agents on one coordinator, while a fault injector SIGKILLs
 or SIGSTOPs the coordinator and SIGKILLs agents. Prints the counts of broken promises (each
 target 0) and the findings behind any that is not; exits 1 if any is not 0. Pytest does not
-collect this file; tests/test_soak.py runs 30 reclamations in CI.
+collect this file; tests/e2e/test_soak.py runs 30 reclamations in CI.
 
     .venv/bin/python tests/soak/soak.py                                # 1,000 reclamations, 4 nodes
     .venv/bin/python tests/soak/soak.py --reclamations 200 --nodes 4 --json /tmp/soak.json
@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dockerenv import ensure_engine, ensure_images  # noqa: E402
-from fakenvml import build  # noqa: E402
+from fakes.dockerenv import ensure_engine, ensure_images  # noqa: E402
+from fakes.fakenvml import build  # noqa: E402
 from soak.counts import count, report  # noqa: E402
 from soak.scenario import Soak, SoakConfig  # noqa: E402
 

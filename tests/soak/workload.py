@@ -25,7 +25,7 @@ import docker
 import docker.errors
 import docker.types
 
-from dockerenv import BASE_IMAGE
+from fakes.dockerenv import BASE_IMAGE
 
 BEHAVIOURS = ("exits", "checkpoints", "ignores")
 HONOURS_SIGTERM = frozenset({"exits", "checkpoints"})

@@ -7,10 +7,10 @@ from typing import Any
 
 from spotdrain.v1 import spotdrain_pb2 as pb
 
-# Every event kind the agent and the coordinator emit, defined once; tests/test_event_kinds.py
-# reads the code and fails on a kind emitted or compared against that is missing here. The
-# coordinator stores an agent's kinds as sent, never refusing one not listed: an agent newer
-# than its coordinator would otherwise have its whole outbox refused.
+# Every event kind the agent and the coordinator emit, defined once;
+# tests/common/test_event_kinds.py reads the code and fails on a kind emitted or compared against
+# that is missing here. The coordinator stores an agent's kinds as sent, never refusing one not
+# listed: an agent newer than its coordinator would otherwise have its whole outbox refused.
 KINDS = frozenset(
     {
         # a reclamation's story, told by the agent

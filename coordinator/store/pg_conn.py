@@ -167,3 +167,12 @@ class PgConn(Conn):
     async def close(self) -> None:
         """The connection back to its pool."""
         await self._stack.aclose()
+
+
+def joined(groups: list[list[Write]]) -> list[Write]:
+    """The groups' writes as one transaction's: the events lock once, first, when any group
+    inserts events (taken mid-way it could wait on a row another holder of it wants)."""
+    writes = [w for group in groups for w in group if w is not LOCK_EVENTS]
+    if any(group and group[0] is LOCK_EVENTS for group in groups):
+        return [LOCK_EVENTS, *writes]
+    return writes

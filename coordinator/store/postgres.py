@@ -45,10 +45,10 @@ from spotdrain.coordinator.store.backend import (
 from spotdrain.coordinator.store.groups import GroupCommit, Write
 from spotdrain.coordinator.store.pg_conn import (
     FENCE_TAG,
-    LOCK_EVENTS,
     PgConn,
     commit_trip,
     failed,
+    joined,
     params,
     trip,
 )
@@ -414,7 +414,7 @@ class PostgresBackend(Backend):
         """Every waiting group in one trip. A statement the database refused fails that trip
         whole: then each group goes alone, so only the group that holds it is told."""
         try:
-            await self._commit_trip(pool, _joined(groups))
+            await self._commit_trip(pool, joined(groups))
             return [None] * len(groups)
         except StoreError as e:
             if isinstance(e, StoreUnavailable | Fenced) or len(groups) == 1:
@@ -422,7 +422,7 @@ class PostgresBackend(Backend):
         out: list[BaseException | None] = []
         for group in groups:
             try:
-                await self._commit_trip(pool, _joined([group]))
+                await self._commit_trip(pool, joined([group]))
                 out.append(None)
             except StoreError as e:
                 out.append(e)
@@ -444,12 +444,3 @@ class PostgresBackend(Backend):
         await self._drop_lease_conn()
         await self._bulk.close()
         await self._critical.close()
-
-
-def _joined(groups: list[list[Write]]) -> list[Write]:
-    """The groups' writes as one transaction's: the events lock once, first, when any group
-    inserts events (taken mid-way it could wait on a row another holder of it wants)."""
-    writes = [w for group in groups for w in group if w is not LOCK_EVENTS]
-    if any(group and group[0] is LOCK_EVENTS for group in groups):
-        return [LOCK_EVENTS, *writes]
-    return writes

@@ -16,7 +16,7 @@ every live one and the recently finished ones, and decides what concerns them to
   bundles are read once, at start (BundlesLoaded), so a start never waits on the disk;
 - which finished bundles are forgotten (Retention).
 
-Pure: no asyncio, no files, no clock. The shell (agent/drain/runner.py) carries out the commands
+Pure: no asyncio, no files, no clock. The shell (agent/drain/executor.py) carries out the commands
 in order: a Stepped saves that reclamation's bundle before any of its commands runs.
 """
 

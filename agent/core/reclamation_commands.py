@@ -1,5 +1,5 @@
 """What the reclamation machine (agent/core/reclamation.py) asks its shell to do: each command
-is plain data, carried out by agent/drain/runner.py after the machine's state is saved."""
+is plain data, carried out by agent/drain/executor.py after the machine's state is saved."""
 
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ class Story:
         self.to(key, TaintAnswered(now + 0.1, listed=()))
         self.to(key, SignalRoundDone(now + 0.2, SIGTERM))
         last = self.to(key, Observed(now + 0.3))
-        assert self.node.finished[rid(key)].outcome == "drained"
+        assert self.node.finished[rid(key)].verified_at == now + 0.3
         return last
 
 
@@ -380,3 +380,27 @@ async def test_finished_bundles_beyond_the_retention_are_deleted_at_start(tmp_pa
     finally:
         await drains.close()
         outbox.close()
+
+
+def test_a_stop_past_g_is_attributed_to_a_drain_of_this_run_only() -> None:
+    """A rental stopped after G was stopped by that drain, live or finished while this agent
+    ran; a reclamation loaded finished from an earlier run says nothing of a stop today."""
+    story = Story()
+    story.drained("gcp", T0, T0 + 30)
+    gcp = story.node.finished[rid("gcp")]
+    assert story.node.past_grace(T0 + 19) is None
+    assert story.node.past_grace(T0 + 21) is gcp
+    restarted = Story()
+    restarted(BundlesLoaded((gcp,)), T0 + 21)
+    assert restarted.node.past_grace(T0 + 21) is None
+
+
+def test_a_notice_finished_past_its_retention_is_kept_until_its_step_is_carried_out() -> None:
+    """A stale notice (D a week past) is answered at once and finishes; with nothing kept, its own
+    step does not forget it (its commands are still to run); the next finish does."""
+    story = Story(Retention(kept=0, kept_s=0))
+    now = T0 + 7 * DAY
+    last = story.drained("stale", now, T0 + 30)
+    assert not [c for c in last if isinstance(c, ForgetBundles)]
+    later = story.drained("next", now + 60, now + 90)
+    assert ForgetBundles((rid("stale"),)) in later

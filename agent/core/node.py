@@ -80,7 +80,7 @@ from spotdrain.agent.core.reclamation_events import (
 from spotdrain.protocol.machine import InvalidState
 
 # A rental stopped past a G is attributed to that reclamation if it is live or among this many
-# most recently finished (an older one's G says nothing of a stop today).
+# finished while this agent ran (an older one's G says nothing of a stop today).
 RECENT_ATTRIBUTED = 8
 _SIGTERMED = (TERM_ANNOUNCED, TERM_SENT, TERM_BY_PREVIOUS_RUN)
 
@@ -117,6 +117,8 @@ class Node:
         self.live: dict[str, Reclamation] = {}
         # Finished ones still remembered, in the order they finished (oldest first).
         self.finished: dict[str, Reclamation] = {}
+        # The ones finished while this agent ran, newest last: what a stop may be attributed to.
+        self._finished_here: list[str] = []
 
     # --- the one mutator ---------------------------------------------------------------------
 
@@ -183,7 +185,7 @@ class Node:
     def past_grace(self, now: float) -> Reclamation | None:
         """The reclamation whose grace deadline has passed (its SIGKILL round took whatever
         still ran), if any: what a container stopping now was stopped by."""
-        recent = list(self.finished.values())[-RECENT_ATTRIBUTED:]
+        recent = [self.finished[rid] for rid in self._finished_here if rid in self.finished]
         due = [
             rec
             for rec in (*self.live.values(), *recent)
@@ -223,8 +225,9 @@ class Node:
                 if rec.finished != finished:
                     broken.append(f"{rid} {'not ' if finished else ''}finished but held so")
                 broken += [f"{rid}: {why}" for why in rec.broken_invariants()]
-        pauses = sorted(rec.reclaim_id for rec in self._all() if rec.reason == "pause")
-        in_force = [rid for rid in pauses if not self._get(rid).lifted]
+        in_force = sorted(
+            rec.reclaim_id for rec in self._all() if rec.reason == "pause" and not rec.lifted
+        )
         if len(in_force) > 1:
             broken.append(f"{len(in_force)} pauses in force: {in_force}")
         sigtermed = Counter(
@@ -346,7 +349,10 @@ class Node:
             self.live.pop(rid, None)
             self.finished.pop(rid, None)
             self.finished[rid] = rec
-            out += self._prune(now)
+            if rid in self._finished_here:
+                self._finished_here.remove(rid)
+            self._finished_here = [*self._finished_here, rid][-RECENT_ATTRIBUTED:]
+            out += self._prune(now, stepped=rid)
         elif rid not in self.live:
             # A finished one reopened (a cancel that lifts a drained node): live again until
             # the coordinator confirms the lift, so its TaintsLifted reaches it.
@@ -397,23 +403,22 @@ class Node:
         ]
         return min(others, key=lambda o: o.grace_deadline, default=None)
 
-    def _prune(self, now: float) -> list[NodeCommand]:
-        """Forget the finished bundles Retention lets go."""
+    def _prune(self, now: float, stepped: str = "") -> list[NodeCommand]:
+        """Forget the finished bundles Retention lets go (never the one this step moved: its
+        commands are still to be carried out)."""
         keep = self.retention
         prunable = [
             rec for rec in self.finished.values() if not (rec.reason == "pause" and not rec.lifted)
         ]
         older = sorted(prunable, key=lambda rec: rec.t0, reverse=True)[keep.kept :]
-        gone = tuple(rec.reclaim_id for rec in older if rec.terminate_at < now - keep.kept_s)
+        gone = tuple(
+            rec.reclaim_id
+            for rec in older
+            if rec.terminate_at < now - keep.kept_s and rec.reclaim_id != stepped
+        )
         for rid in gone:
             del self.finished[rid]
         return [ForgetBundles(gone)] if gone else []
 
     def _all(self) -> list[Reclamation]:
         return [*self.live.values(), *self.finished.values()]
-
-    def _get(self, reclaim_id: str) -> Reclamation:
-        rec = self.get(reclaim_id)
-        if rec is None:
-            raise KeyError(reclaim_id)
-        return rec

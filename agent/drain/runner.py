@@ -99,9 +99,9 @@ class DrainRunner:
         self.docker = docker
         self.clock = clock
         self.retry_writes_s = retry_writes_s
-        # Which state files the disk refuses; its reports are events like any other.
+        # Which state files the disk refuses; its reports are events like any other (attached
+        # below, once the executor that records them is made).
         self.health = health or WriteHealth()
-        self.health.attach(self.record)
         self.bundles = bundles or BundleStore(cfg.state_dir, self.health)
         self.local_taints = local_taints or LocalTaints(cfg.state_dir, self.health)
         self.deadline_file = deadline_file or DeadlineFile(cfg.deadline_file, self.health)
@@ -141,6 +141,7 @@ class DrainRunner:
             retry_writes_s,
             metrics,
         )
+        self.health.attach(self.record)
         # Read once: the pause and the drains are in memory from now on (docs/design.md).
         loaded = BundlesLoaded(tuple(self.bundles.load_all(with_events=True)))
         self.executor.carry_out(self.node.handle(loaded, clock()))

@@ -291,7 +291,7 @@ async def test_the_agent_routes_rental_and_job_commands_and_registers_them(
     manager through the agent's command(); Register then carries the rental, the job and the
     node's provider, and a DrainWorker for the job is a no-op the heartbeat shows."""
     from spotdrain.agent.config import AgentConfig
-    from spotdrain.agent.main import Agent
+    from spotdrain.agent.daemon import Agent
     from spotdrain.v1 import spotdrain_pb2 as pb
 
     node_id = f"rent-{uuid.uuid4().hex[:8]}"

@@ -221,7 +221,7 @@ def test_a_saved_book_from_another_version_loses_only_the_bad_entry():
 async def test_the_units_status_line_names_a_broken_source_first(tmp_path):
     """`systemctl status` shows the agent's STATUS= line: a source that is down leads it, and
     the event for it is in the outbox for the coordinator."""
-    from spotdrain.agent.main import Agent
+    from spotdrain.agent.daemon import Agent
 
     cfg = config.from_sources(
         {"sources": "file,aws"},
@@ -236,10 +236,12 @@ async def test_the_units_status_line_names_a_broken_source_first(tmp_path):
     )
     agent = Agent(cfg)
     try:
-        assert agent.describe().startswith(f"watching {tmp_path / 'n.json'}, aws; 0 workers")
+        assert agent.node_status.describe().startswith(
+            f"watching {tmp_path / 'n.json'}, aws; 0 workers"
+        )
         for _ in range(3):
             agent.sources.sources["aws"].health.failed("GET /latest/api/token: refused")
-        assert agent.describe().startswith(
+        assert agent.node_status.describe().startswith(
             "notice source down: aws (GET /latest/api/token: refused); watching "
         )
         [(kind, details)] = [(e.kind, e.details) for e in agent.outbox.pending(10)]

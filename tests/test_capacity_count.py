@@ -5,12 +5,10 @@ scan would find."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from spotdrain.coordinator.capacity.keeper import CapacityKeeper
 from spotdrain.coordinator.core import worker_machine as wm
 from spotdrain.coordinator.fleet.nodes import NodeIndex
-from spotdrain.coordinator.fleet.registry import WorkerRegistry
+from spotdrain.coordinator.fleet.registry import FleetState, WorkerRegistry
 
 NOW = 1_000.0
 
@@ -27,7 +25,9 @@ def test_the_serving_count_is_the_scan_without_the_scan() -> None:
     workers change state, and a model no worker serves counts zero."""
     registry = WorkerRegistry()
     nodes = NodeIndex(lambda: NOW, registry.count)
-    keeper = CapacityKeeper(SimpleNamespace(registry=registry, nodes=nodes))  # type: ignore[arg-type]
+    # Counting reads the indexes only: no store, no event log, no placement, no pass run.
+    state = FleetState(None, None, lambda: NOW, nodes, registry)  # type: ignore[arg-type]
+    keeper = CapacityKeeper(state, gate=None, apply=None, background=None)  # type: ignore[arg-type]
     states = [wm.STARTING, wm.READY, wm.DRAINING, wm.READY]
     for i in range(24):
         registry.add(worker(i, f"n{i % 6}", "llama" if i % 3 else "mistral", states[i % 4]))

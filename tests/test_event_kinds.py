@@ -17,7 +17,7 @@ PRODUCT = [ROOT / "agent", ROOT / "coordinator", ROOT / "proto" / "spotdrain"]
 
 # The calls that make an event, and where their kind argument is when it is not `kind=`.
 EMITTERS = {
-    "Emit": 0,  # the reclamation's command (agent/core/reclamation.py)
+    "Emit": 0,  # the reclamation's command (agent/core/reclamation_commands.py)
     "Record": 0,  # the advisory book's (agent/core/advisories.py)
     "WorkerEvent": 0,  # the worker machine's (coordinator/core/worker_machine.py)
     "record": 0,  # the coordinator's event log, the drain runner's own events
@@ -32,7 +32,7 @@ EMITTERS = {
 SINK_RECORD = 1
 # Kinds computed from data the scan cannot read, with what they may be.
 COMPUTED = {
-    ("agent/core/reclamation.py", "doc['report']"): set(workload.REPORT_KINDS),
+    ("agent/core/reclamation_reports.py", "doc['report']"): set(workload.REPORT_KINDS),
 }
 # Relays: they pass on a kind an emit point above made (a queue, a match on a command), or one
 # from the wire (an agent's event, which may be newer than this coordinator: stored as sent).
@@ -202,7 +202,7 @@ def test_the_scan_sees_the_emit_points_of_both_daemons():
         "checkpoint_committed",  # a workload's report
         "worker_ready",  # the worker machine's WorkerEvent
         "replacement_result",  # record_soon
-        "model_replicas_set",  # a servicer's record
+        "model_replicas_set",  # an operation's record (coordinator/api/operations.py)
     ):
         assert kind in kinds, kind
 

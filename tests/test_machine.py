@@ -12,6 +12,8 @@ import pytest
 
 from spotdrain.agent.core import reclamation as rm
 from spotdrain.agent.core.notice import Notice
+from spotdrain.agent.core.reclamation_record import PHASE_TRANSITIONS
+from spotdrain.agent.core.signal_ledger import LEDGER_TRANSITIONS
 from spotdrain.coordinator.core import worker_machine as wm
 from spotdrain.coordinator.replicas import lease as lm
 from spotdrain.protocol.machine import (
@@ -105,7 +107,7 @@ def reclamation() -> rm.Reclamation:
 def test_all_three_machines_share_the_base() -> None:
     """One table type, one InvalidTransition, one InvalidState for the worker, the lease, the
     reclamation's phase and its signal ledger."""
-    for table in (wm.TRANSITIONS, lm.TRANSITIONS, rm.PHASE_TRANSITIONS, rm.LEDGER_TRANSITIONS):
+    for table in (wm.TRANSITIONS, lm.TRANSITIONS, PHASE_TRANSITIONS, LEDGER_TRANSITIONS):
         assert isinstance(table, Table)
     worker = wm.Worker("w-1", "gpu-7", "m", "img", 8000, 8, 900.0)
     lease = lm.Lease(2.0, 0.5)
@@ -120,7 +122,7 @@ def test_all_three_machines_share_the_base() -> None:
 def test_the_reclamation_phase_moves_only_along_its_table() -> None:
     """tainting -> draining -> done, or tainting -> done; never back, never skipping the taint
     the other way round; each move told in the story (kept out of the stored bundle)."""
-    assert set(rm.PHASE_TRANSITIONS) == {
+    assert set(PHASE_TRANSITIONS) == {
         ("tainting", "draining"),
         ("tainting", "done"),
         ("draining", "done"),

@@ -24,18 +24,7 @@ from hypothesis.stateful import (
 )
 
 from spotdrain.agent.core.notice import Notice
-from spotdrain.agent.core.reclamation import (
-    BY_PREVIOUS_RUN,
-    KILL_ANNOUNCED,
-    KILL_SENT,
-    LEDGER_TRANSITIONS,
-    TERM_ANNOUNCED,
-    TERM_BY_PREVIOUS_RUN,
-    TERM_SENT,
-    Margins,
-    Reclamation,
-    reclaim_id_for,
-)
+from spotdrain.agent.core.reclamation import Margins, Reclamation, reclaim_id_for
 from spotdrain.agent.core.reclamation_commands import (
     SIGKILL,
     SIGTERM,
@@ -69,6 +58,17 @@ from spotdrain.agent.core.reclamation_events import (
     TaintUnanswered,
     Tick,
     WorkersDraining,
+)
+from spotdrain.agent.core.signal_ledger import (
+    BY_PREVIOUS_RUN,
+    KILL_ANNOUNCED,
+    KILL_SENT,
+    LEDGER_TRANSITIONS,
+    TERM_ANNOUNCED,
+    TERM_BY_PREVIOUS_RUN,
+    TERM_SENT,
+    ledger,
+    ledger_move,
 )
 from spotdrain.protocol.machine import InvalidState, InvalidTransition
 
@@ -1418,12 +1418,12 @@ def test_a_round_announces_its_targets_in_the_bundle_before_anything_is_sent() -
         "c1": SIGTERM,
         "c2": SIGTERM,
     }
-    assert story.rec.ledger("c1") == TERM_ANNOUNCED
+    assert ledger(story.rec, "c1") == TERM_ANNOUNCED
     assert story(signalled("c1", T0 + 0.07)) == [
         emit("sigterm_sent", container="c1", via="api"),
         WatchExits(("c1",)),
     ]
-    assert story.rec.ledger("c1") == TERM_SENT and "c1" not in story.rec.announced
+    assert ledger(story.rec, "c1") == TERM_SENT and "c1" not in story.rec.announced
     story.check()
 
 
@@ -1442,7 +1442,7 @@ def test_a_listing_made_during_the_taint_is_announced_in_the_taints_own_step() -
     assert commands[-1] == SignalContainers(SIGTERM, announced=("c1", "c2"))
     bundle = json.loads(json.dumps(story.rec.to_json()))
     assert sorted(bundle["announced"]) == ["c1", "c2"]
-    assert story.rec.ledger("w1") is None and story.rec.ledger("r1") is None
+    assert ledger(story.rec, "w1") is None and ledger(story.rec, "r1") is None
     assert story(signalled("c1", T0 + 0.06))[0] == emit("sigterm_sent", container="c1")
     # Killed now: the restarted agent counts c2 as signalled by the previous run, once.
     assert story.restart(T0 + 1)[0] == emit("sigterm_sent", container="c2", by=BY_PREVIOUS_RUN)
@@ -1457,7 +1457,7 @@ def test_a_local_taint_announces_the_listing_made_ahead_too() -> None:
     commands = story(TaintUnanswered(T0 + 0.8, "deadline", listed=(job("c1"),)))
     assert commands[-1] == SignalContainers(SIGTERM, announced=("c1",))
     assert story.kinds.index("ApplyLocalTaint") < story.kinds.index("SignalContainers(SIGTERM)")
-    assert story.rec.ledger("c1") == TERM_ANNOUNCED
+    assert ledger(story.rec, "c1") == TERM_ANNOUNCED
     story.check()
 
 
@@ -1468,7 +1468,7 @@ def test_the_tick_past_the_taint_deadline_announces_the_listing_made_ahead() -> 
     story.begin()
     commands = story(Tick(T0 + 0.8, listed=(job("c1"), job("w1", "inference"))))
     assert commands[-1] == SignalContainers(SIGTERM, announced=("c1",))
-    assert story.rec.taint_mode == "local" and story.rec.ledger("c1") == TERM_ANNOUNCED
+    assert story.rec.taint_mode == "local" and ledger(story.rec, "c1") == TERM_ANNOUNCED
     story.check()
 
 
@@ -1481,12 +1481,12 @@ def test_a_restart_sends_the_announced_sigterms_the_engine_never_received() -> N
     story = Story(strict=True)
     story.begin()
     story(TaintAnswered(T0 + 0.05, listed=(job("c1"), job("c2"))))
-    assert story.rec.ledger("c2") == TERM_ANNOUNCED
+    assert ledger(story.rec, "c2") == TERM_ANNOUNCED
 
     resumed = story.restart(T0 + 1, delivered={"c1"})
     assert [c.details["container"] for c in resumed if isinstance(c, Emit)] == ["c1"]
-    assert story.rec.ledger("c1") == TERM_BY_PREVIOUS_RUN
-    assert story.rec.ledger("c2") is None
+    assert ledger(story.rec, "c1") == TERM_BY_PREVIOUS_RUN
+    assert ledger(story.rec, "c2") is None
     assert story(Observed(T0 + 1.1, running=("c1", "c2"))) == [
         SignalContainers(SIGTERM, frozenset({"c1"}))
     ]
@@ -1502,10 +1502,10 @@ def test_a_round_that_ends_without_sending_withdraws_its_announcement() -> None:
     story = Story(strict=True)
     story.begin()
     story(TaintAnswered(T0 + 0.05, listed=(job("c1"), job("c2"))))
-    assert story.rec.ledger("c1") == TERM_ANNOUNCED
+    assert ledger(story.rec, "c1") == TERM_ANNOUNCED
     story(Cancelled(T0 + 0.06))
     story(SignalRoundDone(T0 + 0.07, SIGTERM))
-    assert story.rec.ledger("c1") is None and story.rec.ledger("c2") is None
+    assert ledger(story.rec, "c1") is None and ledger(story.rec, "c2") is None
     assert story.rec.announced == {}
     story.check()
 
@@ -1519,7 +1519,7 @@ def test_a_listing_handed_in_with_a_late_answer_announces_nothing() -> None:
     assert story(TaintAnswered(T0 + 3, listed=(job("c9"),))) == [
         emit("tainted", mode="remote", after_local=True)
     ]
-    assert story.rec.ledger("c9") is None
+    assert ledger(story.rec, "c9") is None
     story.check()
 
 
@@ -1553,14 +1553,14 @@ def test_an_agent_killed_right_after_its_first_sigterms_never_sends_a_second() -
     # the contract of its image counts it (coordinator/core/timeline.py)
     assert first.details["kind"] == "batch"
     assert "via" not in first.details  # nobody knows which route it took
-    assert story.rec.ledger("c1") == TERM_BY_PREVIOUS_RUN
+    assert ledger(story.rec, "c1") == TERM_BY_PREVIOUS_RUN
     assert story(Observed(T0 + 2.1, running=("c1", "c2"))) == []  # no stray: both had theirs
     assert story(listed(T0 + 2.2, "c1", "c2")) == [DeliverSignals(SIGTERM, ())]
     assert story(exited("c1", T0 + 3)) == [emit("container_exited", exit_code=0)]
     assert story(Tick(G)) == [match(CutWorkers), SignalContainers(SIGKILL), Observe()]
     assert story(listed(G + 0.01, "c2", signal=SIGKILL)) == [DeliverSignals(SIGKILL, ("c2",))]
     assert story(signalled("c2", G + 0.02, SIGKILL)) == [emit("sigkill_sent", container="c2")]
-    assert story.rec.ledger("c2") == KILL_SENT
+    assert ledger(story.rec, "c2") == KILL_SENT
     assert story.kinds.count("sigterm_sent") == 2
     story.check()
 
@@ -1594,12 +1594,12 @@ def test_a_sigkill_announced_when_the_agent_died_is_sent_again() -> None:
     story(SignalRoundDone(T0 + 0.08, SIGTERM))
     story(Tick(G))
     assert story(listed(G + 0.01, "c1", signal=SIGKILL)) == [DeliverSignals(SIGKILL, ("c1",))]
-    assert story.rec.ledger("c1") == KILL_ANNOUNCED
+    assert ledger(story.rec, "c1") == KILL_ANNOUNCED
     commands = story.restart(G + 1)
     assert [c.details for c in commands if isinstance(c, Emit) and c.kind == "sigkill_sent"] == [
         {"container": "c1", "name": "job-c1", "by": "previous run", "announced_at": G + 0.01}
     ]
-    assert story.rec.ledger("c1") == TERM_SENT  # withdrawn: it may be sent again
+    assert ledger(story.rec, "c1") == TERM_SENT  # withdrawn: it may be sent again
     assert story(Observed(G + 1.1, running=("c1",))) == [
         SignalContainers(SIGKILL, skip=frozenset())
     ]
@@ -1662,14 +1662,14 @@ def test_the_signal_ledger_moves_only_along_its_table(start, finish) -> None:
         KILL_SENT: [KILL_ANNOUNCED, KILL_SENT],
     }[start]
     for step in path:
-        rec._ledger_move("c1", step, job("c1"), T0 + 1)
-    assert rec.ledger("c1") == start
+        ledger_move(rec, "c1", step, job("c1"), T0 + 1)
+    assert ledger(rec, "c1") == start
     if (start, finish) in LEDGER_TRANSITIONS:
-        rec._ledger_move("c1", finish, job("c1"), T0 + 2)
-        assert rec.ledger("c1") == finish
+        ledger_move(rec, "c1", finish, job("c1"), T0 + 2)
+        assert ledger(rec, "c1") == finish
     else:
         with pytest.raises(InvalidTransition):
-            rec._ledger_move("c1", finish, job("c1"), T0 + 2)
+            ledger_move(rec, "c1", finish, job("c1"), T0 + 2)
     assert (TERM_SENT, TERM_ANNOUNCED) not in LEDGER_TRANSITIONS
     assert (TERM_BY_PREVIOUS_RUN, TERM_ANNOUNCED) not in LEDGER_TRANSITIONS
 

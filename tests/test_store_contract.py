@@ -137,12 +137,8 @@ async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
 
 
 def waiting_writers(store: Store) -> int:
-    """Transactions queued for the write path (the backend's own queue, not a public API)."""
-    backend = store.backend
-    if isinstance(backend, SqliteBackend):
-        return sum(len(q) for q in backend._lock._waiters)
-    assert isinstance(backend, PostgresBackend)
-    return sum(p.get_stats().get("requests_waiting", 0) for p in (backend._bulk, backend._critical))
+    """Transactions queued for the write path."""
+    return store.stats().waiting_writers
 
 
 async def schema_version(store: Store) -> str:
@@ -581,23 +577,15 @@ async def test_events_of_many_reclamations_read_their_records_in_one_trip(store)
     The records come out as if folded one by one, the fresh and the agent's path alike."""
     ids = [f"rcl-{i:03d}" for i in range(60)]
     await store.add_events([notice(f"n-{r}", 100.0, reclaim_id=r) for r in ids[:30]])
-    selects: list[str] = []
-    real = store._read
-
-    async def counted(sql, args=()):
-        if "FROM reclamations" in sql:
-            selects.append(sql)
-        return await real(sql, args)
-
-    store._read = counted
+    # add_events reads nothing but the records it folds into: each read is one statement.
+    reads = store.stats().reads
     fresh = [ev(f"f-{r}", "replacement_requested", reclaim_id=r, wall_time=101.0) for r in ids]
     await store.add_events(fresh, fresh=True)
-    assert len(selects) == 1
-    selects.clear()
+    assert store.stats().reads == reads + 1
+    reads = store.stats().reads
     agent = [ev(f"a-{r}", "tainted", reclaim_id=r, wall_time=100.5, mode="remote") for r in ids]
     await store.add_events(agent)
-    assert len(selects) == 1
-    store._read = real
+    assert store.stats().reads == reads + 1
     for i, r in enumerate(ids):
         first = [notice(f"n-{r}", 100.0, reclaim_id=r)] if i < 30 else []
         stored = [*first, *(e for e in (*fresh, *agent) if e.reclaim_id == r)]
@@ -767,8 +755,8 @@ async def test_a_taint_overtakes_queued_event_batches(store):
 
 
 def group_trips(store: Store) -> int:
-    """Commits made for blind transactions (the backend's own counter, not a public API)."""
-    return sum(g.trips for g in store.backend._groups.values())
+    """Commits made for blind transactions."""
+    return sum(store.stats().group_commits.values())
 
 
 async def test_blind_transactions_commit_together_and_a_refused_one_alone(store):
@@ -1057,7 +1045,7 @@ async def test_sqlite_a_taints_blind_writes_go_before_queued_bulk_ones(tmp_path,
         async with asyncio.timeout(20):
             await asyncio.gather(holder, critical, *bulks)
         assert committed[0] == "taint" and len(committed) == 41
-        assert store.backend._groups[True].trips == 1
+        assert store.stats().group_commits["critical"] == 1
     finally:
         await store.close()
 

@@ -27,6 +27,14 @@ from spotdrain.coordinator.core.admission import (
     PlacementRequest,
     admit,
 )
+from spotdrain.coordinator.core.worker_effects import (
+    DrainOnNode,
+    Effect,
+    Route,
+    RouteAdded,
+    RouteRemoved,
+    WorkerEvent,
+)
 from spotdrain.coordinator.core.worker_machine import (
     DRAINING,
     READY,
@@ -36,18 +44,12 @@ from spotdrain.coordinator.core.worker_machine import (
     STORY_LIMIT,
     TRANSITIONS,
     Drain,
-    DrainOnNode,
-    Effect,
     Heartbeat,
     NodeDrain,
-    Route,
-    RouteAdded,
-    RouteRemoved,
     SlotsChanged,
     Started,
     Stopped,
     Worker,
-    WorkerEvent,
 )
 from spotdrain.protocol.kinds import ALL as KINDS
 from spotdrain.protocol.machine import InvalidTransition

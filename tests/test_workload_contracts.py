@@ -17,6 +17,7 @@ import pytest
 
 from fakenode import FakeNode, Ops, eventually
 from harness import BIN, start_coordinator
+from spotdrain.coordinator.api.admin import AdminServicer
 from spotdrain.coordinator.api.agent_link import Coordinator
 from spotdrain.coordinator.core.admission import CONTRACT_FLAGGED, NodeView, PlacementRequest, admit
 from spotdrain.coordinator.fleet.contracts import ContractPolicy
@@ -146,6 +147,47 @@ async def test_two_overruns_in_forty_flag_the_image_once(store):
     assert ([IMAGE, "batch", "overrun"], 2.0) in again.fleet.contracts.samples()
     assert ([IMAGE, "batch", "killed"], 1.0) in again.fleet.contracts.samples()
     assert again.fleet.contracts.flagged_samples() == [([IMAGE, "batch"], 1.0)]
+
+
+async def test_listing_the_contracts_changes_nothing(store):
+    """Another coordinator on the same store (the leader before a failover) took 40
+    reclamations of the image, two of them overruns, and flagged it; this one rebuilt before
+    that, so its gate and its metrics still go by the clean image. An operator lists the
+    contracts: the answer is what the store holds (40, flagged), and the listing changed
+    nothing: not the stored events or counts, not what this coordinator's gate and metrics go
+    by. Those catch up where the counts change: the next reclamation this coordinator stores."""
+    coord = await coordinator_on(store)
+    leader = await coordinator_on(store)
+    for n in range(40):
+        end = "overrun" if n in (5, 30) else "exited"
+        await leader.events.accept(as_new("node-a", reclamation(n, end)))
+    contracts = coord.fleet.contracts
+
+    async def state() -> tuple:
+        events = await store.events_after(0, 100_000)
+        return (
+            len(events),
+            await store.contracts(),
+            contracts.samples(),
+            contracts.flagged_samples(),
+            contracts.flagged(IMAGE, "batch"),
+        )
+
+    before = await state()
+    reply = await AdminServicer(coord).ListWorkloadContracts(
+        pb.ListWorkloadContractsRequest(),
+        None,  # an insecure coordinator reads no identity from the call
+    )
+    assert [(c.image, c.reclamations, c.overrun, c.flagged) for c in reply.contracts] == [
+        (IMAGE, 40, 2, True)
+    ]
+    report = await coord.ops.contracts()
+    assert [(r.reclamations, r.flagged_at) for r in report.rows] == [(40, 5_000.0)]
+    assert await state() == before
+    assert not contracts.flagged(IMAGE, "batch") and contracts.samples() == []
+    await coord.events.accept(as_new("node-a", reclamation(40, "exited")))
+    assert contracts.flagged(IMAGE, "batch")
+    assert ([IMAGE, "batch", "exited"], 39.0) in contracts.samples()
 
 
 async def test_a_thousand_clean_reclamations_flag_nothing(store):

@@ -1,7 +1,7 @@
 """Workload reports on the agent's side: the reclamation machine puts them in the timeline between
-the container's SIGTERM and its exit (agent/core/reclamation.py), and the status directories are
-watched and read as hostile input (agent/workloads/status_dirs.py). Machine stories run on a fake
-clock: T0 = 1000, D = T0 + 30, G = D - 10, O = D - 2."""
+the container's SIGTERM and its exit (agent/core/reclamation_reports.py), and the status
+directories are watched and read as hostile input (agent/workloads/status_dirs.py). Machine
+stories run on a fake clock: T0 = 1000, D = T0 + 30, G = D - 10, O = D - 2."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from asyncinotify import Inotify, Mask
 
 from spotdrain import workload
 from spotdrain.agent.core.notice import Notice
-from spotdrain.agent.core.reclamation import PENDING_REPORTS_KEPT, Margins, Reclamation
+from spotdrain.agent.core.reclamation import Margins, Reclamation
 from spotdrain.agent.core.reclamation_commands import SIGKILL, SIGTERM, Emit
 from spotdrain.agent.core.reclamation_events import (
     ContainerExited,
@@ -31,6 +31,7 @@ from spotdrain.agent.core.reclamation_events import (
     Tick,
     WorkloadReported,
 )
+from spotdrain.agent.core.reclamation_reports import PENDING_REPORTS_KEPT
 from spotdrain.agent.workloads.status_dirs import (
     IGNORED_INTERVAL_S,
     IGNORED_LINES_PER_INTERVAL,

@@ -50,14 +50,7 @@ from spotdrain.agent.core.node_events import (
     ResumeAsked,
 )
 from spotdrain.agent.core.notice import Notice, NoticeInvalid
-from spotdrain.agent.core.reclamation import (
-    TERM_ANNOUNCED,
-    TERM_BY_PREVIOUS_RUN,
-    TERM_SENT,
-    Margins,
-    Reclamation,
-    reclaim_id_for,
-)
+from spotdrain.agent.core.reclamation import Margins, Reclamation, reclaim_id_for
 from spotdrain.agent.core.reclamation_commands import (
     SIGTERM,
     Command,
@@ -76,6 +69,12 @@ from spotdrain.agent.core.reclamation_events import (
     TaintUnanswered,
     Tick,
     WorkloadReported,
+)
+from spotdrain.agent.core.signal_ledger import (
+    TERM_ANNOUNCED,
+    TERM_BY_PREVIOUS_RUN,
+    TERM_SENT,
+    ledger,
 )
 from spotdrain.protocol.machine import InvalidState
 
@@ -209,7 +208,7 @@ class Node:
             for o in self._all()
             if o.reclaim_id != reclaim_id
             for c in (*o.announced, *o.signalled)
-            if o.ledger(c) in _SIGTERMED
+            if ledger(o, c) in _SIGTERMED
         )
 
     # --- invariants --------------------------------------------------------------------------
@@ -234,7 +233,7 @@ class Node:
             c
             for rec in self._all()
             for c in {*rec.announced, *rec.signalled}
-            if rec.ledger(c) in _SIGTERMED
+            if ledger(rec, c) in _SIGTERMED
         )
         twice = sorted(c for c, n in sigtermed.items() if n > 1)
         if twice:

@@ -279,15 +279,7 @@ class Source:
             key = f"azure:{event_id}"
             if ev.event_type in NOTICES:
                 deadline = ev.not_before if ev.not_before else now + EMPTY_NOT_BEFORE_S
-                self.sink.notice(
-                    Notice(
-                        key=key,
-                        notice_id=event_id,
-                        action="terminate",
-                        terminate_at=deadline,
-                        source="azure",
-                    )
-                )
+                self._notice(key, event_id, "terminate", deadline)
                 if self.cfg.acknowledge:
                     task = asyncio.get_running_loop().create_task(self._acknowledge(key, ev))
                     self._acks.add(task)
@@ -312,19 +304,15 @@ class Source:
                 continue  # it went ahead; nothing to call off
             key = f"azure:{event_id}"
             if ev.event_type in NOTICES:
-                self.sink.notice(
-                    Notice(
-                        key=key,
-                        notice_id=event_id,
-                        action="cancel",
-                        terminate_at=None,
-                        source="azure",
-                    )
-                )
+                self._notice(key, event_id, "cancel", None)
             else:
                 self.sink.advisory(
                     Advisory(key, "azure", ADVISORIES[ev.event_type], withdrawn=True)
                 )
+
+    def _notice(self, key: str, event_id: str, action: str, at: float | None) -> None:
+        notice = Notice(key=key, notice_id=event_id, action=action, terminate_at=at, source="azure")
+        self.sink.notice(notice)
 
     async def _acknowledge(self, key: str, ev: Scheduled) -> None:
         """Once the node is verified empty, tell the platform it may go ahead now."""

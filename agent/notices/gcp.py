@@ -129,15 +129,16 @@ class Source:
                 )
             )
             return
-        self.sink.notice(
-            Notice(
-                key=f"gcp:preempted:{self.boot}",
-                notice_id=f"gcp-preempted-{self.boot[:8]}",
-                action="terminate",
-                terminate_at=self.clock() + self.cfg.notice_s,
-                source="gcp",
-            )
+        self._terminate(
+            f"gcp:preempted:{self.boot}", f"gcp-preempted-{self.boot[:8]}", self.cfg.notice_s
         )
+
+    def _terminate(self, key: str, notice_id: str, in_s: float) -> None:
+        at = self.clock() + in_s
+        notice = Notice(
+            key=key, notice_id=notice_id, action="terminate", terminate_at=at, source="gcp"
+        )
+        self.sink.notice(notice)
 
     def maintenance(self, value: str, etag: str) -> None:
         if value not in MAINTENANCE_VALUES:
@@ -163,12 +164,8 @@ class Source:
                 )
             )
         elif value == "TERMINATE_ON_HOST_MAINTENANCE":
-            self.sink.notice(
-                Notice(
-                    key=f"gcp:maintenance:{self.boot}:{etag}",
-                    notice_id=f"gcp-maintenance-{etag[:16]}",
-                    action="terminate",
-                    terminate_at=self.clock() + self.cfg.maintenance_notice_s,
-                    source="gcp",
-                )
+            self._terminate(
+                f"gcp:maintenance:{self.boot}:{etag}",
+                f"gcp-maintenance-{etag[:16]}",
+                self.cfg.maintenance_notice_s,
             )

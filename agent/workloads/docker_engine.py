@@ -240,6 +240,11 @@ class DockerEngine:
                 kind=target.kind,
             )
 
+        def failed(error: str) -> ContainerSignalled:
+            return ContainerSignalled(
+                self.clock(), target.id, target.name, signal, "pid", error=error
+            )
+
         try:
             await self._call(self._api.kill, target.id, signal=signal)
             return sent("api")
@@ -254,27 +259,13 @@ class DockerEngine:
             api_error = str(e)
         pid = target.pid or getattr(self.inventory.get(target.id), "pid", 0)
         if not pid:
-            return ContainerSignalled(
-                self.clock(),
-                target.id,
-                target.name,
-                signal,
-                "pid",
-                error=f"engine failed ({api_error}) and the PID is unknown",
-            )
+            return failed(f"engine failed ({api_error}) and the PID is unknown")
         try:
             os.kill(pid, getattr(signals, signal))
         except ProcessLookupError:
             pass  # already gone: the signal's purpose is met
         except OSError as e:
-            return ContainerSignalled(
-                self.clock(),
-                target.id,
-                target.name,
-                signal,
-                "pid",
-                error=f"engine failed ({api_error}); kill({pid}): {e.strerror}",
-            )
+            return failed(f"engine failed ({api_error}); kill({pid}): {e.strerror}")
         log.warning(
             "node %s: engine failed (%s); signalled %s by PID %d",
             self.node_id,

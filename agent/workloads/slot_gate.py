@@ -17,31 +17,7 @@ at the grace deadline (docs/design.md, "Four drain paths", inference row).
   `data: [DONE]`). A client that goes away is not interrupted: its slot is released and the
   upstream request closed, so the worker stops generating for it.
 
-How a cut reads for the client (invariant 7: an explicit error, never the normal end marker):
-
-- An SSE stream gets one event and then a clean end of the HTTP response, never `data: [DONE]`:
-
-      event: error
-      data: {"error": {"type": "interrupted", "message": "...", "request_id": "..."}}
-
-  The `event: error` line is for SSE clients in general. The `data:` line is what the official
-  `openai` SDK acts on: its stream decoder (`openai/_streaming.py`, legacy mode, used for chat
-  and completions) turns any event whose JSON data has a truthy "error" key into a raised
-  `openai.APIError` (the base class, not `APIStatusError`, since the HTTP status was 200), with
-  `body` = the "error" object. It does not look at the event name alone, and a stream that just
-  ends without `[DONE]` ends the iteration normally, without an exception: so the data line is
-  what makes a cut stream raise in the SDK. The gate relays whole SSE events only
-  (spotdrain.http.relay holds a partial event until its blank line arrives), so when the
-  worker dies mid-event the client's parser never sees half an event glued to ours; if the
-  worker's own last event is already an error, the client has its explicit error and no
-  second one is added.
-- A streamed response that is not SSE (chunked) is aborted at the transport, without the
-  terminating chunk, so the client sees a truncated body, never a clean end.
-- A request cut before its response began gets 503 (cut by us) or 502 (the worker failed)
-  with `{"error": {"type": "interrupted", ...}}`.
-- A worker that cannot be reached at all (connection refused) is not an interruption: 502
-  `upstream_unavailable`, or 503 `worker_draining` while draining.
-
+What the client sees of a cut, and the answers the gate gives itself, are gate_answers.py's.
 Responses with a Content-Length are read whole and then sent (small JSON answers; never half
 sent, so a cut can still answer 503). SSE and chunked responses are relayed chunk by chunk as
 they arrive. The hot path (one streamed chunk) is one read, a length check, one write.
@@ -58,6 +34,12 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import hdrs, web
 
+from spotdrain.agent.workloads.gate_answers import (
+    answer,
+    error_response,
+    interrupted_message,
+    send,
+)
 from spotdrain.http import sse
 from spotdrain.http.relay import Ending, StreamRelay, is_stream
 from spotdrain.http.sse import REQUEST_ID_HEADER
@@ -75,6 +57,7 @@ UPSTREAM_KEEPALIVE_S = 4.0
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0
 # Beyond the hop-by-hop set: aiohttp recomputes Content-Length on the way back.
 _NOT_RETURNED = frozenset({"content-length"})
+DRAINING_MESSAGE = "the worker is draining; retry elsewhere"
 
 
 @dataclass(frozen=True)
@@ -287,7 +270,7 @@ class SlotGate:
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         if self._draining or self._closing:
             self._call("on_refused", self._on_refused, "worker_draining")
-            return self._refusal(503, "worker_draining", "the worker is draining; retry elsewhere")
+            return self._refusal(503, "worker_draining", DRAINING_MESSAGE)
         if self._in_flight >= self.capacity:
             self._call("on_refused", self._on_refused, "worker_busy")
             return self._refusal(429, "worker_busy", f"all {self.capacity} slots are in use")
@@ -325,12 +308,11 @@ class SlotGate:
                 # Never connected: no request was ever in the worker, nothing was interrupted.
                 log.warning("gate %s: worker unreachable: %s", self.worker_id, e)
                 if self._draining or self._closing:
-                    return await self._answer(
-                        request, 503, "worker_draining", "the worker is draining; retry elsewhere"
+                    return await answer(
+                        request, self._refusal(503, "worker_draining", DRAINING_MESSAGE)
                     )
-                return await self._answer(
-                    request, 502, "upstream_unavailable", f"worker unreachable at {self.upstream}"
-                )
+                message = f"worker unreachable at {self.upstream}"
+                return await answer(request, self._refusal(502, "upstream_unavailable", message))
             headers = sse.forwarded(upstream.headers, slot.request_id, _NOT_RETURNED)
             if is_stream(upstream):
                 response = web.StreamResponse(
@@ -360,7 +342,7 @@ class SlotGate:
             status=upstream.status, reason=upstream.reason, body=body, headers=headers
         )
         try:
-            await _send(request, response)
+            await send(request, response)
         except ConnectionError:
             pass  # the client went away
         return response
@@ -395,41 +377,23 @@ class SlotGate:
                     repr(relay.broken) if relay.broken else ending.value,
                 )
             self._report_interrupted(slot, True, reason)
-            message = _interrupted_message(reason)
+            message = interrupted_message(reason)
         await relay.end(message, slot.request_id)
         return response
 
-    # --- answers of the gate's own -----------------------------------------------------------
+    # --- answers of the gate's own (gate_answers.py) ------------------------------------------
 
     def _refusal(self, status: int, kind: str, message: str) -> web.Response:
-        return web.Response(
-            status=status,
-            body=sse.error_body(kind, message, None),
-            content_type="application/json",
-            headers={hdrs.RETRY_AFTER: self._retry_after},
-        )
-
-    async def _answer(
-        self, request: web.BaseRequest, status: int, kind: str, message: str
-    ) -> web.StreamResponse:
-        response = self._refusal(status, kind, message)
-        if not await sse.bounded(_send(request, response)):
-            sse.abort(request)
-        return response
+        return error_response(status, kind, message, self._retry_after)
 
     async def _answer_interrupted(
         self, request: web.BaseRequest, slot: _Slot, status: int, message: str
     ) -> web.StreamResponse:
         slot.phase = _FINISHING
-        response = web.Response(
-            status=status,
-            body=sse.error_body("interrupted", message, slot.request_id),
-            content_type="application/json",
-            headers={hdrs.RETRY_AFTER: self._retry_after, REQUEST_ID_HEADER: slot.request_id},
+        retry_after, request_id = self._retry_after, slot.request_id
+        return await answer(
+            request, error_response(status, "interrupted", message, retry_after, request_id)
         )
-        if not await sse.bounded(_send(request, response)):
-            sse.abort(request)
-        return response
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -438,14 +402,3 @@ class SlotGate:
 def _uncancel() -> int:
     task = asyncio.current_task()
     return task.uncancel() if task is not None else 0
-
-
-async def _send(request: web.BaseRequest, response: web.StreamResponse) -> None:
-    await response.prepare(request)
-    await response.write_eof()
-
-
-def _interrupted_message(reason: str) -> str:
-    if reason == "stopped":
-        return "the worker was stopped (node reclaimed or paused); the answer is incomplete"
-    return "the worker failed mid-response; the answer is incomplete"

@@ -21,6 +21,7 @@ import grpc
 from spotdrain.coordinator.api import convert
 from spotdrain.coordinator.api.errors import BadRequest, Refused, end_with, grpc_errors
 from spotdrain.coordinator.api.intake import Intake, batch_cost
+from spotdrain.coordinator.api.operations import Operations
 from spotdrain.coordinator.capacity.acquirer import DEFAULT_AVOID_S, Acquirer
 from spotdrain.coordinator.core import messages as msg
 from spotdrain.coordinator.core import worker_machine as wm
@@ -78,6 +79,8 @@ class Coordinator:
             node_gone_s=node_gone_s,
             contract_policy=contract_policy,
         )
+        # What servicers and the dashboard do to the fleet, one method each.
+        self.ops = Operations(store, self.fleet, self.events, clock)
         self.registry.register(
             GaugeCollector(
                 "spotdrain_workload_reclamations",
@@ -236,8 +239,8 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
             convert.finite(request.terminate_at, "terminate_at"),
             convert.finite(request.grace_deadline, "grace_deadline"),
         )
-        drains = self.coord.fleet.drains
-        answer = await (drains.lift_taint(*args) if request.remove else drains.taint(*args))
+        ops = self.coord.ops
+        answer = await (ops.lift_taint(*args) if request.remove else ops.taint(*args))
         reason = "lift" if request.remove else ("pause" if args[2] == "pause" else "notice")
         self.coord.taint_answer.labels(reason).observe(time.perf_counter() - started)
         log.info(
@@ -253,7 +256,7 @@ class AgentLinkServicer(pb_grpc.AgentLinkServicer):
         await self.coord.node_only(context, node_id, "SetWorkload")
         if not request.enabled:
             raise BadRequest("a pause is a Taint with reason pause, not SetWorkload(false)")
-        enabled = await self.coord.fleet.drains.end_pause(node_id, request.reclaim_id)
+        enabled = await self.coord.ops.end_pause(node_id, request.reclaim_id)
         return pb.SetWorkloadReply(workload_enabled=enabled)
 
     async def Connect(  # noqa: N802

@@ -15,11 +15,13 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from spotdrain.coordinator.api.errors import BadRequest, TooLarge
+from spotdrain.coordinator.api.operations import ContractsReport, ModelStatus, NodeStatus
 from spotdrain.coordinator.core import messages as msg
+from spotdrain.coordinator.core import reputation
 from spotdrain.coordinator.core import worker_machine as wm
 from spotdrain.coordinator.core.rental import Rental
 from spotdrain.coordinator.fleet.route_table import RouteEntry
-from spotdrain.coordinator.store import EventRow, NewEvent, NodeRow, TaintRow
+from spotdrain.coordinator.store import EventRow, NewEvent, TaintRow
 from spotdrain.protocol import limits
 from spotdrain.v1 import spotdrain_pb2 as pb
 
@@ -248,28 +250,73 @@ def reclamation_pb(record: dict[str, Any]) -> pb.Reclamation:
     return rec
 
 
-def node_pb(
-    n: NodeRow,
-    taints: Sequence[TaintRow],
-    connected_at: float | None,
-    live_workers: int,
-    active_rentals: int,
-    avoided_until: float,
-) -> pb.Node:
+def node_pb(n: NodeStatus) -> pb.Node:
+    row = n.row
     return pb.Node(
-        node_id=n.node_id,
-        spot=n.spot,
-        node_group=n.node_group,
-        gpus=[pb.Gpu(**g) for g in n.gpus],
-        connected=connected_at is not None,
-        last_seen=connected_at if connected_at is not None else n.last_seen,
-        taints=[taint_pb(t) for t in taints],
-        workload_enabled=n.workload_enabled,
-        provider=n.owner,
-        live_workers=live_workers,
-        active_rentals=active_rentals,
-        group_avoided_until=avoided_until,
+        node_id=row.node_id,
+        spot=row.spot,
+        node_group=row.node_group,
+        gpus=[pb.Gpu(**g) for g in row.gpus],
+        connected=n.connected_at is not None,
+        last_seen=n.connected_at if n.connected_at is not None else row.last_seen,
+        taints=[taint_pb(t) for t in n.taints],
+        workload_enabled=row.workload_enabled,
+        provider=row.owner,
+        live_workers=n.live_workers,
+        active_rentals=n.active_rentals,
+        group_avoided_until=n.avoided_until,
     )
+
+
+def model_pb(m: ModelStatus) -> pb.Model:
+    return pb.Model(
+        model=m.row.model,
+        replicas=m.row.replicas,
+        image=m.row.image,
+        slots=m.row.slots,
+        ready=m.ready,
+        starting=m.starting,
+        draining=m.draining,
+    )
+
+
+def reputation_pb(node_id: str, provider: str, score: reputation.Score) -> pb.Reputation:
+    return pb.Reputation(
+        node_id=node_id,
+        provider=provider,
+        score=score.value,
+        successes=score.successes,
+        failures=score.failures,
+        counted=score.counted,
+        excluded_spot=score.excluded_spot,
+        neutral_reclaims=score.neutral_reclaims,
+    )
+
+
+def timeline_pb(record: dict[str, Any], events: Sequence[EventRow]) -> pb.Timeline:
+    return pb.Timeline(reclamation=reclamation_pb(record), events=[event_pb(r) for r in events])
+
+
+def contracts_pb(report: ContractsReport) -> pb.ListWorkloadContractsReply:
+    reply = pb.ListWorkloadContractsReply(
+        budget=report.policy.budget,
+        min_reclamations=report.policy.min_reclamations,
+        no_spot_for_flagged=report.policy.no_spot_for_flagged,
+    )
+    for r in report.rows:
+        c = reply.contracts.add(
+            image=r.image,
+            kind=r.kind,
+            exited=r.exited,
+            killed=r.killed,
+            overrun=r.overrun,
+            reclamations=r.reclamations,
+            share=r.failed_share,
+            flagged=r.flagged_at is not None,
+        )
+        if r.flagged_at is not None:
+            c.flagged_at = r.flagged_at
+    return reply
 
 
 def worker_pb(w: wm.Worker) -> pb.WorkerInfo:

@@ -48,6 +48,10 @@ class NotFound(KeyError):
         return str(self.args[0]) if self.args else "not found"
 
 
+class Precondition(Exception):
+    """Refused in the state things are in now (a pause already held): FAILED_PRECONDITION."""
+
+
 class TooLarge(Exception):
     """Above a configured bound (proto/spotdrain/protocol/limits.py): RESOURCE_EXHAUSTED, nothing
     stored."""
@@ -63,7 +67,7 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
             return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
         case NotFound() | UnknownNode():
             return grpc.StatusCode.NOT_FOUND, str(error)
-        case PlacementRefused() | SpotChangeRefused():
+        case PlacementRefused() | SpotChangeRefused() | Precondition():
             return grpc.StatusCode.FAILED_PRECONDITION, str(error)
         case StoreUnavailable():
             return grpc.StatusCode.UNAVAILABLE, f"store unavailable, retry: {error}"

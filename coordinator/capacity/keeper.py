@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
 from spotdrain.coordinator.capacity import desired as capacity
 from spotdrain.coordinator.core import worker_machine as wm
 from spotdrain.coordinator.fleet.nodes import summarize_refusals
+from spotdrain.coordinator.fleet.placer import Gate
+from spotdrain.coordinator.fleet.registry import ApplyEvent, FleetState
 from spotdrain.coordinator.store import ModelRow, StartBackoff
-
-if TYPE_CHECKING:
-    from spotdrain.coordinator.fleet.wiring import Fleet
+from spotdrain.runtime.background import Background
 
 log = logging.getLogger("spotdrain.coordinator.capacity.desired")
 
@@ -34,8 +33,18 @@ YIELD_EVERY = 50
 
 
 class CapacityKeeper:
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
+    def __init__(
+        self,
+        state: FleetState,
+        gate: Gate,
+        apply: ApplyEvent,
+        background: Background,
+    ) -> None:
+        self.store, self.events, self.clock = state.store, state.events, state.clock
+        self.nodes, self.registry = state.nodes, state.registry
+        self.gate = gate
+        self.apply = apply
+        self.background = background
         self._lock = asyncio.Lock()
         self._short: set[str] = set()  # models whose desired capacity could not be met
         self.backoff: dict[str, StartBackoff] = {}  # the store's, read back by rebuild
@@ -46,7 +55,7 @@ class CapacityKeeper:
         """Ask for a pass soon, in the background; passes asked for meanwhile are one."""
         self._wanted = True
         if self._runner is None or self._runner.done():
-            self._runner = self.fleet.background.spawn(self._run(path))
+            self._runner = self.background.spawn(self._run(path))
 
     async def _run(self, path: str) -> None:
         while self._wanted:
@@ -57,15 +66,15 @@ class CapacityKeeper:
         """A model's workers that count toward its capacity: starting or ready, not draining,
         and not on a node at risk (an advisory): those serve on, but are replaced elsewhere.
         A scan of the model's workers: only for a model over its count (which to drain)."""
-        at_risk = self.fleet.nodes.at_risk
-        return [w for w in self.fleet.registry.serving(model) if not at_risk(w.node_id)]
+        at_risk = self.nodes.at_risk
+        return [w for w in self.registry.serving(model) if not at_risk(w.node_id)]
 
     def serving_count(self, model: str) -> int:
         """len(serving(model)) without the scan: the registry's count, less the model's
         workers on the nodes at risk (few: those with an advisory in force). A capacity pass
         runs after every notice, and a thousand notices in a second must not each walk the
         fleet's workers."""
-        registry, nodes = self.fleet.registry, self.fleet.nodes
+        registry, nodes = self.registry, self.nodes
         risky = sum(
             1
             for node_id in nodes.risky()
@@ -75,7 +84,7 @@ class CapacityKeeper:
         return registry.serving_count(model) - risky
 
     async def enough(self, model: str) -> bool:
-        row = await self.fleet.store.model(model)
+        row = await self.store.model(model)
         return row is not None and self.serving_count(model) >= row.replicas
 
     async def keep(self, path: str = "recovery", prefer: str = "") -> None:
@@ -85,9 +94,8 @@ class CapacityKeeper:
             await self._keep(path, prefer)
 
     async def _keep(self, path: str, prefer: str) -> None:
-        fleet = self.fleet
-        now = fleet.clock()
-        for model in await fleet.store.models():
+        now = self.clock()
+        for model in await self.store.models():
             count = self.serving_count(model.model)
             backoff = self.backoff.get(model.model)
             missing = model.replicas - count
@@ -97,7 +105,7 @@ class CapacityKeeper:
             while placed < missing:
                 # In chunks of one transaction each: the chunk's workers and events are one
                 # trip to the store, and a Taint waits for at most one chunk.
-                async with fleet.store.transaction():
+                async with self.store.transaction():
                     short = await self._place_chunk(
                         model, min(YIELD_EVERY, missing - placed), path, prefer
                     )
@@ -111,19 +119,18 @@ class CapacityKeeper:
                 continue
             for worker in capacity.surplus(self.serving(model.model), model.replicas):
                 grace = now + SCALE_DOWN_GRACE_S
-                await fleet.apply(worker, wm.Drain(now, "operator", grace, grace + 10))
+                await self.apply(worker, wm.Drain(now, "operator", grace, grace + 10))
 
     async def _place_chunk(self, model: ModelRow, count: int, path: str, prefer: str) -> bool:
         """Up to `count` workers of `model`; True when no node admits another (recorded once
         per shortage, with why the nodes said no; not every pass)."""
-        fleet = self.fleet
         for _ in range(count):
-            request = fleet.gate.request_for(model.image, "inference", path)
-            node_id, refused = fleet.nodes.pick(request, prefer)
+            request = self.gate.request_for(model.image, "inference", path)
+            node_id, refused = self.nodes.pick(request, prefer)
             if node_id is None:
                 if model.model not in self._short:
                     self._short.add(model.model)
-                    await fleet.record(
+                    await self.events.record(
                         "capacity_short",
                         "",
                         {
@@ -136,27 +143,26 @@ class CapacityKeeper:
                     )
                 return True
             self._short.discard(model.model)
-            await fleet.gate.place_worker(node_id, model.model, model.image, model.slots, path=path)
+            await self.gate.place_worker(node_id, model.model, model.image, model.slots, path=path)
         return False
 
     async def started(self, model: str) -> None:
         """A worker of the model served: its backoff is over."""
         if self.backoff.pop(model, None) is not None:
-            await self.fleet.store.clear_start_backoff(model)
+            await self.store.clear_start_backoff(model)
 
     async def start_failed(self, worker: wm.Worker) -> None:
         """A worker of a model with a desired count stopped before it ever served: back off
         before that model's next start (5 s, doubling, at most START_BACKOFF_MAX_S)."""
-        fleet = self.fleet
-        if worker.kind != "inference" or await fleet.store.model(worker.model) is None:
+        if worker.kind != "inference" or await self.store.model(worker.model) is None:
             return
         known = self.backoff.get(worker.model)
         failures = (known.failures if known else 0) + 1
         delay = min(START_BACKOFF_MAX_S, 5.0 * 2 ** (failures - 1))
-        backoff = StartBackoff(worker.model, failures, fleet.clock() + delay)
+        backoff = StartBackoff(worker.model, failures, self.clock() + delay)
         self.backoff[worker.model] = backoff
-        await fleet.store.set_start_backoff(backoff.model, backoff.failures, backoff.retry_at)
-        await fleet.record(
+        await self.store.set_start_backoff(backoff.model, backoff.failures, backoff.retry_at)
+        await self.events.record(
             "capacity_start_failed",
             worker.node_id,
             {

@@ -10,23 +10,29 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from spotdrain.coordinator.capacity.acquirer import (
     Acquirer,
     AcquisitionRequest,
     choose_target_group,
 )
-
-if TYPE_CHECKING:
-    from spotdrain.coordinator.fleet.wiring import Fleet
+from spotdrain.coordinator.fleet.registry import FleetState
+from spotdrain.runtime.background import Background
 
 log = logging.getLogger("spotdrain.coordinator.capacity.replacement")
 
 
 class Replacement:
-    def __init__(self, fleet: Fleet, acquirers: dict[str, Acquirer], avoid_s: float) -> None:
-        self.fleet = fleet
+    def __init__(
+        self,
+        state: FleetState,
+        background: Background,
+        acquirers: dict[str, Acquirer],
+        avoid_s: float,
+    ) -> None:
+        self.store, self.events, self.clock = state.store, state.events, state.clock
+        self.nodes = state.nodes
+        self.background = background
         # Replacement capacity per node group, in the operator's order of preference.
         self.acquirers = dict(acquirers)
         self.avoid_s = avoid_s
@@ -36,19 +42,20 @@ class Replacement:
     ) -> None:
         """The node's group avoided now (one write: the next placement must already see it);
         the acquirer asked in the background."""
-        fleet = self.fleet
-        now = fleet.clock()
-        node = fleet.nodes.rows.get(node_id)
+        now = self.clock()
+        node = self.nodes.rows.get(node_id)
         group = node.node_group if node is not None else ""
-        elsewhere = (fleet.nodes.group_names() | set(self.acquirers)) - {group}
+        elsewhere = (self.nodes.group_names() | set(self.acquirers)) - {group}
         # Avoiding the only group there is would stop every placement, replacements included.
         until = None
         if elsewhere:
             # Never shortened: the later of the window it has and this one.
-            until = max(fleet.nodes.avoided.get(group, 0.0), now + self.avoid_s)
-            await fleet.store.avoid_group_later(group, until)
-            fleet.nodes.avoided[group] = until
-        fleet.spawn(self._acquire(node_id, reclaim_id, terminate_at, tuple(models), until))
+            until = max(self.nodes.avoided.get(group, 0.0), now + self.avoid_s)
+            await self.store.avoid_group_later(group, until)
+            self.nodes.avoided[group] = until
+        self.background.spawn(
+            self._acquire(node_id, reclaim_id, terminate_at, tuple(models), until)
+        )
 
     async def _acquire(
         self,
@@ -58,11 +65,10 @@ class Replacement:
         models: tuple[str, ...],
         until: float | None,
     ) -> None:
-        fleet = self.fleet
-        now = fleet.clock()
-        node = fleet.nodes.rows.get(node_id)
+        now = self.clock()
+        node = self.nodes.rows.get(node_id)
         group = node.node_group if node is not None else ""
-        target = choose_target_group(group, list(self.acquirers), fleet.nodes.avoided_now(), now)
+        target = choose_target_group(group, list(self.acquirers), self.nodes.avoided_now(), now)
         request = AcquisitionRequest(
             request_id=f"acq-{reclaim_id}",
             reclaimed_node=node_id,
@@ -76,11 +82,11 @@ class Replacement:
         details = {**request.to_dict(), "avoided_until": until}
         if target is None:
             details["detail"] = "no other node group has an acquirer that is not avoided"
-            fleet.events.record_soon("replacement_unavailable", node_id, details, reclaim_id)
+            self.events.record_soon("replacement_unavailable", node_id, details, reclaim_id)
             return
-        fleet.events.record_soon("replacement_requested", node_id, details, reclaim_id)
+        self.events.record_soon("replacement_requested", node_id, details, reclaim_id)
         result = await self.acquirers[target].request(request)
-        fleet.events.record_soon(
+        self.events.record_soon(
             "replacement_result",
             node_id,
             {
@@ -99,10 +105,10 @@ class Replacement:
         that died between storing the drain and asking. (node, reclaim id, D) to ask for now."""
         handled = {"replacement_requested", "replacement_unavailable"}
         out = []
-        for d in await self.fleet.store.active_drains():
+        for d in await self.store.active_drains():
             if d.reason != "notice" or now >= d.terminate_at:
                 continue
-            kinds = {e.kind for e in await self.fleet.store.events_of(d.reclaim_id)}
+            kinds = {e.kind for e in await self.store.events_of(d.reclaim_id)}
             if not handled & kinds:
                 out.append((d.node_id, d.reclaim_id, d.terminate_at))
         return out

@@ -15,7 +15,7 @@ worker_state_machine):
     draining -> stopped    only a stop ends draining (invariant 3)
 
 `stopped` is final. Routers see exactly the `ready` workers: entering ready yields `RouteAdded`,
-leaving it yields `RouteRemoved`, both from the transition table itself.
+leaving it yields `RouteRemoved` (coordinator/core/worker_effects.py), both from the table.
 
 Programmer errors against races:
 - A malformed event (unknown drain reason, grace deadline after terminate_at, negative slots,
@@ -37,6 +37,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from spotdrain.coordinator.core.worker_effects import (
+    DrainOnNode,
+    Effect,
+    Route,
+    RouteAdded,
+    RouteRemoved,
+    WorkerEvent,
+)
 from spotdrain.protocol.machine import StateMachine, StoryEntry, Table
 
 STARTING = "starting"
@@ -148,65 +156,6 @@ class SlotsChanged:
 
 Event = Started | Heartbeat | Drain | Stopped | SlotsChanged
 
-# --- effects: what the shell must do -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Route:
-    """What a router needs to send traffic to a ready worker: a snapshot, not the live worker."""
-
-    worker_id: str
-    node_id: str
-    model: str
-    gate_address: str
-    capacity: int
-
-
-@dataclass(frozen=True)
-class RouteAdded:
-    """Publish (or replace: same worker_id, new address) the worker's route."""
-
-    route: Route
-
-    @property
-    def worker_id(self) -> str:
-        return self.route.worker_id
-
-
-@dataclass(frozen=True)
-class RouteRemoved:
-    worker_id: str
-
-
-@dataclass(frozen=True)
-class DrainOnNode:
-    """Ask the agent to drain this worker's gate and stop it when its slots reach zero, or at
-    `grace_deadline` at the latest. Idempotent on the agent: it may be sent again (a shortened
-    deadline, a gate that came up after the drain, an agent that still claims the worker
-    serves); the agent keeps the earliest deadline it was given."""
-
-    worker_id: str
-    node_id: str
-    grace_deadline: float
-    terminate_at: float
-    reason: str
-
-
-@dataclass(frozen=True)
-class WorkerEvent:
-    """A lifecycle event for the event log: `worker_ready`, `worker_draining`, `worker_stopped`.
-
-    `details` always carries node_id and worker_id (docs/contributing.md "Words")."""
-
-    kind: str
-    details: Mapping[str, Any] = field(default_factory=dict)
-
-
-Effect = RouteAdded | RouteRemoved | DrainOnNode | WorkerEvent
-
-
-# --- the transition table ------------------------------------------------------------------
-
 
 def _enter_ready(worker: Worker) -> list[Effect]:
     return [RouteAdded(worker.route())] if worker.routed else []
@@ -233,9 +182,6 @@ TRANSITIONS: Table[str, Callable[[Worker], list[Effect]]] = Table(
         (DRAINING, STOPPED): _nothing,
     },
 )
-
-
-# --- the worker ----------------------------------------------------------------------------
 
 
 @dataclass

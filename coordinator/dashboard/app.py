@@ -22,9 +22,9 @@ from aiohttp import web
 
 from spotdrain.coordinator.api import convert
 from spotdrain.coordinator.api.agent_link import Coordinator
-from spotdrain.coordinator.api.errors import status_for
+from spotdrain.coordinator.api.errors import BadRequest
 from spotdrain.coordinator.dashboard import pages, static
-from spotdrain.coordinator.dashboard.actions import HTTP_STATUS, Api, ApiRefused
+from spotdrain.coordinator.dashboard.actions import Api, http_refusal
 from spotdrain.coordinator.dashboard.auth import TOKEN_HEADER, token_matches
 from spotdrain.coordinator.dashboard.live import LiveTimelines, TooManyWatchers
 from spotdrain.timeline import svg as timeline_svg
@@ -71,7 +71,7 @@ class Dashboard:
     def __init__(self, coord: Coordinator, config: DashboardConfig) -> None:
         self.coord = coord
         self.config = config
-        self.api = Api(coord)
+        self.api = Api(coord.ops)
         self._reads = asyncio.Semaphore(1)
         self._actions = asyncio.Lock()
         self.live = LiveTimelines(coord.events, coord.store, self._live_message)
@@ -151,21 +151,12 @@ class Dashboard:
         # The fleet's in-memory index, as ListNodes converts it; one page of it.
         ids = sorted(n for n in fleet.nodes.rows if n > after)
         page, more = ids[:NODES_PER_PAGE], len(ids) > NODES_PER_PAGE
-        rentals_by_node: dict[str, list[Any]] = {}
-        # Active rentals: bounded by the fleet's GPUs, one read for the page.
-        for rental in await self._read(fleet.rentals.list(active_only=True)):
-            if rental.node_id in page:
-                rentals_by_node.setdefault(rental.node_id, []).append(rental)
+        ops = self.coord.ops
+        active = await self._read(ops.active_rentals())
+        rentals_by_node = {n: active[n] for n in page if n in active}
         avoided = fleet.nodes.avoided_now()
         nodes = [
-            convert.node_pb(
-                fleet.nodes.rows[n],
-                fleet.nodes.node_taints(n),
-                fleet.nodes.connected.get(n),
-                fleet.registry.count(n),
-                len(rentals_by_node.get(n, [])),
-                avoided.get(fleet.nodes.rows[n].node_group, 0.0),
-            )
+            convert.node_pb(ops.node_status(fleet.nodes.rows[n], len(rentals_by_node.get(n, []))))
             for n in page
         ]
         workers = {n: [convert.worker_pb(w) for w in fleet.live_workers(n)] for n in page}
@@ -196,11 +187,11 @@ class Dashboard:
     async def _timeline(self, request: web.Request) -> Any:
         try:
             return await self._read(self.api.timeline(request.match_info["rid"]))
-        except ApiRefused as e:
-            raise web.HTTPNotFound(text=f"{e}\n") from e
-        except Exception as e:  # noqa: BLE001 (a bad id: the API's own words)
-            code, message = status_for(e)
-            raise web.HTTPBadRequest(text=f"{message}\n") from e
+        except Exception as e:  # noqa: BLE001 (the API's own words: a bad id, or none such)
+            status, _, message = http_refusal(e)
+            if status == 400:
+                raise web.HTTPBadRequest(text=f"{message}\n") from e
+            raise web.HTTPNotFound(text=f"{message}\n") from e
 
     async def reclamation_page(self, request: web.Request) -> web.Response:
         tl = await self._timeline(request)
@@ -284,13 +275,11 @@ class Dashboard:
         try:
             async with self._actions:
                 message = await action(body)
-        except ApiRefused as e:
-            return _refusal(HTTP_STATUS.get(e.code, 500), str(e), e.code)
         except Exception as e:  # noqa: BLE001 (mapped as the API maps it)
-            code, text = status_for(e)
+            status, code, text = http_refusal(e)
             if code == grpc.StatusCode.INTERNAL:
                 log.error("dashboard action %s failed", request.path, exc_info=e)
-            return _refusal(HTTP_STATUS.get(code, 500), text, code)
+            return _refusal(status, text, code)
         log.info("dashboard: %s: %s", request.path, message)
         return web.json_response({"message": message})
 
@@ -318,7 +307,7 @@ class Dashboard:
         async def act(body: dict[str, Any]) -> str:
             spot = body.get("spot")
             if not isinstance(spot, bool):
-                raise ApiRefused(grpc.StatusCode.INVALID_ARGUMENT, "spot must be true or false")
+                raise BadRequest("spot must be true or false")
             node = await self.api.set_spot(node_id, spot)
             return f"node {node.node_id} is {'spot' if node.spot else 'on-demand'}"
 
@@ -331,10 +320,7 @@ class Dashboard:
             replicas, slots = body.get("replicas"), body.get("slots", 0)
             image = body.get("image", "")
             if not (_count(replicas) and _count(slots) and isinstance(image, str)):
-                raise ApiRefused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "replicas and slots must be whole numbers, image a string",
-                )
+                raise BadRequest("replicas and slots must be whole numbers, image a string")
             m = await self.api.set_replicas(model, replicas, image, slots)
             return f"model {m.model}: {m.replicas} replicas wanted, {m.ready} ready"
 

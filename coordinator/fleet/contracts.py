@@ -19,12 +19,9 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from spotdrain.coordinator.fleet.registry import FleetState
 from spotdrain.coordinator.store import ContractRow, NewEvent
-
-if TYPE_CHECKING:
-    from spotdrain.coordinator.fleet.wiring import Fleet
 
 log = logging.getLogger("spotdrain.coordinator.fleet.contracts")
 
@@ -54,8 +51,12 @@ class Contracts:
     """The fleet's view of the contracts: read back from the store at rebuild, refreshed when
     an event that can end a container's reclamation is stored."""
 
-    def __init__(self, fleet: Fleet, policy: ContractPolicy | None = None) -> None:
-        self.fleet = fleet
+    def __init__(
+        self,
+        state: FleetState,
+        policy: ContractPolicy | None = None,
+    ) -> None:
+        self.store, self.events, self.clock = state.store, state.events, state.clock
         self.policy = policy or ContractPolicy()
         self.rows: dict[tuple[str, str], ContractRow] = {}
 
@@ -67,14 +68,13 @@ class Contracts:
         await self.judge()
 
     async def judge(self) -> None:
-        fleet = self.fleet
-        rows = await fleet.store.contracts()
+        rows = await self.store.contracts()
         self.load(rows)
         for row in rows:
             if row.flagged_at is not None or not self.policy.breached(row):
                 continue
-            now = fleet.clock()
-            if not await fleet.store.flag_contract(row.image, row.kind, now):
+            now = self.clock()
+            if not await self.store.flag_contract(row.image, row.kind, now):
                 continue  # another replica flagged it first
             flagged = ContractRow(row.image, row.kind, row.exited, row.killed, row.overrun, now)
             self.rows[(row.image, row.kind)] = flagged
@@ -85,7 +85,7 @@ class Contracts:
                 row.killed + row.overrun,
                 row.reclamations,
             )
-            await fleet.record(
+            await self.events.record(
                 "workload_contract_flagged",
                 "",
                 {

@@ -14,15 +14,15 @@ import dataclasses
 import heapq
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from spotdrain.coordinator.capacity.keeper import CapacityKeeper
+from spotdrain.coordinator.capacity.replacement import Replacement
 from spotdrain.coordinator.core import worker_machine as wm
-from spotdrain.coordinator.fleet.placer import PlacementRefused
+from spotdrain.coordinator.fleet.placer import Gate
+from spotdrain.coordinator.fleet.registry import ApplyEvent, FleetState
+from spotdrain.coordinator.fleet.rentals import RentalBook
 from spotdrain.coordinator.store import DrainRow, NodeRow, TaintRow
 from spotdrain.protocol import timing
-
-if TYPE_CHECKING:
-    from spotdrain.coordinator.fleet.wiring import Fleet
 
 log = logging.getLogger("spotdrain.coordinator.fleet.drains")
 
@@ -68,8 +68,24 @@ class TaintAnswer:
 
 
 class Drains:
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
+    def __init__(
+        self,
+        state: FleetState,
+        apply: ApplyEvent,
+        gate: Gate,
+        rentals: RentalBook,
+        replacement: Replacement,
+        capacity: CapacityKeeper,
+    ) -> None:
+        self.store, self.events, self.clock = state.store, state.events, state.clock
+        self.nodes, self.registry = state.nodes, state.registry
+        self.apply = apply
+        # What a drain sets off in the other concerns: the node's rentals told, a notice's
+        # replacement asked for, capacity kept elsewhere, paused workers placed again.
+        self.gate = gate
+        self.rentals = rentals
+        self.replacement = replacement
+        self.capacity = capacity
         # Paused workers still draining when the owner resumed: replaced once they stop. The
         # store holds the list (rebuild reads it); this is its index of ids.
         self.replace_on_stop: set[str] = set()
@@ -135,7 +151,7 @@ class Drains:
     ) -> DrainRow | None:
         """The node's drain for `reclaim_id` (in progress or lifted), or None when there is
         none; from memory unless the Taint's own deadline D is too old for memory to be sure."""
-        now = self.fleet.clock()
+        now = self.clock()
         self._forget_lifted(now)
         drain = self.active.get(node_id, {}).get(reclaim_id)
         if drain is None:
@@ -144,7 +160,7 @@ class Drains:
             return drain
         if terminate_at > now - LIFTED_KEEP_S and node_id not in self._lifted_overflow:
             return None
-        return await self.fleet.store.drain(node_id, reclaim_id)
+        return await self.store.drain(node_id, reclaim_id)
 
     def current(self, node_id: str) -> DrainRow | None:
         """The node's drain with the earliest grace deadline (its reclamation's timeline gets
@@ -163,7 +179,7 @@ class Drains:
     async def _taint(
         self, node_id: str, reclaim_id: str, reason: str, terminate_at: float, grace: float
     ) -> TaintAnswer:
-        store, nodes = self.fleet.store, self.fleet.nodes
+        store, nodes = self.store, self.nodes
         ended = await self.known_drain(node_id, reclaim_id, terminate_at)
         if ended is not None and ended.ended_at is not None:
             # A late retry of a reclamation already lifted (a resumed pause, a cancelled
@@ -176,7 +192,7 @@ class Drains:
             )
             return TaintAnswer(nodes.node_taints(node_id), late=True)
         taint = nodes.taints.get(node_id, {}).get(reclaim_id) or TaintRow(
-            node_id, reclaim_id, "spotdrain.io/reclaim", "NoSchedule", reason, self.fleet.clock()
+            node_id, reclaim_id, "spotdrain.io/reclaim", "NoSchedule", reason, self.clock()
         )
         async with store.transaction(priority=True):
             await store.add_taint(node_id, reclaim_id, reason)
@@ -190,29 +206,29 @@ class Drains:
     async def lift_taint(
         self, node_id: str, reclaim_id: str, reason: str, terminate_at: float, grace: float
     ) -> TaintAnswer:
-        store = self.fleet.store
+        store = self.store
         async with self.lock(node_id), store.transaction(priority=True):
             await store.remove_taint(node_id, reclaim_id)
             # Remember the lift even for a reclamation never tainted here, so a Taint call
             # still in flight that lands after it is recognised as late.
             drain = await store.start_drain(node_id, reclaim_id, reason, terminate_at, grace)
             await store.end_drain(node_id, reclaim_id)
-        self._ended(node_id, reclaim_id, dataclasses.replace(drain, ended_at=self.fleet.clock()))
-        self.fleet.nodes.taint_removed(node_id, reclaim_id)
-        await self.fleet.rentals.lift_reclaim(node_id, reclaim_id)
-        return TaintAnswer(self.fleet.nodes.node_taints(node_id))
+        self._ended(node_id, reclaim_id, dataclasses.replace(drain, ended_at=self.clock()))
+        self.nodes.taint_removed(node_id, reclaim_id)
+        await self.rentals.lift_reclaim(node_id, reclaim_id)
+        return TaintAnswer(self.nodes.node_taints(node_id))
 
     # --- drains ------------------------------------------------------------------------------
 
     async def node_drain(self, node_id: str) -> wm.NodeDrain | None:
         """The drain the node is under, if any: the earliest deadlines of its active drains."""
         drains = list(self.active.get(node_id, {}).values())
-        node = self.fleet.nodes.rows.get(node_id)
+        node = self.nodes.rows.get(node_id)
         if not drains:
             if node is not None and not node.workload_enabled:
                 # Disabled with no recorded drain (an operator's switch): drain with no grace
                 # beyond the default owner's promise.
-                now = self.fleet.clock()
+                now = self.clock()
                 return wm.NodeDrain(
                     "pause", now + timing.NOTICE_S - timing.GRACE_S, now + timing.NOTICE_S
                 )
@@ -235,16 +251,16 @@ class Drains:
     ) -> None:
         """A pause or a notice: (for a pause) the flag off; every worker on the node draining.
         `known`: the drain as stored already (a retry keeps its first deadlines), or None."""
-        fleet, store = self.fleet, self.fleet.store
+        store = self.store
         if reason == "pause" and await store.set_workload(node_id, False):
             await self._refresh(node_id)
-            await fleet.record("workload_disabled", node_id, {"reclaim_id": reclaim_id}, "")
+            await self.events.record("workload_disabled", node_id, {"reclaim_id": reclaim_id}, "")
         if terminate_at <= 0:  # an agent that sent no deadlines: the defaults from now
-            terminate_at = fleet.clock() + timing.NOTICE_S
+            terminate_at = self.clock() + timing.NOTICE_S
             grace = terminate_at - timing.GRACE_S
         first = known is None
         drain = known or DrainRow(
-            node_id, reclaim_id, reason, terminate_at, grace, fleet.clock(), None
+            node_id, reclaim_id, reason, terminate_at, grace, self.clock(), None
         )
         if drain.grace_deadline > drain.terminate_at:
             # Work must be gone by D: a G after it (from the wire, or a row stored so before
@@ -254,32 +270,32 @@ class Drains:
             await store.add_drain(drain)
             self.active.setdefault(node_id, {})[reclaim_id] = drain
             store.on_rollback(lambda: self._unstarted(node_id, reclaim_id))
-        now = fleet.clock()
-        lost = [w for w in fleet.live_workers(node_id) if w.state != wm.DRAINING]
+        now = self.clock()
+        lost = [w for w in self.registry.live(node_id) if w.state != wm.DRAINING]
         why = reason if reason in wm.DRAIN_REASONS else "operator"
-        for worker in fleet.live_workers(node_id):
-            await fleet.apply(worker, wm.Drain(now, why, drain.grace_deadline, drain.terminate_at))
+        for worker in self.registry.live(node_id):
+            await self.apply(worker, wm.Drain(now, why, drain.grace_deadline, drain.terminate_at))
         # The renters are told when their containers stop: the grace deadline, so the node is
         # still verified empty by D.
-        await fleet.rentals.reclaim(node_id, drain.reclaim_id, reason, drain.grace_deadline)
+        await self.rentals.reclaim(node_id, drain.reclaim_id, reason, drain.grace_deadline)
         if first and reason == "notice":
             models = tuple(sorted({w.model for w in lost}))
-            await fleet.replacement.request(node_id, drain.reclaim_id, drain.terminate_at, models)
+            await self.replacement.request(node_id, drain.reclaim_id, drain.terminate_at, models)
         # Replacements start now, elsewhere, in parallel with this drain: the node is already
         # unschedulable (tainted or disabled), so the gate sends them to other nodes. In the
         # background: the Taint answer, which the agent waits for before signalling, does not.
-        fleet.capacity.wanted()
+        self.capacity.wanted()
 
     async def end_pause(self, node_id: str, reclaim_id: str) -> bool:
         """The owner's resume: flag on, pause drains ended, paused workers placed again.
         Returns the flag as it is now."""
-        fleet, store = self.fleet, self.fleet.store
+        store = self.store
         ended = []
         async with self.lock(node_id), store.transaction(priority=True):
             for drain in await store.active_drains(node_id):
                 if drain.reason == "pause" and (not reclaim_id or drain.reclaim_id == reclaim_id):
                     await store.end_drain(node_id, drain.reclaim_id)
-                    lifted = dataclasses.replace(drain, ended_at=fleet.clock())
+                    lifted = dataclasses.replace(drain, ended_at=self.clock())
                     self._ended(node_id, drain.reclaim_id, lifted)
                     ended.append(drain)
             # The pause's taints go, including one whose drain ended before (a repeated resume).
@@ -287,16 +303,16 @@ class Drains:
                 drain = await store.drain(node_id, taint.reclaim_id)
                 if taint.reason == "pause" and (drain is None or drain.ended_at is not None):
                     await store.remove_taint(node_id, taint.reclaim_id)
-                    fleet.nodes.taint_removed(node_id, taint.reclaim_id)
+                    self.nodes.taint_removed(node_id, taint.reclaim_id)
             # The owner's flag is the owner's: back on once no pause holds it (a provider's
             # notice in progress keeps the node tainted, not disabled).
             pauses = [d for d in await store.active_drains(node_id) if d.reason == "pause"]
             enabled = not pauses and await store.set_workload(node_id, True)
         await self._refresh(node_id)
         for drain in ended:
-            await fleet.rentals.lift_reclaim(node_id, drain.reclaim_id)
+            await self.rentals.lift_reclaim(node_id, drain.reclaim_id)
         if enabled:
-            await fleet.record("workload_enabled", node_id, {"reclaim_id": reclaim_id}, "")
+            await self.events.record("workload_enabled", node_id, {"reclaim_id": reclaim_id}, "")
         # The workers this pause took away come back, through the one gate. Only in the call
         # that ends the pause, so a repeated resume places nothing twice.
         graces = {d.grace_deadline for d in ended}
@@ -304,14 +320,14 @@ class Drains:
             worker = wm.Worker.from_json(doc)
             if worker.drain_reason != "pause" or worker.grace_deadline not in graces:
                 continue
-            live = fleet.registry.get(worker.worker_id)
+            live = self.registry.get(worker.worker_id)
             if live is not None and live.state != wm.STOPPED:
                 # Still draining: it holds its GPU until it stops; place the new one then.
                 await store.add_replace_on_stop(worker.worker_id, doc)
                 self.replace_on_stop.add(worker.worker_id)
                 continue
             await self.replace(worker)
-        row = fleet.nodes.rows.get(node_id)
+        row = self.nodes.rows.get(node_id)
         return bool(row and row.workload_enabled)
 
     async def stopped(self, worker: wm.Worker) -> None:
@@ -319,57 +335,47 @@ class Drains:
         if worker.worker_id not in self.replace_on_stop:
             return
         self.replace_on_stop.discard(worker.worker_id)
-        doc = await self.fleet.store.pop_replace_on_stop(worker.worker_id)
+        doc = await self.store.pop_replace_on_stop(worker.worker_id)
         if doc is not None:
             await self.replace(wm.Worker.from_json(doc))
 
     async def replace(self, worker: wm.Worker) -> None:
         """A paused worker placed again on its node after the resume, unless the model has
         enough elsewhere by now."""
-        if await self.fleet.capacity.enough(worker.model):
-            return
-        try:
-            await self.fleet.gate.place_worker(
-                worker.node_id,
-                worker.model,
-                worker.image,
-                worker.capacity,
-                path="resume",
-                kind=worker.kind,
-            )
-        except PlacementRefused as e:
-            log.info("resume of %s: %s", worker.node_id, e)
+        if not await self.capacity.enough(worker.model):
+            await self.gate.place_again(worker, "resume")
 
     async def _refresh(self, node_id: str) -> None:
-        row = await self.fleet.store.node(node_id)
+        row = await self.store.node(node_id)
         if row is not None:
-            self.fleet.nodes.put(row)
+            self.nodes.put(row)
 
     # --- the spot flag -----------------------------------------------------------------------
 
     async def set_spot(self, node_id: str, spot: bool) -> NodeRow:
         """An operator's (the dashboard's) change of a node's spot flag. Refused while the node
         has an active rental, so no provider can switch to spot mid-rental (invariant 9)."""
-        fleet = self.fleet
-        node = await fleet.store.node(node_id)
+        node = await self.store.node(node_id)
         if node is None:
             raise UnknownNode(node_id)
-        active = [r.rental_id for r in await fleet.rentals.list(node_id, active_only=True)]
+        active = [r.rental_id for r in await self.rentals.list(node_id, active_only=True)]
         # Render is never on spot: a node with render jobs cannot become one under them.
         render = [w.worker_id for w in self.render_jobs(node_id)] if spot else []
         if (active or render) and node.spot != spot:
-            await fleet.record(
+            await self.events.record(
                 "spot_change_refused",
                 node_id,
                 {"spot": spot, "active_rentals": active, "render_jobs": render},
                 "",
             )
             raise SpotChangeRefused(node_id, active, render)
-        await fleet.store.set_spot(node_id, spot)
+        await self.store.set_spot(node_id, spot)
         if node.spot != spot:
-            await fleet.record("node_spot_changed", node_id, {"spot": spot, "was": node.spot}, "")
+            await self.events.record(
+                "node_spot_changed", node_id, {"spot": spot, "was": node.spot}, ""
+            )
         await self._refresh(node_id)
-        return fleet.nodes.rows[node_id]
+        return self.nodes.rows[node_id]
 
     def render_jobs(self, node_id: str) -> list[wm.Worker]:
-        return [w for w in self.fleet.live_workers(node_id) if w.kind == "render"]
+        return [w for w in self.registry.live(node_id) if w.kind == "render"]

@@ -40,6 +40,9 @@ class NodeIndex:
         # Per node group: a heap of (GPUs in use, node id) over its connected nodes. A group
         # the gate avoids is skipped whole, not node by node.
         self._heaps: dict[str, list[tuple[int, str]]] = {}
+        # Told when a node's stream opens (True) or closes (False): the deadline heap arms or
+        # cancels the node's node-gone time there (coordinator/fleet/recovery.py).
+        self.on_connection: Callable[[str, bool], None] = lambda node_id, connected: None
 
     # --- loading and keeping up with writes ----------------------------------------------------
 
@@ -88,6 +91,7 @@ class NodeIndex:
         self.streams[node_id] = queue
         self.connected[node_id] = self.clock()
         self.load_changed(node_id)
+        self.on_connection(node_id, True)
 
     def disconnect(self, node_id: str, queue: asyncio.Queue[Any]) -> bool:
         """Only the stream that is current: a reconnect may have replaced it already."""
@@ -95,6 +99,7 @@ class NodeIndex:
             return False
         del self.streams[node_id]
         self.connected.pop(node_id, None)
+        self.on_connection(node_id, False)
         return True
 
     # --- the view the gate judges, and the pick ---------------------------------------------

@@ -8,8 +8,15 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
 
+from spotdrain.coordinator.core import messages as msg
 from spotdrain.coordinator.core import worker_machine as wm
+from spotdrain.coordinator.fleet.eventlog import EventLog
+from spotdrain.coordinator.fleet.nodes import NodeIndex
+from spotdrain.coordinator.store import Store
 
 FIRST_WORKER_PORT = 20000
 WORKER_PORTS = 1000  # a worker's slot gate listens on its port + the agent's gate offset
@@ -17,6 +24,30 @@ WORKER_PORTS = 1000  # a worker's slot gate listens on its port + the agent's ga
 
 class NoFreePort(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class FleetState:
+    """What every part of the fleet reads and writes: the store, the event log, the clock and
+    the in-memory indexes. No part in it: a part's siblings are handed to it one by one
+    (coordinator/fleet/wiring.py)."""
+
+    store: Store
+    events: EventLog
+    clock: Callable[[], float]
+    nodes: NodeIndex
+    registry: WorkerRegistry
+
+
+# What the fleet's parts are handed instead of the fleet (coordinator/fleet/wiring.py makes
+# them): one event into a worker's machine with its effects carried out, a worker stored, a
+# command queued for a node's stream once what led to it is committed.
+class ApplyEvent(Protocol):
+    async def __call__(self, worker: wm.Worker, event: wm.Event, save: bool = False) -> None: ...
+
+
+SaveWorker = Callable[[wm.Worker], Awaitable[None]]
+SendCommand = Callable[[str, msg.Command], None]
 
 
 class WorkerRegistry:

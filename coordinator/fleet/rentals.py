@@ -10,15 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
 
 from spotdrain.coordinator.core import messages as msg
 from spotdrain.coordinator.core.admission import PlacementRequest
 from spotdrain.coordinator.core.rental import Rental
-
-if TYPE_CHECKING:
-    from spotdrain.coordinator.fleet.wiring import Fleet
+from spotdrain.coordinator.fleet.placer import Gate
+from spotdrain.coordinator.fleet.registry import FleetState, SendCommand
 
 log = logging.getLogger("spotdrain.coordinator.core.rental")
 
@@ -28,30 +26,42 @@ MISSING_RENTAL_GRACE_S = 5.0
 
 
 class RentalBook:
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
+    def __init__(
+        self,
+        state: FleetState,
+        gate: Gate,
+        send: SendCommand,
+        start_timeout_s: float,
+        gpus_freed: Callable[[str], Awaitable[None]],
+    ) -> None:
+        self.store, self.events, self.clock = state.store, state.events, state.clock
+        self.nodes = state.nodes
+        self.gate = gate
+        self.send = send
+        self.start_timeout_s = start_timeout_s
+        # A node's GPUs came free (a rental's container gone): the capacity keeper's turn.
+        self.gpus_freed = gpus_freed
         # Each rental's watchers (WatchRental streams): a queue of snapshots each.
         self.watchers: dict[str, set[asyncio.Queue[Rental]]] = {}
 
     # --- reading -----------------------------------------------------------------------------
 
     async def list(self, node_id: str | None = None, active_only: bool = False) -> list[Rental]:
-        docs = await self.fleet.store.rental_docs(node_id, holding_only=active_only)
+        docs = await self.store.rental_docs(node_id, holding_only=active_only)
         rentals = [Rental.from_json(d) for d in docs]
         return [r for r in rentals if r.active] if active_only else rentals
 
     async def get(self, rental_id: str) -> Rental | None:
-        doc = await self.fleet.store.rental_doc(rental_id)
+        doc = await self.store.rental_doc(rental_id)
         return Rental.from_json(doc) if doc is not None else None
 
     # --- what renters, providers and operators do --------------------------------------------
 
     async def create(self, node_id: str, renter: str, image: str, gpus: int) -> Rental:
         """A renter's container on a node, through the one placement gate."""
-        fleet = self.fleet
         request = PlacementRequest(kind="rental", gpus=gpus, path="rental")
-        await fleet.gate.admit(node_id, request, {})
-        node = fleet.nodes.rows[node_id]  # admitted, so known
+        await self.gate.admit(node_id, request, {})
+        node = self.nodes.rows[node_id]  # admitted, so known
         rental = Rental(
             rental_id=f"r-{uuid.uuid4().hex[:10]}",
             node_id=node_id,
@@ -59,11 +69,11 @@ class RentalBook:
             renter=renter,
             image=image,
             gpus=gpus,
-            started_at=fleet.clock(),
+            started_at=self.clock(),
             started_on_spot=node.spot,  # fixed now, for good (invariant 9)
         )
         await self.changed(rental)
-        await fleet.record(
+        await self.events.record(
             "rental_created",
             node_id,
             {"rental_id": rental.rental_id, "renter": renter, "spot": node.spot, "gpus": gpus},
@@ -73,7 +83,7 @@ class RentalBook:
         return rental
 
     async def end(self, rental: Rental, ended_by: str) -> Rental:
-        if rental.end(self.fleet.clock(), ended_by):
+        if rental.end(self.clock(), ended_by):
             await self.ended(rental)
             self._send_stop(rental, ended_by)
         return rental
@@ -81,12 +91,12 @@ class RentalBook:
     # --- reclamations ------------------------------------------------------------------------
 
     async def reclaim(self, node_id: str, reclaim_id: str, reason: str, grace: float) -> None:
-        if not self.fleet.nodes.rental_gpus.get(node_id):
+        if not self.nodes.rental_gpus.get(node_id):
             return  # nothing booked on the node: no rental to tell (and no read on a Taint)
         for rental in await self.list(node_id, active_only=True):
             if rental.reclaim(reclaim_id, reason, grace):
                 await self.changed(rental)
-                await self.fleet.record(
+                await self.events.record(
                     "rental_reclaim_set",
                     node_id,
                     {"rental_id": rental.rental_id, "reclaim_at": rental.reclaim_at},
@@ -96,21 +106,20 @@ class RentalBook:
     async def lift_reclaim(self, node_id: str, reclaim_id: str) -> None:
         """A pause resumed or a notice cancelled before G: its rentals go on."""
         for rental in await self.list(node_id, active_only=True):
-            if rental.reclaim_lifted(reclaim_id, self.fleet.clock()):
+            if rental.reclaim_lifted(reclaim_id, self.clock()):
                 await self.changed(rental)
-                await self.fleet.record(
+                await self.events.record(
                     "rental_reclaim_lifted", node_id, {"rental_id": rental.rental_id}, reclaim_id
                 )
 
     # --- what nodes report -------------------------------------------------------------------
 
     async def report(self, node_id: str, report: msg.RentalReport) -> None:
-        fleet = self.fleet
         rental = await self.get(report.rental_id)
         if rental is None or rental.node_id != node_id:
             log.warning("node %s reported unknown rental %s", node_id, report.rental_id)
             if report.state == "started":  # not ours: it must not keep the node's GPUs
-                fleet.send(node_id, msg.StopRental(rental_id=report.rental_id, reason="unknown"))
+                self.send(node_id, msg.StopRental(rental_id=report.rental_id, reason="unknown"))
             return
         await self.found(rental.rental_id)
         if report.state == "started":
@@ -124,19 +133,19 @@ class RentalBook:
             # agent applied on its own): the end is that reclamation's.
             rental.reclaim(report.reclaim_id, report.reclaim_reason or "notice", report.reclaim_at)
         was_active, was_releasing = rental.active, rental.releasing
-        if rental.stopped(fleet.clock(), report.exit_code, report.reason):
+        if rental.stopped(self.clock(), report.exit_code, report.reason):
             if was_active:
                 await self.ended(rental)
             else:
                 await self.changed(rental)
                 if was_releasing:  # its container is gone: the GPUs are free now
-                    await fleet.capacity.keep(path="rental_end_restart", prefer=rental.node_id)
+                    await self.gpus_freed(rental.node_id)
 
     async def reconcile(
         self, node_id: str, running: Sequence[msg.RentalReport], complete: bool
     ) -> None:
         """A node (re)registered with the rentals it runs."""
-        if not running and not self.fleet.nodes.rental_gpus.get(node_id):
+        if not running and not self.nodes.rental_gpus.get(node_id):
             # Nothing booked on it and nothing running: no read at every node's registration
             # (a coordinator restart's reconnect storm is 10,000 of them). Every rental holds
             # at least one GPU while it is not over.
@@ -150,12 +159,12 @@ class RentalBook:
             elif complete:
                 # Not ended yet: the agent's stop report, queued while it was away, comes
                 # right after its registration and says how (recovery waits for it).
-                await self.fleet.store.add_missing_rental(rental.rental_id, self.fleet.clock())
+                await self.store.add_missing_rental(rental.rental_id, self.clock())
         for report in running:
             await self.report(node_id, report)
 
     async def found(self, rental_id: str) -> None:
-        await self.fleet.store.drop_missing_rental(rental_id)
+        await self.store.drop_missing_rental(rental_id)
 
     # --- recovery ------------------------------------------------------------------------------
 
@@ -163,22 +172,21 @@ class RentalBook:
         """A rental never reported started is given up, like a worker; one whose node has been
         gone for `node_gone_s`, or that its node no longer runs (and reported no stop for), has
         ended without a trace."""
-        fleet = self.fleet
         for rental in await self.list(active_only=True):
-            if rental.state == "starting" and now - rental.started_at > fleet.start_timeout_s:
-                why = f"never reported started within {fleet.start_timeout_s:.0f} s"
+            if rental.state == "starting" and now - rental.started_at > self.start_timeout_s:
+                why = f"never reported started within {self.start_timeout_s:.0f} s"
                 if rental.stopped(now, None, why):
                     await self.ended(rental)
                     self._send_stop(rental, "start timeout")
                     continue
-            node = fleet.nodes.rows.get(rental.node_id)
-            if rental.node_id in fleet.nodes.streams or node is None:
+            node = self.nodes.rows.get(rental.node_id)
+            if rental.node_id in self.nodes.streams or node is None:
                 continue
             gone_for = now - max(node.last_seen, started_at)
             why = f"its node has been gone for {gone_for:.0f} s"
             if gone_for > node_gone_s and rental.stopped(now, None, why, vanished=True):
                 await self.ended(rental)
-        for rental_id, since in (await fleet.store.missing_rentals()).items():
+        for rental_id, since in (await self.store.missing_rentals()).items():
             if now - since < MISSING_RENTAL_GRACE_S:
                 continue
             await self.found(rental_id)
@@ -191,7 +199,7 @@ class RentalBook:
 
     async def ended(self, rental: Rental) -> None:
         await self.changed(rental)
-        await self.fleet.record(
+        await self.events.record(
             "rental_ended",
             rental.node_id,
             {
@@ -206,10 +214,10 @@ class RentalBook:
         if not rental.releasing:
             # Its GPUs are free: a worker the fleet wants goes back there first. (One still
             # releasing frees them when the agent reports its container stopped.)
-            await self.fleet.capacity.keep(path="rental_end_restart", prefer=rental.node_id)
+            await self.gpus_freed(rental.node_id)
 
     async def changed(self, rental: Rental) -> None:
-        store = self.fleet.store
+        store = self.store
         await store.save_rental(
             rental.rental_id,
             rental.node_id,
@@ -217,13 +225,13 @@ class RentalBook:
             rental.to_json(),
         )
         holding = await store.rental_docs(rental.node_id, holding_only=True)
-        self.fleet.nodes.rental_gpus[rental.node_id] = sum(int(d["gpus"]) for d in holding)
-        self.fleet.nodes.load_changed(rental.node_id)
+        self.nodes.rental_gpus[rental.node_id] = sum(int(d["gpus"]) for d in holding)
+        self.nodes.load_changed(rental.node_id)
         for queue in self.watchers.get(rental.rental_id, ()):
             queue.put_nowait(Rental.from_json(rental.to_json()))
 
     def _send_start(self, rental: Rental) -> None:
-        self.fleet.send(
+        self.send(
             rental.node_id,
             msg.StartRental(
                 rental_id=rental.rental_id,
@@ -234,7 +242,7 @@ class RentalBook:
         )
 
     def _send_stop(self, rental: Rental, reason: str) -> None:
-        self.fleet.send(rental.node_id, msg.StopRental(rental_id=rental.rental_id, reason=reason))
+        self.send(rental.node_id, msg.StopRental(rental_id=rental.rental_id, reason=reason))
 
     def watch(self, rental_id: str) -> asyncio.Queue[Rental]:
         queue: asyncio.Queue[Rental] = asyncio.Queue()

@@ -1,25 +1,28 @@
-"""The coordinator's live fleet: the parts, wired together, and the one executor of the worker
-machine's effects.
+"""The coordinator's live fleet: the one module that builds the parts, hands each what it uses
+and wires the reactions between them, and the one executor of the worker machine's effects.
 
-Each concern is a module of its own (gate, drains, rental_book, capacity_keeper, replacement,
-agent_reports, recovery); `Fleet` holds what they share: the store, the event log, the clock,
-the in-memory indexes (coordinator/fleet/registry.py, coordinator/fleet/nodes.py), the routing table
-and the queues to connected agents. The worker machine (coordinator/core/worker_machine.py) decides;
-`apply` carries out what it returns. Nothing here lives only in memory that `recovery.rebuild`
-cannot read back from the store (docs/design.md invariant 8).
+Each concern is a module of its own (placer, drains, rentals, contracts, agent_reports,
+recovery here; keeper, replacement and risks in coordinator/capacity/). None of them imports
+this module or reaches a sibling through it: each takes the store, the event log, the clock, the
+in-memory indexes (coordinator/fleet/registry.py, coordinator/fleet/nodes.py) and the siblings it
+calls, or a callback (`apply`, `send`, `gpus_freed`...) that this module binds. The worker
+machine (coordinator/core/worker_machine.py) decides; `apply` carries out what it returns, and
+what a state change sets off in capacity and drains is decided here. Nothing here lives only in
+memory that `recovery.rebuild` cannot read back from the store (docs/design.md invariant 8).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
 from spotdrain.coordinator.capacity.acquirer import DEFAULT_AVOID_S, Acquirer
 from spotdrain.coordinator.capacity.keeper import CapacityKeeper
 from spotdrain.coordinator.capacity.replacement import Replacement
+from spotdrain.coordinator.capacity.risks import Risks
 from spotdrain.coordinator.core import messages as msg
+from spotdrain.coordinator.core import worker_effects as we
 from spotdrain.coordinator.core import worker_machine as wm
 from spotdrain.coordinator.fleet.agent_reports import AgentReports
 from spotdrain.coordinator.fleet.contracts import ContractPolicy, Contracts
@@ -28,9 +31,8 @@ from spotdrain.coordinator.fleet.eventlog import EventLog
 from spotdrain.coordinator.fleet.nodes import NodeIndex
 from spotdrain.coordinator.fleet.placer import Gate
 from spotdrain.coordinator.fleet.recovery import Recovery
-from spotdrain.coordinator.fleet.registry import WorkerRegistry
+from spotdrain.coordinator.fleet.registry import FleetState, WorkerRegistry
 from spotdrain.coordinator.fleet.rentals import RentalBook
-from spotdrain.coordinator.fleet.risks import Risks
 from spotdrain.coordinator.fleet.route_table import RouteEntry, RouteTable
 from spotdrain.coordinator.store import Store
 from spotdrain.protocol import timing
@@ -65,27 +67,81 @@ class Fleet:
         self.routes = RouteTable()
         # Work nothing waits for (acquisitions, capacity passes after a Taint's answer).
         self.background = Background()
-        self.gate = Gate(self)
-        self.drains = Drains(self)
-        self.rentals = RentalBook(self)
-        self.capacity = CapacityKeeper(self)
-        self.replacement = Replacement(self, acquirers or {}, avoid_s)
-        self.risks = Risks(self)
-        events.react(
-            {"advisory_received": self.risks.received, "advisory_lifted": self.risks.lifted}
+        # Each part is handed what it uses (docs/contributing.md "Code map"); the reactions
+        # between them are wired here and nowhere else.
+        state = FleetState(store, events, clock, self.nodes, self.registry)
+        self.contracts = Contracts(state, contract_policy)
+        self.gate = Gate(
+            state,
+            save=self.save,
+            send=self.send,
+            keeps_off_spot=self.contracts.keeps_off_spot,
         )
-        self.contracts = Contracts(self, contract_policy)
-        events.react({"container_exited": self.contracts.ended, "overrun": self.contracts.ended})
-        self.reports = AgentReports(self)
-        self.recovery = Recovery(self, node_gone_s)
+        self.capacity = CapacityKeeper(
+            state,
+            gate=self.gate,
+            apply=self.apply,
+            background=self.background,
+        )
+        self.replacement = Replacement(
+            state, background=self.background, acquirers=acquirers or {}, avoid_s=avoid_s
+        )
+        self.rentals = RentalBook(
+            state,
+            gate=self.gate,
+            send=self.send,
+            start_timeout_s=start_timeout_s,
+            gpus_freed=self._gpus_freed,
+        )
+        self.drains = Drains(
+            state,
+            apply=self.apply,
+            gate=self.gate,
+            rentals=self.rentals,
+            replacement=self.replacement,
+            capacity=self.capacity,
+        )
+        self.risks = Risks(state, wanted=self.capacity.wanted)
+        # What an agent's events set in motion.
+        events.react(
+            {
+                "advisory_received": self.risks.received,
+                "advisory_lifted": self.risks.lifted,
+                "container_exited": self.contracts.ended,
+                "overrun": self.contracts.ended,
+            }
+        )
+        self.reports = AgentReports(
+            state,
+            routes=self.routes,
+            apply=self.apply,
+            send_drain=self.send_drain,
+            gate=self.gate,
+            drains=self.drains,
+            rentals=self.rentals,
+            heartbeat_ttl_s=heartbeat_ttl_s,
+        )
+        self.recovery = Recovery(
+            state,
+            apply=self.apply,
+            publish=self.publish,
+            gate=self.gate,
+            drains=self.drains,
+            rentals=self.rentals,
+            capacity=self.capacity,
+            replacement=self.replacement,
+            risks=self.risks,
+            contracts=self.contracts,
+            heartbeat_ttl_s=heartbeat_ttl_s,
+            start_timeout_s=start_timeout_s,
+            node_gone_s=node_gone_s,
+        )
+        # The deadline heap follows every stream, worker event and worker save (apply, save).
+        self.nodes.on_connection = self.recovery.connection_changed
 
-    async def record(
-        self, kind: str, node_id: str, details: dict[str, Any], reclaim_id: str = ""
-    ) -> None:
-        await self.events.record(kind, node_id, details, reclaim_id)
-
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        self.background.spawn(coro)
+    async def _gpus_freed(self, node_id: str) -> None:
+        """A rental's GPUs came free: a worker the fleet wants goes back there first."""
+        await self.capacity.keep(path="rental_end_restart", prefer=node_id)
 
     def send(self, node_id: str, command: msg.Command) -> None:
         """To the node's stream once what led to it is stored. Not connected: registration
@@ -107,6 +163,7 @@ class Fleet:
         before = worker.state
         effects = worker.handle(event)
         self.registry.changed(worker)
+        self.recovery.watch(worker)
         changed = worker.state != before
         if changed:
             self.nodes.load_changed(worker.node_id)
@@ -114,14 +171,14 @@ class Fleet:
             await self.save(worker)
         for effect in effects:
             match effect:
-                case wm.RouteAdded(route):
+                case we.RouteAdded(route):
                     self.publish(worker, route)
-                case wm.RouteRemoved(worker_id):
+                case we.RouteRemoved(worker_id):
                     self.routes.remove(worker_id)
-                case wm.DrainOnNode():
+                case we.DrainOnNode():
                     await self.send_drain(worker)
-                case wm.WorkerEvent(kind, details):
-                    await self.record(kind, worker.node_id, dict(details), "")
+                case we.WorkerEvent(kind, details):
+                    await self.events.record(kind, worker.node_id, dict(details), "")
                 case _:
                     raise TypeError(effect)
         if changed and worker.state == wm.READY:
@@ -131,7 +188,7 @@ class Fleet:
                 await self.capacity.start_failed(worker)
             await self.drains.stopped(worker)
 
-    def publish(self, worker: wm.Worker, route: wm.Route | None = None) -> None:
+    def publish(self, worker: wm.Worker, route: we.Route | None = None) -> None:
         r = route or worker.route()
         self.routes.upsert(
             RouteEntry(
@@ -155,6 +212,7 @@ class Fleet:
         )
 
     async def save(self, worker: wm.Worker) -> None:
+        self.recovery.watch(worker)  # a new worker's start timeout is armed here
         await self.store.save_worker(
             worker.worker_id,
             worker.node_id,

@@ -20,10 +20,12 @@ Other endpoints: `GET /v1/models` (models with a ready worker), `GET /stats` (co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import aiohttp
@@ -187,7 +189,8 @@ class Router:
                 self.stats.retried += 1
             tried.append(route.worker_id)
             headers[ROUTE_VERSION_HEADER] = str(version)
-            answer = await self._forward(request, route, body, headers, request_id)
+            with self._counted(route.worker_id):
+                answer = await self._exchange(request, route, body, headers, request_id)
             if isinstance(answer, Refusal):
                 refusals.append(f"{answer.worker_id}: {answer.why}")
                 continue
@@ -205,21 +208,16 @@ class Router:
 
     # --- one attempt on one worker -----------------------------------------------------------
 
-    async def _forward(
-        self,
-        request: web.Request,
-        route: Route,
-        body: bytes,
-        headers: CIMultiDict[str],
-        request_id: str,
-    ) -> web.StreamResponse | Refusal:
-        self.in_flight[route.worker_id] += 1
+    @contextlib.contextmanager
+    def _counted(self, worker_id: str) -> Iterator[None]:
+        """The worker's requests in flight, for the least-loaded choice."""
+        self.in_flight[worker_id] += 1
         try:
-            return await self._exchange(request, route, body, headers, request_id)
+            yield
         finally:
-            self.in_flight[route.worker_id] -= 1
-            if self.in_flight[route.worker_id] <= 0:
-                del self.in_flight[route.worker_id]
+            self.in_flight[worker_id] -= 1
+            if self.in_flight[worker_id] <= 0:
+                del self.in_flight[worker_id]
 
     async def _exchange(
         self,

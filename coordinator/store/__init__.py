@@ -1,5 +1,15 @@
 """The coordinator's store, one async interface over two backends: SQLite, embedded (one file,
-the default), and PostgreSQL for fleets. `open_store(url)` picks the backend from `--db`."""
+the default), and PostgreSQL for fleets. `open_store(url)` picks the backend from `--db`.
+
+It holds nodes, taints, lifecycle events, reclamation records, workers, rentals, desired
+capacity, avoided node groups, and the drain state rebuild() reads back. Every query is written
+once, for both backends. All of it is async and none of it runs on the event loop. `async with
+store.transaction():` makes the calls inside it (in the same task) one transaction, committed
+or rolled back whole; a call outside one is its own transaction.
+
+Events are idempotent by the agent's uid (docs/design.md invariant 10): storing the same uid twice
+stores it once and says so. Ids only grow, so consumers resume with `events_after(id)`.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +17,8 @@ import time
 from collections.abc import Callable
 
 from spotdrain.coordinator.store.backend import StoreError, StoreUnavailable
+from spotdrain.coordinator.store.event_tables import EventTables
+from spotdrain.coordinator.store.fleet_tables import FleetTables
 from spotdrain.coordinator.store.rows import (
     ContractRow,
     DrainRow,
@@ -18,7 +30,8 @@ from spotdrain.coordinator.store.rows import (
     TaintRow,
 )
 from spotdrain.coordinator.store.schema import SCHEMA_VERSION
-from spotdrain.coordinator.store.store import Store
+from spotdrain.coordinator.store.transactions import StoreStats
+from spotdrain.coordinator.store.workload_tables import WorkloadTables
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -31,11 +44,17 @@ __all__ = [
     "StartBackoff",
     "Store",
     "StoreError",
+    "StoreStats",
     "StoreUnavailable",
     "TaintRow",
     "backend_for",
     "open_store",
 ]
+
+
+class Store(FleetTables, WorkloadTables, EventTables):
+    """Every table, one object: each concern's queries live in its own module; transactions,
+    shared by all, in transactions.py."""
 
 
 def backend_for(url: str):  # noqa: ANN201 (a Backend; imported lazily, psycopg is heavy)

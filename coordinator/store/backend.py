@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +34,14 @@ class Fenced(StoreError):
 class Result:
     rows: list[tuple[Any, ...]]
     rowcount: int
+
+
+@dataclass(frozen=True)
+class WriteStats:
+    """A backend's write path now: what `Store.stats()` reports of it."""
+
+    waiting: int  # transactions queued for the writer (SQLite) or a pool connection (PostgreSQL)
+    group_commits: Mapping[str, int]  # "critical", "bulk": trips made for blind transactions
 
 
 class Conn(ABC):
@@ -94,6 +102,10 @@ class Backend(ABC):
         """A read outside any transaction: never waits for a writer."""
 
     @abstractmethod
+    def write_stats(self) -> WriteStats:
+        """Counters of the write path, read without a trip to the database."""
+
+    @abstractmethod
     async def close(self) -> None: ...
 
 
@@ -104,6 +116,10 @@ class PriorityLock:
     def __init__(self) -> None:
         self._held = False
         self._waiters: tuple[list[asyncio.Future[None]], list[asyncio.Future[None]]] = ([], [])
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(queue) for queue in self._waiters)
 
     async def acquire(self, priority: bool = False) -> None:
         if not self._held and not any(self._waiters):

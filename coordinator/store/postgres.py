@@ -39,6 +39,7 @@ from spotdrain.coordinator.store.backend import (
     Result,
     StoreError,
     StoreUnavailable,
+    WriteStats,
     schema_version,
 )
 from spotdrain.coordinator.store.groups import GroupCommit, Write
@@ -379,6 +380,12 @@ class PostgresBackend(Backend):
             # Shielded: a caller cancelled now leaves its writes committed with the group,
             # never half sent.
             await asyncio.shield(self._groups[priority](writes))
+
+    def write_stats(self) -> WriteStats:
+        pools = (self._bulk, self._critical)
+        waiting = sum(p.get_stats().get("requests_waiting", 0) for p in pools)
+        commits = {"critical": self._groups[True].trips, "bulk": self._groups[False].trips}
+        return WriteStats(waiting, commits)
 
     async def write(self, sql: str, args: Sequence[Any] = (), priority: bool = False) -> Result:
         self._check_fence()

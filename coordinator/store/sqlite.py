@@ -24,6 +24,7 @@ from spotdrain.coordinator.store.backend import (
     PriorityLock,
     Result,
     StoreError,
+    WriteStats,
     schema_version,
 )
 from spotdrain.coordinator.store.groups import GroupCommit, Write
@@ -239,6 +240,10 @@ class SqliteBackend(Backend):
             with self._all_lock:
                 self._all.append(db)
         return db
+
+    def write_stats(self) -> WriteStats:
+        commits = {"critical": self._groups[True].trips, "bulk": self._groups[False].trips}
+        return WriteStats(self._lock.waiting, commits)
 
     async def read(self, sql: str, args: Sequence[Any] = ()) -> Result:
         def run() -> Result:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -25,6 +25,16 @@ class _Tx:
     undo: list[Callable[[], None]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class StoreStats:
+    """What the store has done, from its public interface (the contract suite reads this, never
+    a backend's fields): the same on every backend."""
+
+    reads: int  # statements read through the store since it opened (one trip each)
+    waiting_writers: int  # transactions queued for the write path now
+    group_commits: Mapping[str, int]  # "critical", "bulk": trips made for blind transactions
+
+
 _current_tx: ContextVar[_Tx | None] = ContextVar("spotdrain_store_tx", default=None)
 
 
@@ -33,6 +43,7 @@ class Transactions:
         self.backend = backend
         self.clock = clock
         self._c = backend.text_order
+        self._reads = 0
 
     @property
     def where(self) -> str:
@@ -40,6 +51,10 @@ class Transactions:
 
     async def close(self) -> None:
         await self.backend.close()
+
+    def stats(self) -> StoreStats:
+        writes = self.backend.write_stats()
+        return StoreStats(self._reads, writes.waiting, dict(writes.group_commits))
 
     # --- transactions ------------------------------------------------------------------------
 
@@ -93,6 +108,7 @@ class Transactions:
 
     async def _read(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         tx = self._tx()
+        self._reads += 1
         result = await (tx.conn.execute(sql, args) if tx else self.backend.read(sql, args))
         return result.rows
 

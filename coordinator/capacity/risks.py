@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
+from spotdrain.coordinator.fleet.registry import FleetState
 from spotdrain.coordinator.store import NewEvent
 
-if TYPE_CHECKING:
-    from spotdrain.coordinator.fleet.wiring import Fleet
-
-log = logging.getLogger("spotdrain.coordinator.fleet.risks")
+log = logging.getLogger("spotdrain.coordinator.capacity.risks")
 
 # However long an agent asks for, an advisory keeps a node out of placements at most this long.
 MAX_RISK_S = 7 * 24 * 3600.0
@@ -28,18 +26,24 @@ MAX_KEY = 256
 
 
 class Risks:
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
+    def __init__(
+        self,
+        state: FleetState,
+        wanted: Callable[[str], None],
+    ) -> None:
+        self.store, self.clock, self.nodes = state.store, state.clock, state.nodes
+        # A capacity pass asked for (the capacity keeper's `wanted`): the node's workers stop
+        # counting, or count again.
+        self.wanted = wanted
 
     def load(self, rows: list[tuple[str, str, str, str, float]]) -> None:
-        self.fleet.nodes.risks = {}
+        self.nodes.risks = {}
         for node_id, key, _source, _reason, until in rows:
-            self.fleet.nodes.risks.setdefault(node_id, {})[key] = until
+            self.nodes.risks.setdefault(node_id, {})[key] = until
 
     async def received(self, ev: NewEvent) -> None:
         """`advisory_received` from a node's agent (stored already, and only the first time)."""
-        fleet = self.fleet
-        now = fleet.clock()
+        now = self.clock()
         details = ev.details if isinstance(ev.details, dict) else {}
         key, source, reason = (details.get(k) for k in ("key", "source", "reason"))
         until = details.get("expires_at")
@@ -58,10 +62,10 @@ class Risks:
         until = min(float(until), now + MAX_RISK_S)
         if until <= now:
             return  # over before it arrived (an outbox that was offline for the whole window)
-        if key in fleet.nodes.risks.get(ev.node_id, {}):
+        if key in self.nodes.risks.get(ev.node_id, {}):
             return
-        await fleet.store.set_risk_later(ev.node_id, key, source, reason, until)
-        fleet.nodes.risks.setdefault(ev.node_id, {})[key] = until  # once the write is queued
+        await self.store.set_risk_later(ev.node_id, key, source, reason, until)
+        self.nodes.risks.setdefault(ev.node_id, {})[key] = until  # once the write is queued
         log.info(
             "node %s at risk (%s from %s) until %.0f: replacing its workers elsewhere",
             ev.node_id,
@@ -69,18 +73,17 @@ class Risks:
             source,
             until,
         )
-        fleet.capacity.wanted("recovery")
+        self.wanted("recovery")
 
     async def lifted(self, ev: NewEvent) -> None:
-        fleet = self.fleet
         details = ev.details if isinstance(ev.details, dict) else {}
         key = details.get("key")
-        risks = fleet.nodes.risks.get(ev.node_id, {})
+        risks = self.nodes.risks.get(ev.node_id, {})
         if not isinstance(key, str) or key not in risks:
             return
         del risks[key]
         if not risks:
-            fleet.nodes.risks.pop(ev.node_id, None)
-        await fleet.store.clear_risk_later(ev.node_id, key)
+            self.nodes.risks.pop(ev.node_id, None)
+        await self.store.clear_risk_later(ev.node_id, key)
         log.info("node %s: advisory %s lifted (%s)", ev.node_id, key, details.get("why", ""))
-        fleet.capacity.wanted("recovery")
+        self.wanted("recovery")

@@ -9,50 +9,50 @@ a start reads no disk, and finished bundles are deleted.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_full_disk import NODE as RUNNER_NODE
 from test_full_disk import Gpus, Link, Workers
+from test_notice_path import until
 from test_one_machine_two_notices import one_machine
 
 from spotdrain.agent.core.node import Node, Retention
-from spotdrain.agent.core.node_commands import (
-    ForgetBundles,
-    NodeCommand,
-    Record,
-    ReleaseEvents,
-    RemoveDeadlineFile,
-    ResumeCoordinator,
-    Settled,
-    Stepped,
-    StopResumingCoordinator,
-)
-from spotdrain.agent.core.node_events import (
-    BundlesLoaded,
-    DeadlinesDue,
-    ForReclamation,
-    NodeEvent,
-    NoticeArrived,
-    PauseAsked,
-    ReportInvalid,
-    ReportLanded,
-    ResumeAsked,
-)
 from spotdrain.agent.core.notice import Notice, NoticeInvalid
 from spotdrain.agent.core.reclamation import Margins, Reclamation, reclaim_id_for
 from spotdrain.agent.core.reclamation_commands import (
     SIGTERM,
     DeliverSignals,
     Emit,
+    ForgetBundles,
     LiftTaints,
+    NodeCommand,
+    Record,
+    ReleaseEvents,
+    RemoveDeadlineFile,
+    ResumeCoordinator,
+    Settled,
     SignalContainers,
+    Stepped,
+    StopResumingCoordinator,
     WriteDeadlineFile,
 )
 from spotdrain.agent.core.reclamation_events import (
     ContainerExited,
     ContainerSignalled,
+    DeadlinesDue,
+    ForReclamation,
+    NodeEvent,
+    NoticeArrived,
     Observed,
+    PauseAsked,
+    ReportInvalid,
+    ReportLanded,
+    Restarted,
+    ResumeAsked,
     RoundListed,
     RoundTarget,
     SignalRoundDone,
@@ -83,16 +83,25 @@ def rid(key: str) -> str:
 class Story:
     """A node, and every command it gave, step by step; its invariants hold after each one."""
 
-    def __init__(self, retention: Retention | None = None, pause_notice_s: float = 60) -> None:
-        self.node = Node(NODE, MARGINS, pause_notice_s, retention or Retention())
+    def __init__(
+        self,
+        retention: Retention | None = None,
+        pause_notice_s: float = 60,
+        bundles: tuple[Reclamation, ...] = (),
+        node_id: str = NODE,
+    ) -> None:
+        self.node = Node(node_id, MARGINS, pause_notice_s, retention or Retention(), bundles)
 
     def __call__(self, event: NodeEvent, now: float) -> list[NodeCommand]:
         commands = self.node.handle(event, now)
         self.node.validate()
         return commands
 
+    def rid(self, key: str) -> str:
+        return reclaim_id_for(self.node.node_id, key)
+
     def to(self, key: str, event: Any) -> list[NodeCommand]:
-        return self(ForReclamation(rid(key), event), event.now)
+        return self(ForReclamation(self.rid(key), event), event.now)
 
     def drained(self, key: str, now: float, terminate_at: float | None = None) -> list[NodeCommand]:
         """A notice that finds the node empty: tainted, nothing to signal, verified empty. The
@@ -101,7 +110,7 @@ class Story:
         self.to(key, TaintAnswered(now + 0.1, listed=()))
         self.to(key, SignalRoundDone(now + 0.2, SIGTERM))
         last = self.to(key, Observed(now + 0.3))
-        assert self.node.finished[rid(key)].verified_at == now + 0.3
+        assert self.node.finished[self.rid(key)].verified_at == now + 0.3
         return last
 
 
@@ -283,13 +292,19 @@ def test_finished_bundles_are_forgotten_past_the_newest_kept_and_their_age() -> 
     assert story.node.current_pause() is pause
 
 
-def test_bundles_loaded_at_start_are_sorted_into_live_and_finished_and_pruned() -> None:
+def test_a_node_made_from_its_bundles_forgets_the_old_finished_ones_as_it_restarts() -> None:
+    """The agent starts with two bundles: one finished two days ago, one still tainting. The
+    node holds both at once (a start asked before the restart is refused); the restart forgets
+    the finished one and carries on with the other (its Taint asked again)."""
     old = Story()
     old.drained("done", T0, T0 + 30)
-    old(NoticeArrived(notice("open", T0 + 300)), T0 + 100)
+    old(NoticeArrived(notice("open", T0 + 3 * DAY)), T0 + 100)
     bundles = (*old.node.finished.values(), *old.node.live.values())
-    story = Story(Retention(kept=0, kept_s=DAY))
-    assert story(BundlesLoaded(tuple(bundles)), T0 + 2 * DAY) == [ForgetBundles((rid("done"),))]
+    story = Story(Retention(kept=0, kept_s=DAY), bundles=bundles)
+    assert story.node.refuse_start() == "node is draining"
+    restarted = story(Restarted(), T0 + 2 * DAY)
+    assert restarted[0] == ForgetBundles((rid("done"),))
+    assert [type(c) for c in stepped(restarted, "open")][0].__name__ == "RequestTaint"
     assert list(story.node.live) == [rid("open")] and story.node.finished == {}
 
 
@@ -351,16 +366,20 @@ async def test_finished_bundles_beyond_the_retention_are_deleted_at_start(tmp_pa
     """Three finished reclamations' bundles on disk, a week old, and a pause still in force: a
     restarted agent keeping one finished bundle deletes the two older ones and keeps the pause;
     the notice of the one kept, read again, opens nothing new."""
-    week_ago = T0 - 7 * DAY
-    old = Story()
+    week_ago = time.time() - 7 * DAY
+    old = Story(node_id=RUNNER_NODE)
     for day in (0, 1, 2):
         old.drained(f"n{day}", week_ago + day * 60, week_ago + day * 60 + 30)
     old(PauseAsked(), week_ago + 300)
     pause = old.node.current_pause()
     assert pause is not None
+    pause_id = pause.reclaim_id
+    old(ForReclamation(pause_id, TaintAnswered(week_ago + 300.1, listed=())), week_ago + 300.1)
+    old(ForReclamation(pause_id, SignalRoundDone(week_ago + 300.2, SIGTERM)), week_ago + 300.2)
+    old(ForReclamation(pause_id, Observed(week_ago + 300.3)), week_ago + 300.3)
     cfg, outbox, engine, _ = one_machine(tmp_path)
     store = BundleStore(cfg.state_dir)
-    for rec in (*old.node.finished.values(), pause):
+    for rec in old.node.finished.values():
         store.save(rec)
     drains = DrainRunner(
         cfg,
@@ -371,13 +390,22 @@ async def test_finished_bundles_beyond_the_retention_are_deleted_at_start(tmp_pa
         Workers(),  # type: ignore[arg-type]
         bundles=BundleStore(cfg.state_dir),
         retention=Retention(kept=1, kept_s=DAY),
-        clock=lambda: T0,
     )
+    loop = asyncio.create_task(drains.run())
     try:
+        await until(lambda: len(drains.recent) == 2, "the restart's forgetting")
         left = sorted(p.stem for p in store.dir.glob("rcl-*.json"))
-        assert left == sorted([rid("n2"), pause.reclaim_id])
-        assert drains.refuse_start() == "node is draining"  # the pause, loaded at start
+        assert left == sorted([reclaim_id_for(RUNNER_NODE, "n2"), pause_id])
+        assert drains.refuse_start() == "node is paused by its owner"
+        drains.notice(notice("n2", week_ago + 120 + 30))
+        await until(lambda: drains._queue.empty(), "the notice handled")
+        assert (
+            sorted(drains.recent) == sorted([reclaim_id_for(RUNNER_NODE, "n2"), pause_id])
+            and not drains.live
+        )
     finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
         await drains.close()
         outbox.close()
 
@@ -390,8 +418,7 @@ def test_a_stop_past_g_is_attributed_to_a_drain_of_this_run_only() -> None:
     gcp = story.node.finished[rid("gcp")]
     assert story.node.past_grace(T0 + 19) is None
     assert story.node.past_grace(T0 + 21) is gcp
-    restarted = Story()
-    restarted(BundlesLoaded((gcp,)), T0 + 21)
+    restarted = Story(bundles=(gcp,))
     assert restarted.node.past_grace(T0 + 21) is None
 
 

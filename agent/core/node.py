@@ -13,7 +13,8 @@ every live one and the recently finished ones, and decides what concerns them to
   announced;
 - which reclamation a workload's report belongs to;
 - the owner's pause and resume, and whether a workload may start (invariant 4), from memory: the
-  bundles are read once, at start (BundlesLoaded), so a start never waits on the disk;
+  bundles are read once, at start (the node is made from them), so a start never waits on the
+  disk;
 - which finished bundles are forgotten (Retention).
 
 Pure: no asyncio, no files, no clock. The shell (agent/drain/executor.py) carries out the commands
@@ -24,10 +25,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from spotdrain.agent.core.node_commands import (
+from spotdrain.agent.core.notice import Notice, NoticeInvalid
+from spotdrain.agent.core.reclamation import Margins, Reclamation, reclaim_id_for
+from spotdrain.agent.core.reclamation_commands import (
+    SIGTERM,
+    Command,
     ForgetBundles,
+    LiftTaints,
     NodeCommand,
     Record,
     ReleaseEvents,
@@ -36,32 +43,22 @@ from spotdrain.agent.core.node_commands import (
     Settled,
     Stepped,
     StopResumingCoordinator,
-)
-from spotdrain.agent.core.node_events import (
-    BundlesLoaded,
-    DeadlinesDue,
-    ForReclamation,
-    NodeEvent,
-    NoticeArrived,
-    PauseAsked,
-    ReportInvalid,
-    ReportLanded,
-    Restarted,
-    ResumeAsked,
-)
-from spotdrain.agent.core.notice import Notice, NoticeInvalid
-from spotdrain.agent.core.reclamation import Margins, Reclamation, reclaim_id_for
-from spotdrain.agent.core.reclamation_commands import (
-    SIGTERM,
-    Command,
-    LiftTaints,
     WriteDeadlineFile,
 )
 from spotdrain.agent.core.reclamation_events import (
     Cancelled,
     ContainerExited,
+    DeadlinesDue,
     Event,
+    ForReclamation,
+    NodeEvent,
+    NoticeArrived,
     NoticeHeard,
+    PauseAsked,
+    ReportInvalid,
+    ReportLanded,
+    Restarted,
+    ResumeAsked,
     Resumed,
     RoundListed,
     RoundTarget,
@@ -108,7 +105,10 @@ class Node:
         margins: Margins,
         pause_notice_s: float,
         retention: Retention = Retention(),
+        bundles: Iterable[Reclamation] = (),
     ) -> None:
+        """`bundles`: every bundle in the state directory, read once when the agent starts; the
+        node holds them from then on (a start never waits on the disk)."""
         self.node_id = node_id
         self.margins = margins
         self.pause_notice_s = pause_notice_s
@@ -118,16 +118,16 @@ class Node:
         self.finished: dict[str, Reclamation] = {}
         # The ones finished while this agent ran, newest last: what a stop may be attributed to.
         self._finished_here: list[str] = []
+        for rec in sorted(bundles, key=lambda rec: rec.t0):
+            (self.finished if rec.finished else self.live)[rec.reclaim_id] = rec
 
     # --- the one mutator ---------------------------------------------------------------------
 
     def handle(self, event: NodeEvent, now: float) -> list[NodeCommand]:
         match event:
-            case BundlesLoaded(bundles):
-                return self._loaded(bundles, now)
             case Restarted(delivered):
                 sent = None if delivered is None else set(delivered)
-                out: list[NodeCommand] = []
+                out: list[NodeCommand] = self._prune(now)
                 for rec in list(self.live.values()):
                     out += self._carry(rec, rec.resume(now, sent))
                 return out
@@ -247,11 +247,6 @@ class Node:
             raise InvalidState("node", self.node_id, broken)
 
     # --- transitions -------------------------------------------------------------------------
-
-    def _loaded(self, bundles: tuple[Reclamation, ...], now: float) -> list[NodeCommand]:
-        for rec in sorted(bundles, key=lambda rec: rec.t0):
-            (self.finished if rec.finished else self.live)[rec.reclaim_id] = rec
-        return self._prune(now)
 
     def _notice(self, parsed: Notice | NoticeInvalid, now: float) -> list[NodeCommand]:
         if isinstance(parsed, NoticeInvalid):

@@ -12,17 +12,6 @@ from typing import Any
 
 from spotdrain.agent.core import reclamation as r
 from spotdrain.agent.core.node import Node
-from spotdrain.agent.core.node_commands import (
-    ForgetBundles,
-    NodeCommand,
-    Record,
-    ReleaseEvents,
-    RemoveDeadlineFile,
-    ResumeCoordinator,
-    Settled,
-    Stepped,
-    StopResumingCoordinator,
-)
 from spotdrain.agent.core.reclamation_commands import (
     SIGTERM,
     ApplyLocalTaint,
@@ -31,11 +20,20 @@ from spotdrain.agent.core.reclamation_commands import (
     DeliverSignals,
     DrainWorkers,
     Emit,
+    ForgetBundles,
     LiftTaints,
+    NodeCommand,
     Observe,
+    Record,
+    ReleaseEvents,
+    RemoveDeadlineFile,
     RequestTaint,
+    ResumeCoordinator,
     RetryRemoteTaint,
+    Settled,
     SignalContainers,
+    Stepped,
+    StopResumingCoordinator,
     WatchExits,
     WriteDeadlineFile,
 )

@@ -27,13 +27,11 @@ from typing import Any
 from spotdrain.agent.config import AgentConfig
 from spotdrain.agent.core import reclamation as r
 from spotdrain.agent.core.node import Node, Retention
-from spotdrain.agent.core.node_commands import (
-    NodeCommand,
-    Stepped,
-)
-from spotdrain.agent.core.node_events import (
-    BundlesLoaded,
+from spotdrain.agent.core.notice import Notice, NoticeInvalid
+from spotdrain.agent.core.reclamation_commands import SIGTERM, NodeCommand, Stepped
+from spotdrain.agent.core.reclamation_events import (
     DeadlinesDue,
+    Event,
     ForReclamation,
     NodeEvent,
     NoticeArrived,
@@ -42,13 +40,6 @@ from spotdrain.agent.core.node_events import (
     ReportLanded,
     Restarted,
     ResumeAsked,
-)
-from spotdrain.agent.core.notice import Notice, NoticeInvalid
-from spotdrain.agent.core.reclamation_commands import (
-    SIGTERM,
-)
-from spotdrain.agent.core.reclamation_events import (
-    Event,
     RoundListed,
     TaintAnswered,
     TaintUnanswered,
@@ -123,7 +114,14 @@ class DrainRunner:
             clock,
         )
         self.taints = TaintCalls(link, self.feed, self._spawn, clock, self.rounds.lock)
-        self.node = Node(cfg.node_id, cfg.margins, cfg.pause_notice_s, retention or Retention())
+        # Read once: the pause and the drains are in memory from now on (docs/design.md).
+        self.node = Node(
+            cfg.node_id,
+            cfg.margins,
+            cfg.pause_notice_s,
+            retention or Retention(),
+            self.bundles.load_all(with_events=True),
+        )
         self.executor = Executor(
             cfg.node_id,
             self.node,
@@ -142,9 +140,6 @@ class DrainRunner:
             metrics,
         )
         self.health.attach(self.record)
-        # Read once: the pause and the drains are in memory from now on (docs/design.md).
-        loaded = BundlesLoaded(tuple(self.bundles.load_all(with_events=True)))
-        self.executor.carry_out(self.node.handle(loaded, clock()))
 
     # --- inputs ------------------------------------------------------------------------------
 

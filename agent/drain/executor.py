@@ -106,7 +106,8 @@ class Executor:
                     self.deadline_file.remove()
                 case Stepped(rid, steps):
                     rec = self.node.get(rid)
-                    assert rec is not None, f"the node core stepped {rid} and let it go"
+                    if rec is None:  # a bug in the core: never carry out a step blind
+                        raise RuntimeError(f"node {self.node_id}: {rid} stepped and let go")
                     self._apply(rec, list(steps))
                 case Record(kind, rid, t_offset_s, details):
                     self.emit(kind, rid, t_offset_s, self.clock(), details)

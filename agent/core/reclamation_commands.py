@@ -1,5 +1,6 @@
-"""What the reclamation machine (agent/core/reclamation.py) asks its shell to do: each command
-is plain data, carried out by agent/drain/runner.py after the machine's state is saved."""
+"""What the reclamation machine (agent/core/reclamation.py), and the node over all its
+reclamations (agent/core/node.py, below), ask their shell to do: each command is plain data,
+carried out by agent/drain/executor.py after the machine's state is saved."""
 
 from __future__ import annotations
 
@@ -116,4 +117,81 @@ Command = (
     | WatchExits
     | Observe
     | Emit
+)
+
+
+# --- the node's own commands (agent/core/node.py), carried out in order beside the ones above.
+# The deadline file is the node's: a reclamation's WriteDeadlineFile reaches the shell only as
+# the node decided it, or as RemoveDeadlineFile.
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """A reclamation moved: save its bundle (with the events of `commands`), then carry the
+    commands out. Never holds a WriteDeadlineFile: the node decides the file."""
+
+    reclaim_id: str
+    commands: tuple[Command, ...] = ()
+
+
+@dataclass(frozen=True)
+class RemoveDeadlineFile:
+    """No drain is in force on the node any more."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """An event of the node's that no bundle holds (an invalid notice, a cancel of a notice
+    never had, an invalid report): to the outbox only."""
+
+    kind: str
+    reclaim_id: str = ""
+    t_offset_s: float | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ResumeCoordinator:
+    """Turn the coordinator's flag on with no pause behind it (a pause made while this agent's
+    state was lost)."""
+
+
+@dataclass(frozen=True)
+class StopResumingCoordinator:
+    """A new pause: an earlier ResumeCoordinator still retrying must not end it."""
+
+
+@dataclass(frozen=True)
+class ReleaseEvents:
+    """The reclamation's notice path is over (lifted, or done): its held events may go."""
+
+    reclaim_id: str
+
+
+@dataclass(frozen=True)
+class Settled:
+    """The reclamation has an outcome: whoever waits on it may go on."""
+
+    reclaim_id: str
+    outcome: str
+
+
+@dataclass(frozen=True)
+class ForgetBundles:
+    """Delete these finished reclamations' bundles (which: docs/design.md "How the agent
+    carries it out")."""
+
+    reclaim_ids: tuple[str, ...]
+
+
+NodeCommand = (
+    Stepped
+    | WriteDeadlineFile
+    | RemoveDeadlineFile
+    | Record
+    | ResumeCoordinator
+    | StopResumingCoordinator
+    | ReleaseEvents
+    | Settled
+    | ForgetBundles
 )

@@ -1,10 +1,14 @@
 """What the agent's shell learned, as events for the reclamation machine
 (agent/core/reclamation.py): each carries the time it happened and only plain values, so a test
-can write a whole story as a list of them."""
+can write a whole story as a list of them. Below them, the node's own events (agent/core/node.py):
+notices, the owner's switch, workload reports, and each reclamation's events routed by its id."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from spotdrain.agent.core.notice import Notice, NoticeInvalid
 
 
 @dataclass(frozen=True)
@@ -167,4 +171,78 @@ Event = (
     | Cancelled
     | WorkloadReported
     | NoticeHeard
+)
+
+
+# --- the node's own events (agent/core/node.py): the time comes beside each, in handle() ------
+
+
+@dataclass(frozen=True)
+class Restarted:
+    """The agent started, its node made from the bundles read once: forget the finished ones
+    Retention lets go, and carry on with every unfinished one. `delivered`: of the SIGTERMs the
+    previous process announced, those the engine says it was asked to send (None: it cannot
+    tell)."""
+
+    delivered: frozenset[str] | None = None
+
+
+@dataclass(frozen=True)
+class NoticeArrived:
+    parsed: Notice | NoticeInvalid
+
+
+@dataclass(frozen=True)
+class PauseAsked:
+    """The owner's pause (spotctl pause)."""
+
+
+@dataclass(frozen=True)
+class ResumeAsked:
+    """The owner's resume (spotctl resume)."""
+
+
+@dataclass(frozen=True)
+class ForReclamation:
+    """An event of one reclamation (an adapter's answer), by its id."""
+
+    reclaim_id: str
+    event: Event
+
+
+@dataclass(frozen=True)
+class DeadlinesDue:
+    """The earliest wakeup has come: every live reclamation is ticked. `listed`: the listings
+    made while a Taint call was in flight and back by now, by reclamation."""
+
+    listed: Mapping[str, tuple[RoundTarget, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ReportLanded:
+    """A workload's checkpoint report, read from its status directory."""
+
+    name: str
+    report: str
+    generation: int
+    nbytes: int | None
+    reported_at: float
+
+
+@dataclass(frozen=True)
+class ReportInvalid:
+    name: str
+    entry: str
+    why: str
+
+
+NodeEvent = (
+    Restarted
+    | NoticeArrived
+    | PauseAsked
+    | ResumeAsked
+    | ForReclamation
+    | DeadlinesDue
+    | ReportLanded
+    | ReportInvalid
 )

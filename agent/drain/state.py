@@ -106,7 +106,9 @@ class WriteHealth:
 
 
 class BundleStore:
-    """One JSON file per reclamation under <state>/reclamations/, finished ones kept for dedup.
+    """One JSON file per reclamation under <state>/reclamations/. Finished ones are kept for a
+    while (a notice read again is the same reclamation), then forgotten as the node core's
+    Retention says (docs/design.md "How the agent carries it out").
 
     A bundle the disk refused is held in memory (`unsaved`) and counts as stored for every
     question asked here (exists, load_all), so a full disk forgets no reclamation while the
@@ -164,6 +166,16 @@ class BundleStore:
             del self.unsaved[rec.reclaim_id]
         self.health.wrote(path)
         return True
+
+    def forget(self, reclaim_id: str) -> None:
+        """Delete a finished reclamation's bundle. One the disk will not delete is left there:
+        read at the next start, it is forgotten again."""
+        self.unsaved.pop(reclaim_id, None)
+        self._events.pop(reclaim_id, None)
+        try:
+            self.path(reclaim_id).unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("reclamation bundle %s not deleted: %s", self.path(reclaim_id), e)
 
     def exists(self, reclaim_id: str) -> bool:
         return reclaim_id in self.unsaved or self.path(reclaim_id).exists()

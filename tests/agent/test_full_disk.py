@@ -25,10 +25,16 @@ from spotdrain.agent.config import AgentConfig
 from spotdrain.agent.core.notice import Notice
 from spotdrain.agent.core.reclamation import Margins, Reclamation
 from spotdrain.agent.core.reclamation_events import ContainerExited, ContainerSignalled
-from spotdrain.agent.drain import runner as runner_module
+from spotdrain.agent.drain.deadline_file import DeadlineFile
 from spotdrain.agent.drain.outbox import DROPPED_KIND, Outbox
 from spotdrain.agent.drain.runner import DrainRunner
-from spotdrain.agent.drain.state import BundleStore, LocalTaints, WriteHealth, write_json
+from spotdrain.agent.drain.state import (
+    BundleStore,
+    LocalTaints,
+    WriteHealth,
+    write_deadline_file,
+    write_json,
+)
 from spotdrain.agent.workloads.docker_engine import ContainerInfo
 
 NODE = "node-full"
@@ -337,7 +343,7 @@ class Workers:
 
 
 async def test_a_notice_on_a_disk_that_refuses_every_write_is_answered_on_time(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """Every write to the state directory and the deadline file fails with ENOSPC, and the
     outbox's SQLite refuses every write (the file went read-only). A notice still taints,
@@ -351,12 +357,7 @@ async def test_a_notice_on_a_disk_that_refuses_every_write_is_answered_on_time(
     def deadline_file(path: Path, *args: Any) -> None:
         if deadline_refused["on"]:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        runner_module.write_deadline_file.__wrapped__(path, *args)  # type: ignore[attr-defined]
-
-    real_deadline_file = runner_module.write_deadline_file
-    deadline_file.__wrapped__ = real_deadline_file  # type: ignore[attr-defined]
-    monkeypatch.setattr(runner_module, "write_deadline_file", deadline_file)
-    monkeypatch.setattr(runner_module, "RETRY_WRITES_S", 0.05)
+        write_deadline_file(path, *args)
 
     cfg = AgentConfig(
         coordinator="127.0.0.1:1",
@@ -384,6 +385,8 @@ async def test_a_notice_on_a_disk_that_refuses_every_write_is_answered_on_time(
         health=health,  # type: ignore[arg-type]
         bundles=BundleStore(cfg.state_dir, health, write=disk),
         local_taints=LocalTaints(cfg.state_dir, health, write=disk),
+        deadline_file=DeadlineFile(cfg.deadline_file, health, write=deadline_file),
+        retry_writes_s=0.05,
     )
     loop = asyncio.create_task(drains.run())
     try:

@@ -162,7 +162,7 @@ async def test_a_cancel_before_the_answer_signals_nothing(tmp_path: Path) -> Non
         await eventually(
             lambda: "notice_cancelled" in [e.kind for e in outbox.pending()], "the cancel recorded"
         )
-        await eventually(lambda: not drains._listed_ahead, "the listing made ahead dropped")
+        await eventually(lambda: not drains.rounds.listed_ahead, "the listing made ahead dropped")
         assert engine.signals == []
 
 

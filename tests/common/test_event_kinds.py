@@ -47,7 +47,7 @@ RELAYS = {
 READERS = {
     "coordinator/core/timeline.py",
     "proto/spotdrain/runtime/metrics.py",
-    "agent/drain/runner.py",
+    "agent/drain/executor.py",
 }
 
 

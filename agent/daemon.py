@@ -185,7 +185,7 @@ class Agent:
     def stream_interrupted(self, what: Interrupted, reclaim_id: str) -> None:
         now = time.time()
         rec = self.drains.live.get(reclaim_id)
-        self.outbox.put(
+        event = self.outbox.event(
             "stream_interrupted",
             self.cfg.node_id,
             reclaim_id,
@@ -198,6 +198,7 @@ class Agent:
                 "reason": what.reason,
             },
         )
+        self.outbox.put(event)
         self.link.wake()
         self.metrics.observe_event("stream_interrupted", reclaim_id, None, {})
 

@@ -40,11 +40,12 @@ from spotdrain.agent.core.reclamation_commands import (
 from spotdrain.agent.core.reclamation_events import Event, WorkersDraining
 from spotdrain.agent.drain.deadline_file import DeadlineFile
 from spotdrain.agent.drain.link import CoordinatorLink
-from spotdrain.agent.drain.outbox import Outbox, OutgoingEvent
+from spotdrain.agent.drain.outbox import Outbox
 from spotdrain.agent.drain.signal_rounds import SignalRounds
 from spotdrain.agent.drain.state import BundleStore, LocalTaints
 from spotdrain.agent.drain.taint_calls import TaintCalls
 from spotdrain.agent.workloads.inference import WorkerManager
+from spotdrain.protocol.events import EventRecord
 from spotdrain.runtime.metrics import ReclamationMetrics
 
 log = logging.getLogger("spotdrain.agent.drain")
@@ -151,7 +152,7 @@ class Executor:
                 STORE_EVENTS_AFTER_S, self._store_held
             )
 
-    def _event(self, rec: r.Reclamation, emit: Emit) -> OutgoingEvent:
+    def _event(self, rec: r.Reclamation, emit: Emit) -> EventRecord:
         now = self.clock() if emit.at is None else emit.at
         details = emit.details
         if emit.kind == "deadline_file_written" and self.deadline_file.unwritten is not None:
@@ -160,7 +161,7 @@ class Executor:
             emit.kind, self.node_id, rec.reclaim_id, now, now - rec.t0, details
         )
 
-    def _save(self, rec: r.Reclamation, events: list[OutgoingEvent] | None = None) -> None:
+    def _save(self, rec: r.Reclamation, events: list[EventRecord] | None = None) -> None:
         """The bundle before any command runs, with the step's new events and every earlier one
         of the reclamation the outbox has not stored; on a refusal, the drain goes on from
         memory."""
@@ -173,7 +174,7 @@ class Executor:
         self.outbox.store_held()
 
     def _execute(
-        self, rec: r.Reclamation, commands: list[Command], events: Iterator[OutgoingEvent]
+        self, rec: r.Reclamation, commands: list[Command], events: Iterator[EventRecord]
     ) -> None:
         rid = rec.reclaim_id
         for cmd in commands:
@@ -253,8 +254,8 @@ class Executor:
         """An event outside a drain step (a disk's refusal, an invalid notice): no bundle."""
         self._put(self.outbox.event(kind, self.node_id, reclaim_id, now, t_offset_s, details))
 
-    def _put(self, event: OutgoingEvent) -> None:
-        self.outbox.put_event(event)
+    def _put(self, event: EventRecord) -> None:
+        self.outbox.put(event)
         self.link.wake()
         if self.metrics is not None:
             self.metrics.observe_event(

@@ -26,10 +26,11 @@ from typing import Any
 import grpc
 
 from spotdrain.agent.config import AgentConfig
-from spotdrain.agent.drain.outbox import Outbox, OutgoingEvent, bounded_details, details_json
+from spotdrain.agent.drain.outbox import Outbox, bounded_details, details_json
 from spotdrain.net.leader import Replicas, leader_hint
 from spotdrain.net.security import channel_credentials
 from spotdrain.protocol import limits, timing
+from spotdrain.protocol.events import EventRecord
 from spotdrain.protocol.limits import MAX_AGENT_MESSAGE_BYTES, MAX_BATCH_BYTES, MAX_BATCH_EVENTS
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
@@ -70,7 +71,7 @@ def make_channel(cfg: AgentConfig, address: str | None = None) -> grpc.aio.Chann
     return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
 
 
-def to_pb(ev: OutgoingEvent) -> pb.Event:
+def to_pb(ev: EventRecord) -> pb.Event:
     # Outbox.put bounds details; this bounds an event an older agent left in the outbox, which
     # the coordinator would otherwise refuse on every resend.
     details, original_bytes = bounded_details(ev.details)

@@ -28,11 +28,11 @@ import time
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from spotdrain.agent.drain.state import WriteHealth
+from spotdrain.protocol.events import EventRecord
 from spotdrain.protocol.limits import MAX_DETAILS_BYTES
 
 log = logging.getLogger("spotdrain.agent.drain.outbox")
@@ -50,17 +50,6 @@ MEMORY_EVENTS_KEPT = 10_000
 # tries): a disk freed while nothing happens still takes them back.
 RETRY_EVERY_S = 1.0
 DROPPED_KIND = "events_dropped"
-
-
-@dataclass(frozen=True)
-class OutgoingEvent:
-    uid: str
-    kind: str
-    node_id: str
-    reclaim_id: str
-    wall_time: float
-    t_offset_s: float | None
-    details: dict[str, Any]
 
 
 def details_json(details: dict[str, Any]) -> str:
@@ -115,7 +104,7 @@ class Outbox:
         self.clock = clock
         self.db: sqlite3.Connection | None = None
         # Events the disk refused, oldest first; each is newer than every row in SQLite.
-        self._memory: OrderedDict[str, OutgoingEvent] = OrderedDict()
+        self._memory: OrderedDict[str, EventRecord] = OrderedDict()
         # Acknowledged rows whose DELETE the disk refused: never handed out again.
         self._acked: set[str] = set()
         self._dropped: Counter[str] = Counter()
@@ -149,17 +138,6 @@ class Outbox:
         self.db = db
         return db
 
-    def put(
-        self,
-        kind: str,
-        node_id: str,
-        reclaim_id: str,
-        wall_time: float,
-        t_offset_s: float | None,
-        details: dict[str, Any],
-    ) -> OutgoingEvent:
-        return self.put_event(self.event(kind, node_id, reclaim_id, wall_time, t_offset_s, details))
-
     @staticmethod
     def event(
         kind: str,
@@ -168,8 +146,8 @@ class Outbox:
         wall_time: float,
         t_offset_s: float | None,
         details: dict[str, Any],
-    ) -> OutgoingEvent:
-        """A new event with its uid, its details bounded; not stored yet (put_event)."""
+    ) -> EventRecord:
+        """A new event with its uid, its details bounded; not stored yet (put)."""
         details, original_bytes = bounded_details(details)
         if original_bytes is not None:
             log.warning(
@@ -179,7 +157,7 @@ class Outbox:
                 original_bytes,
                 MAX_DETAILS_BYTES,
             )
-        return OutgoingEvent(
+        return EventRecord(
             uid=str(uuid.uuid4()),
             kind=kind,
             node_id=node_id,
@@ -189,7 +167,7 @@ class Outbox:
             details=details,
         )
 
-    def put_event(self, event: OutgoingEvent) -> OutgoingEvent:
+    def put(self, event: EventRecord) -> EventRecord:
         """Store an event made by `event`; one whose uid is stored already is not stored again
         (a drain step's events put again after a restart)."""
         self._memory[event.uid] = event
@@ -220,7 +198,7 @@ class Outbox:
             self._flush()
             self._bound()
 
-    def unstored(self, reclaim_id: str) -> list[OutgoingEvent]:
+    def unstored(self, reclaim_id: str) -> list[EventRecord]:
         """The events of one reclamation that are in memory only, oldest first."""
         if not reclaim_id:
             return []
@@ -284,7 +262,7 @@ class Outbox:
         """The count of dropped events so far, as one event at the head of the queue."""
         if not self._dropped:
             return
-        counted = OutgoingEvent(
+        counted = EventRecord(
             uid=str(uuid.uuid4()),
             kind=DROPPED_KIND,
             node_id=self._dropped_node,
@@ -297,12 +275,12 @@ class Outbox:
         self._memory[counted.uid] = counted
         self._memory.move_to_end(counted.uid, last=False)
 
-    def pending(self, limit: int = 256) -> list[OutgoingEvent]:
+    def pending(self, limit: int = 256) -> list[EventRecord]:
         """The oldest events not yet acknowledged: those in SQLite, then those in memory."""
         self._dropped_event()
         if self._memory and self.clock() - self._last_try >= RETRY_EVERY_S:
             self._flush()
-        out: list[OutgoingEvent] = []
+        out: list[EventRecord] = []
         db = self.db
         if db is not None:
             try:
@@ -313,7 +291,7 @@ class Outbox:
                 self.health.failed(self.path, e)
                 rows = []
             for (body,) in rows:
-                event = OutgoingEvent(**json.loads(body))
+                event = EventRecord(**json.loads(body))
                 if event.uid not in self._acked:
                     out.append(event)
         for event in self._memory.values():

@@ -48,7 +48,7 @@ from spotdrain.agent.core.reclamation_events import (
 from spotdrain.agent.drain.deadline_file import DeadlineFile
 from spotdrain.agent.drain.executor import Executor
 from spotdrain.agent.drain.link import CoordinatorLink
-from spotdrain.agent.drain.outbox import Outbox, OutgoingEvent
+from spotdrain.agent.drain.outbox import Outbox
 from spotdrain.agent.drain.signal_rounds import Answer, SignalRounds
 from spotdrain.agent.drain.state import BundleStore, LocalTaints, WriteHealth
 from spotdrain.agent.drain.taint_calls import TaintCalls
@@ -56,6 +56,7 @@ from spotdrain.agent.host.gpu import Nvml
 from spotdrain.agent.workloads.docker_engine import DockerEngine
 from spotdrain.agent.workloads.inference import WorkerManager
 from spotdrain.agent.workloads.status_dirs import StatusDirs
+from spotdrain.protocol.events import EventRecord
 from spotdrain.runtime.background import Background
 from spotdrain.runtime.metrics import ReclamationMetrics
 from spotdrain.workload import Report
@@ -262,7 +263,7 @@ class DrainRunner:
         with self.outbox.hold():
             for rid in list(self.bundles.step_events):
                 for fields in self.bundles.step_events.pop(rid):
-                    self.outbox.put_event(OutgoingEvent(**fields))
+                    self.outbox.put(EventRecord(**fields))
         self.link.wake()
         # One question to the engine for every bundle (a hung engine costs one call's timeout).
         delivered = await self._delivered(list(self.node.live.values()), now)

@@ -19,13 +19,11 @@ import logging
 import sqlite3
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from spotdrain.agent.core.reclamation import Reclamation
+from spotdrain.protocol.events import EventRecord
 from spotdrain.workload import Deadline, write_atomic
-
-if TYPE_CHECKING:  # (the outbox imports this module)
-    from spotdrain.agent.drain.outbox import OutgoingEvent
 
 log = logging.getLogger("spotdrain.agent.drain.state")
 STEP_EVENTS = "step_events"  # a bundle's key for the events of the step that wrote it
@@ -123,7 +121,7 @@ class BundleStore:
         self.unsaved: dict[str, Reclamation] = {}
         self._events: dict[str, list[dict[str, Any]]] = {}
         # Read by load_all(with_events=True): each bundle's last step's events (the fields of
-        # OutgoingEvent), for the outbox to take again.
+        # EventRecord), for the outbox to take again.
         self.step_events: dict[str, list[dict[str, Any]]] = {}
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -133,7 +131,7 @@ class BundleStore:
     def path(self, reclaim_id: str) -> Path:
         return self.dir / f"{reclaim_id}.json"
 
-    def save(self, rec: Reclamation, events: Sequence[OutgoingEvent] = ()) -> bool:
+    def save(self, rec: Reclamation, events: Sequence[EventRecord] = ()) -> bool:
         """Write the bundle, with the events of the step that made it (the outbox gets them
         next; a restarted agent puts them there again, see `step_events`). False (and held in
         memory) when the disk refused it."""

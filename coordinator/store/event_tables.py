@@ -30,22 +30,6 @@ _INSERT_EVENT = (
 class EventTables(Transactions):
     # --- events ------------------------------------------------------------------------------
 
-    async def add_event(
-        self,
-        uid: str,
-        kind: str,
-        node_id: str,
-        reclaim_id: str,
-        wall_time: float,
-        t_offset_s: float | None,
-        details: dict[str, Any],
-    ) -> int | None:
-        """Store one event and fold it into its reclamation. None: this uid was stored before."""
-        ids = await self.add_events(
-            [NewEvent(uid, kind, node_id, reclaim_id, wall_time, t_offset_s, details)]
-        )
-        return ids[0]
-
     async def add_events(self, events: Sequence[NewEvent], fresh: bool = False) -> list[int | None]:
         """Store a batch in order, each event folded into its reclamation; the id of each, or
         None for a uid stored before. A large batch is several short transactions, so a Taint

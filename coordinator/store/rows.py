@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from spotdrain.protocol.events import EventRecord
+
 
 @dataclass(frozen=True)
 class EventRow:
@@ -20,16 +22,9 @@ class EventRow:
 
 
 @dataclass(frozen=True)
-class NewEvent:
+class NewEvent(EventRecord):
     """One event to store (from an agent's batch or the coordinator itself)."""
 
-    uid: str
-    kind: str
-    node_id: str
-    reclaim_id: str
-    wall_time: float
-    t_offset_s: float | None
-    details: dict[str, Any]
     # The agent's own text of `details`, already checked: stored as it came, not encoded again.
     details_json: str | None = None
 

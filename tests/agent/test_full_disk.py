@@ -160,7 +160,9 @@ def read_only(outbox: Outbox, refuse: bool) -> None:
 
 def put(outbox: Outbox, kind: str, n: int = 0) -> str:
     # Details larger than a page: every event needs new pages.
-    return outbox.put(kind, NODE, "rcl-1", time.time(), 0.1, {"n": n, "pad": "p" * 5000}).uid
+    return outbox.put(
+        outbox.event(kind, NODE, "rcl-1", time.time(), 0.1, {"n": n, "pad": "p" * 5000})
+    ).uid
 
 
 def stored(outbox: Outbox) -> list[str]:

@@ -21,7 +21,8 @@ from fakes.waiting import eventually
 from spotdrain.agent.config import AgentConfig
 from spotdrain.agent.drain import link as link_module
 from spotdrain.agent.drain.link import CoordinatorLink, batches, to_pb
-from spotdrain.agent.drain.outbox import Outbox, OutgoingEvent
+from spotdrain.agent.drain.outbox import Outbox
+from spotdrain.protocol.events import EventRecord
 from spotdrain.protocol.limits import (
     MAX_AGENT_MESSAGE_BYTES,
     MAX_BATCH_BYTES,
@@ -131,7 +132,7 @@ def test_an_event_with_oversized_details_is_stored_as_a_summary_and_logged(tmp_p
     details = {"exit_code": 137, "container": "c-9", "oom": True, "log_tail": "e" * 200_000}
     size = len(json.dumps(details, sort_keys=True))
     with caplog.at_level(logging.WARNING, logger="spotdrain.agent.drain.outbox"):
-        put = outbox.put("container_exited", NODE, "r-1", time.time(), 2.0, details)
+        put = outbox.put(outbox.event("container_exited", NODE, "r-1", time.time(), 2.0, details))
     [stored] = outbox.pending()
     assert stored.uid == put.uid
     assert stored.details == {
@@ -156,7 +157,7 @@ def test_details_at_the_bound_are_kept_as_they_are(tmp_path, caplog):
     details = {"log": "k" * (MAX_DETAILS_BYTES - empty)}
     assert len(json.dumps(details, sort_keys=True)) == MAX_DETAILS_BYTES
     with caplog.at_level(logging.WARNING, logger="spotdrain.agent.drain.outbox"):
-        outbox.put("note", NODE, "", time.time(), None, details)
+        outbox.put(outbox.event("note", NODE, "", time.time(), None, details))
     assert outbox.pending()[0].details == details
     assert not [r for r in caplog.records if r.name == "spotdrain.agent.drain.outbox"]
     outbox.close()
@@ -169,7 +170,7 @@ def test_a_summary_of_many_short_fields_stays_bounded(tmp_path):
     details: dict[str, Any] = {f"k{i:05d}": i for i in range(20_000)}
     details["nested"] = {"a": 1}
     details["x" * 100] = 1
-    outbox.put("note", NODE, "", time.time(), None, details)
+    outbox.put(outbox.event("note", NODE, "", time.time(), None, details))
     [stored] = outbox.pending()
     assert stored.details["details_truncated"] is True
     assert "nested" not in stored.details and "x" * 100 not in stored.details
@@ -182,7 +183,7 @@ def test_an_oversized_event_an_older_agent_left_in_the_outbox_is_sent_as_a_summa
     """An outbox written before details were bounded may hold an oversized event: it is sent
     as a summary, not refused on every resend."""
     outbox = Outbox(tmp_path / "outbox.db")
-    old = OutgoingEvent(
+    old = EventRecord(
         uid="old-1",
         kind="container_exited",
         node_id=NODE,
@@ -239,7 +240,7 @@ async def test_a_backlog_of_2000_varied_events_reaches_the_coordinator_once_in_o
     for i in range(2000):
         size = rng.choice([100, 400, 2_000, 20_000, 60 * 1024, 90_000])
         details = {"seq": i, "pad": "p" * size}
-        put.append(outbox.put("note", NODE, "", time.time(), None, details).uid)
+        put.append(outbox.put(outbox.event("note", NODE, "", time.time(), None, details)).uid)
 
     received = asyncio.Event()
     servicer = RecordingLink(
@@ -370,7 +371,7 @@ async def test_a_drain_holding_the_events_lets_its_taint_and_reports_through(tmp
         link.hold_events("r-1")
         taint = asyncio.create_task(link.taint("r-1", "notice", timeout=30))
         await eventually(lambda: "taint" in servicer.seen, "the Taint at the coordinator")
-        uid = outbox.put("notice_received", NODE, "r-1", time.time(), 0.0, {}).uid
+        uid = outbox.put(outbox.event("notice_received", NODE, "r-1", time.time(), 0.0, {})).uid
         link.wake()
         link.report_worker("w-1", {"state": "started"})
         await eventually(lambda: "report w-1" in servicer.seen, "the first report")
@@ -393,7 +394,7 @@ async def test_a_hold_never_released_ends_by_itself(tmp_path):
     async with linked(tmp_path, hold_events_max_s=0.3) as (link, servicer, outbox):
         link.hold_events("r-2")
         held_at = time.monotonic()
-        uid = outbox.put("notice_received", NODE, "r-2", time.time(), 0.0, {}).uid
+        uid = outbox.put(outbox.event("notice_received", NODE, "r-2", time.time(), 0.0, {})).uid
         link.wake()
         await eventually(lambda: servicer.batches, "the events once the hold ran out")
         assert time.monotonic() - held_at >= 0.3

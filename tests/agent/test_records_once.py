@@ -157,11 +157,11 @@ async def test_a_step_whose_agent_died_before_the_outbox_loses_no_event(tmp_path
     class DyingOutbox(Outbox):
         dead = False
 
-        def put_event(self, event):  # noqa: ANN001, ANN201
+        def put(self, event):  # noqa: ANN001, ANN201
             if event.kind == "sigterm_sent" or self.dead:
                 self.dead = True  # the process is gone: nothing reaches SQLite any more
                 return event
-            return super().put_event(event)
+            return super().put(event)
 
     class DyingBundles(BundleStore):
         def save(self, rec, events=()):  # noqa: ANN001, ANN201

@@ -26,7 +26,7 @@ EMITTERS = {
     "_tell": 0,  # the agent's state-write health
     "make_event": 0,
     "NewEvent": 1,  # (uid, kind, ...)
-    "OutgoingEvent": 1,
+    "EventRecord": 1,
 }
 # Sink.record(source, kind, details): a notice source's own events.
 SINK_RECORD = 1

@@ -486,9 +486,15 @@ async def test_an_event_is_stored_once_per_uid_with_growing_ids(store):
     """The agent resends an event after a lost reply: stored once, the repeat says so, ids only
     grow and a consumer resumes after any id."""
     assert await store.last_event_id() == 0
-    first = await store.add_event("u1", "notice_received", "node-a", "rcl-1", 1.0, 0.0, {})
-    assert await store.add_event("u1", "notice_received", "node-a", "rcl-1", 1.0, 0.0, {}) is None
-    second = await store.add_event("u2", "tainted", "node-a", "rcl-1", 2.0, 1.0, {"mode": "x"})
+    [first] = await store.add_events(
+        [NewEvent("u1", "notice_received", "node-a", "rcl-1", 1.0, 0.0, {})]
+    )
+    assert await store.add_events(
+        [NewEvent("u1", "notice_received", "node-a", "rcl-1", 1.0, 0.0, {})]
+    ) == [None]
+    [second] = await store.add_events(
+        [NewEvent("u2", "tainted", "node-a", "rcl-1", 2.0, 1.0, {"mode": "x"})]
+    )
     assert first is not None and second is not None and second > first
     assert [e.uid for e in await store.events_after(0)] == ["u1", "u2"]
     assert [e.uid for e in await store.events_after(first)] == ["u2"]
@@ -894,7 +900,9 @@ async def test_a_new_database_is_at_the_current_schema_version(store):
 async def test_reopening_a_database_keeps_its_data(stores, store, clock):
     """The coordinator restarts: the same database opens at the same version with its data."""
     await store.upsert_node("node-a", True, "g1", GPUS)
-    event_id = await store.add_event("u1", "notice_received", "node-a", "rcl-1", 1.0, 0.0, {})
+    [event_id] = await store.add_events(
+        [NewEvent("u1", "notice_received", "node-a", "rcl-1", 1.0, 0.0, {})]
+    )
     await store.save_worker("w-1", "node-a", "llama", "running", 1.0, {"id": "w-1"})
     await stores.close(store)
 
@@ -903,7 +911,7 @@ async def test_reopening_a_database_keeps_its_data(stores, store, clock):
     assert [n.node_id for n in await again.nodes()] == ["node-a"]
     assert [e.id for e in await again.events_after(0)] == [event_id]
     assert await again.worker_docs() == [{"id": "w-1"}]
-    later = await again.add_event("u2", "tainted", "node-a", "rcl-1", 2.0, 1.0, {})
+    [later] = await again.add_events([NewEvent("u2", "tainted", "node-a", "rcl-1", 2.0, 1.0, {})])
     assert later > event_id
 
 

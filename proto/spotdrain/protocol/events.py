@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from spotdrain.v1 import spotdrain_pb2 as pb
@@ -95,3 +96,18 @@ def stored_event_to_dict(stored: pb.StoredEvent) -> dict[str, Any]:
         # another kind; one that shares a name is kept beside them as `detail.<name>`.
         out[f"detail.{key}" if key in out else key] = value
     return out
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    """One event as an agent's outbox holds it and the coordinator's store takes it (the wire's
+    Event): its uid makes a repeat harmless; wall_time is the sender's clock, t_offset_s the
+    seconds since its reclamation's notice (None outside one)."""
+
+    uid: str
+    kind: str
+    node_id: str
+    reclaim_id: str
+    wall_time: float
+    t_offset_s: float | None
+    details: dict[str, Any]

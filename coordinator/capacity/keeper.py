@@ -119,7 +119,7 @@ class CapacityKeeper:
                 continue
             for worker in capacity.surplus(self.serving(model.model), model.replicas):
                 grace = now + SCALE_DOWN_GRACE_S
-                await self.apply(worker, wm.Drain(now, "operator", grace, grace + 10))
+                await self.apply(worker, wm.Drain(now, wm.NodeDrain("operator", grace, grace + 10)))
 
     async def _place_chunk(self, model: ModelRow, count: int, path: str, prefer: str) -> bool:
         """Up to `count` workers of `model`; True when no node admits another (recorded once

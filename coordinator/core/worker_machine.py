@@ -125,15 +125,11 @@ class Heartbeat:
 
 @dataclass(frozen=True)
 class Drain:
-    """Stop routing to the worker; stop it when its slots reach zero or at `grace_deadline`."""
+    """Stop routing to the worker; stop it when its slots reach zero or at the drain's grace
+    deadline."""
 
     now: float
-    reason: str
-    grace_deadline: float
-    terminate_at: float
-
-    def __post_init__(self) -> None:
-        _check_deadlines(self.reason, self.grace_deadline, self.terminate_at)
+    drain: NodeDrain
 
 
 @dataclass(frozen=True)
@@ -226,7 +222,7 @@ class Worker(StateMachine[str, Callable[["Worker"], list[Effect]]]):
                 return self._started(event)
             case Heartbeat():
                 return self._heartbeat(event)
-            case Drain(now, reason, grace_deadline, terminate_at):
+            case Drain(now, NodeDrain(reason, grace_deadline, terminate_at)):
                 return self._drain(now, "Drain", reason, grace_deadline, terminate_at)
             case Stopped(now, exit_code):
                 return self._stopped(now, exit_code)

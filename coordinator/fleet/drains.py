@@ -274,7 +274,9 @@ class Drains:
         lost = [w for w in self.registry.live(node_id) if w.state != wm.DRAINING]
         why = reason if reason in wm.DRAIN_REASONS else "operator"
         for worker in self.registry.live(node_id):
-            await self.apply(worker, wm.Drain(now, why, drain.grace_deadline, drain.terminate_at))
+            await self.apply(
+                worker, wm.Drain(now, wm.NodeDrain(why, drain.grace_deadline, drain.terminate_at))
+            )
         # The renters are told when their containers stop: the grace deadline, so the node is
         # still verified empty by D.
         await self.rentals.reclaim(node_id, drain.reclaim_id, reason, drain.grace_deadline)

@@ -294,9 +294,7 @@ class Recovery:
         for worker in self.registry.live(node_id):
             if worker.state in (wm.STARTING, wm.READY):
                 log.info("recovery: draining worker %s on %s", worker.worker_id, node_id)
-                await self.apply(
-                    worker, wm.Drain(now, drain.reason, drain.grace_deadline, drain.terminate_at)
-                )
+                await self.apply(worker, wm.Drain(now, drain))
 
     async def _replace_missing(self, worker: wm.Worker, now: float) -> None:
         """A ready worker whose node stopped heartbeating and is gone: out of the routes, and a

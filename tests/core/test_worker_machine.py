@@ -116,7 +116,7 @@ def test_a_worker_starts_serves_and_is_drained_when_the_owner_pauses() -> None:
     assert worker.handle(Heartbeat(955.0, "ready", slots_in_use=3, ttl_s=15)) == []
     assert (worker.slots_in_use, worker.expires_at) == (3, 970.0)
 
-    assert worker.handle(Drain(P, "pause", G, D)) == [
+    assert worker.handle(Drain(P, NodeDrain("pause", G, D))) == [
         RouteRemoved("w-1"),
         drain_on_node(worker),
         Like("worker_draining", reason="pause", grace_deadline=G, terminate_at=D, at=P),
@@ -139,7 +139,7 @@ def test_a_heartbeat_storm_claiming_ready_during_a_drain_changes_nothing() -> No
     worker stays draining (invariant 3), its expiry is refreshed, routers never get it back;
     the only thing the coordinator does is tell the agent about the drain again."""
     worker = ready_worker()
-    worker.handle(Drain(P, "pause", G, D))
+    worker.handle(Drain(P, NodeDrain("pause", G, D)))
     story_before = list(worker.story)
     for i in range(1000):
         now = P + i * 0.01
@@ -195,10 +195,10 @@ def test_a_second_drain_never_extends_the_deadlines() -> None:
     """The operator drains a node the owner already paused, with later deadlines. The pause's
     deadlines stand (invariant 2: never extended), and draining twice is not an error."""
     worker = ready_worker()
-    worker.handle(Drain(P, "pause", G, D))
-    assert worker.handle(Drain(P + 30, "operator", G + 300, D + 300)) == []
+    worker.handle(Drain(P, NodeDrain("pause", G, D)))
+    assert worker.handle(Drain(P + 30, NodeDrain("operator", G + 300, D + 300))) == []
     assert (worker.grace_deadline, worker.terminate_at, worker.drain_reason) == (G, D, "pause")
-    assert worker.handle(Drain(P + 31, "pause", G, D)) == []  # the same drain again
+    assert worker.handle(Drain(P + 31, NodeDrain("pause", G, D))) == []  # the same drain again
     assert worker.story[-1] == (P + 31, "Drain(kept deadlines)", DRAINING, DRAINING)
 
 
@@ -207,15 +207,15 @@ def test_a_hard_notice_during_a_pause_shortens_the_drain() -> None:
     pause's deadline. The earlier deadline replaces the later one and the agent is told; the
     worker still drains for the reason it first drained for (the pause)."""
     worker = ready_worker()
-    worker.handle(Drain(P, "pause", G, D))
-    effects = worker.handle(Drain(P + 20, "notice", P + 50, P + 60))
+    worker.handle(Drain(P, NodeDrain("pause", G, D)))
+    effects = worker.handle(Drain(P + 20, NodeDrain("notice", P + 50, P + 60)))
     assert effects == [
         DrainOnNode("w-1", "gpu-7", P + 50, P + 60, "pause"),
         Like("worker_draining", shortened_by="notice", grace_deadline=P + 50),
     ]
     assert (worker.grace_deadline, worker.terminate_at) == (P + 50, P + 60)
     # Only the earlier of each deadline is kept, even when a drain brings one earlier, one later.
-    worker.handle(Drain(P + 21, "operator", P + 40, P + 90))
+    worker.handle(Drain(P + 21, NodeDrain("operator", P + 40, P + 90)))
     assert (worker.grace_deadline, worker.terminate_at) == (P + 40, P + 60)
     worker.validate()
 
@@ -224,7 +224,7 @@ def test_a_drain_that_beats_the_start_keeps_the_worker_out_of_the_routes() -> No
     """The owner pauses while the container is still pulling its model. When Started arrives
     the worker stays draining, and the agent, whose gate only now exists, is told again."""
     worker = new_worker()
-    assert worker.handle(Drain(P, "pause", G, D)) == [
+    assert worker.handle(Drain(P, NodeDrain("pause", G, D))) == [
         drain_on_node(worker),
         Like("worker_draining", reason="pause"),
     ]
@@ -257,13 +257,13 @@ def test_everything_that_arrives_after_the_stop_is_ignored() -> None:
     """Heartbeats, slot counts, drains and a late registration race with the stop; stopped is
     final and none of them raises."""
     worker = ready_worker()
-    worker.handle(Drain(P, "pause", G, D))
+    worker.handle(Drain(P, NodeDrain("pause", G, D)))
     worker.handle(Stopped(P + 5, exit_code=0))
     snapshot = worker.to_json()
     late: list[Any] = [
         Heartbeat(P + 6, "ready", slots_in_use=4, ttl_s=15),
         SlotsChanged(P + 6, 3),
-        Drain(P + 7, "notice", P + 8, P + 9),
+        Drain(P + 7, NodeDrain("notice", P + 8, P + 9)),
         Started(P + 8, "10.0.0.8:9100", capacity=4),
         Started(P + 8, GATE, capacity=8, node_drain=PAUSE),
         Stopped(P + 9, exit_code=1),
@@ -311,11 +311,11 @@ def test_the_worker_survives_a_round_trip_through_the_store_mid_drain() -> None:
     with the same deadlines and the same story (invariant 8)."""
     worker = ready_worker()
     worker.handle(Heartbeat(960.0, "ready", slots_in_use=2, ttl_s=15))
-    worker.handle(Drain(P, "pause", G, D))
+    worker.handle(Drain(P, NodeDrain("pause", G, D)))
     reloaded = Worker.from_json(json.loads(json.dumps(worker.to_json())))
     assert reloaded == worker
     # Carries on: a later drain still cannot extend the reloaded deadlines.
-    reloaded.handle(Drain(P + 1, "operator", G + 100, D + 100))
+    reloaded.handle(Drain(P + 1, NodeDrain("operator", G + 100, D + 100)))
     assert (reloaded.grace_deadline, reloaded.terminate_at) == (G, D)
     with pytest.raises(ValueError, match="unknown fields"):
         Worker.from_json({**worker.to_json(), "colour": "blue"})
@@ -326,9 +326,9 @@ def test_the_worker_survives_a_round_trip_through_the_store_mid_drain() -> None:
 def test_the_story_keeps_only_the_most_recent_entries() -> None:
     """Repeated drains on a long-draining worker must not grow its record without bound."""
     worker = ready_worker()
-    worker.handle(Drain(P, "pause", G, D))
+    worker.handle(Drain(P, NodeDrain("pause", G, D)))
     for i in range(200):
-        worker.handle(Drain(P + i, "operator", G + 1, D + 1))
+        worker.handle(Drain(P + i, NodeDrain("operator", G + 1, D + 1)))
     assert len(worker.story) == STORY_LIMIT
     assert worker.story[-1] == (P + 199, "Drain(kept deadlines)", DRAINING, DRAINING)
 
@@ -343,8 +343,8 @@ def test_an_expired_worker_is_told_by_its_heartbeat_ttl() -> None:
 @pytest.mark.parametrize(
     "build",
     [
-        lambda: Drain(P, "vacation", G, D),
-        lambda: Drain(P, "pause", D + 1, D),
+        lambda: Drain(P, NodeDrain("vacation", G, D)),
+        lambda: Drain(P, NodeDrain("pause", D + 1, D)),
         lambda: NodeDrain("pause", D + 1, D),
         lambda: Started(P, "", capacity=8),
         lambda: Started(P, GATE, capacity=0),
@@ -537,7 +537,9 @@ class WorkerRegistry(RuleBasedStateMachine):
     )
     def drain(self, worker_id: str, dt: float, reason: str, grace_in: float, gap: float) -> None:
         self.apply(
-            worker_id, dt, lambda now: Drain(now, reason, now + grace_in, now + grace_in + gap)
+            worker_id,
+            dt,
+            lambda now: Drain(now, NodeDrain(reason, now + grace_in, now + grace_in + gap)),
         )
         assert self.workers[worker_id].state in (DRAINING, STOPPED)
 

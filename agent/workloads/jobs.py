@@ -44,6 +44,18 @@ CONTAINER_DEADLINE_DIR = "/run/spotdrain/workload"
 STOP_GRACE_S = 5.0
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What a start asks the engine for: the container's name, labels and environment."""
+
+    kind: str  # a job kind, or RENTAL_KIND
+    key: str  # the worker or rental id
+    image: str
+    name: str
+    labels: dict[str, str]
+    env: dict[str, str]
+
+
 @dataclass
 class PlainContainer:
     """One rental or job container on this node."""
@@ -119,14 +131,8 @@ class PlainWorkloads:
             GPUS_LABEL: str(gpus),
         }
         env = {"RENTAL_ID": rental_id}
-        await self._start(
-            RENTAL_KIND,
-            rental_id,
-            image,
-            container_name("spotdrain-rental-", rental_id),
-            labels,
-            env,
-        )
+        name = container_name("spotdrain-rental-", rental_id)
+        await self._start(Launch(RENTAL_KIND, rental_id, image, name, labels, env))
 
     async def stop_rental(self, rental_id: str, reason: str = "") -> None:
         """StopRental: SIGTERM, then SIGKILL after the stop grace, each through the Docker API
@@ -164,9 +170,8 @@ class PlainWorkloads:
         env = {"WORKER_ID": worker_id, "MODEL": model}
         if port:
             env["PORT"] = str(port)
-        await self._start(
-            kind, worker_id, image, container_name("spotdrain-", worker_id), labels, env
-        )
+        name = container_name("spotdrain-", worker_id)
+        await self._start(Launch(kind, worker_id, image, name, labels, env))
 
     def drain_job(self, worker_id: str) -> bool:
         """DrainWorker for a job: nothing to do here (the reclamation's signal rounds SIGTERM it
@@ -198,15 +203,8 @@ class PlainWorkloads:
         else:
             self.report_worker(c.key, {"state": "started", "gate_address": "", "capacity": 0})
 
-    async def _start(
-        self,
-        kind: str,
-        key: str,
-        image: str,
-        name: str,
-        labels: dict[str, str],
-        env: dict[str, str],
-    ) -> None:
+    async def _start(self, launch: Launch) -> None:
+        kind, key, name = launch.kind, launch.key, launch.name
         table = self._table(kind)
         running = table.get(key)
         if running is not None:
@@ -225,7 +223,7 @@ class PlainWorkloads:
             return
         self._starting.add(slot)
         try:
-            container_id = await self._run(kind, key, image, name, labels, env)
+            container_id = await self._run(launch)
         finally:
             self._starting.discard(slot)
         if container_id is None:
@@ -252,17 +250,13 @@ class PlainWorkloads:
             c.stop_reason = stop
             await self._stop(c)
 
-    async def _run(
-        self,
-        kind: str,
-        key: str,
-        image: str,
-        name: str,
-        labels: dict[str, str],
-        env: dict[str, str],
-    ) -> str | None:
+    async def _run(self, launch: Launch) -> str | None:
+        kind, key, image, name = launch.kind, launch.key, launch.image, launch.name
         host_dir = self.deadline_file.parent
-        env = {**env, DEADLINE_FILE_ENV: f"{CONTAINER_DEADLINE_DIR}/{self.deadline_file.name}"}
+        env = {
+            **launch.env,
+            DEADLINE_FILE_ENV: f"{CONTAINER_DEADLINE_DIR}/{self.deadline_file.name}",
+        }
         binds = {str(host_dir): {"bind": CONTAINER_DEADLINE_DIR, "mode": "ro"}}
         try:
             host_dir.mkdir(parents=True, exist_ok=True)
@@ -271,7 +265,7 @@ class PlainWorkloads:
                 binds[str(status)] = {"bind": CONTAINER_STATUS_DIR, "mode": "rw"}
                 env[STATUS_DIR_ENV] = CONTAINER_STATUS_DIR
             container_id, _ = await self.docker.run_container(
-                image, name=name, labels=labels, env=env, binds=binds
+                image, name=name, labels=dict(launch.labels), env=env, binds=binds
             )
         except (DockerUnavailable, OSError, ValueError) as e:
             log.warning("node %s: %s %s did not start: %s", self.node_id, kind, key, e)

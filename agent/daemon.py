@@ -36,7 +36,7 @@ from spotdrain.runtime.metrics import serve as metrics_serve
 from spotdrain.runtime.supervisor import Supervisor
 from spotdrain.v1 import spotdrain_pb2 as pb
 
-VERSION = "0.1.0"
+VERSION = "0.2.0"
 log = logging.getLogger("spotdrain.agent")
 # The watchdog ping is withheld when a live reclamation's next deadline is this far overdue:
 # the drain loop has stopped keeping its timers (see Agent.healthy).

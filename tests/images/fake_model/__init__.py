@@ -191,15 +191,16 @@ def import_debian_root(
     build: Callable[[Path], None],
     changes: list[str],
     force: bool = False,
+    suite: str = SUITE,
 ) -> str:
-    """Import a cached Debian root tarball as `image_tag`, labelled with `recipe`, unless an
-    image with that recipe is there already; `build` makes the tarball when it is not cached.
+    """Import a cached Debian `suite` root tarball as `image_tag`, labelled with `recipe`, unless
+    an image with that recipe is there already; `build` makes the tarball when it is not cached.
     Shared by the images built from a Debian root (this one and tests/images/systemd_debian)."""
     old = _image_with_recipe(client, image_tag)
     if not force and old is not None and old[1] == recipe:
         return image_tag
     cache = cache_dir()
-    tarball = cache / f"{cache_name}-{SUITE}-{recipe}.tar"
+    tarball = cache / f"{cache_name}-{suite}-{recipe}.tar"
     with _locked(cache / f"{cache_name}.lock"):
         old = _image_with_recipe(client, image_tag)
         if not force and old is not None and old[1] == recipe:
@@ -246,9 +247,10 @@ def cache_dir() -> Path:
     raise ImageBuildError(f"no writable cache dir among {candidates}")
 
 
-def debian_mirror() -> str:
-    """The Debian mirror for debootstrap: $SPOTDRAIN_DEBIAN_MIRROR, else the first bookworm
-    mirror in apt's sources whose Release file answers, else deb.debian.org."""
+def debian_mirror(suite: str = SUITE) -> str:
+    """The Debian mirror for debootstrap of `suite`: $SPOTDRAIN_DEBIAN_MIRROR, else the first
+    bookworm mirror in apt's sources whose Release file for `suite` answers, else
+    deb.debian.org. (apt here names this machine's release only; a mirror serves them all.)"""
     override = os.environ.get(MIRROR_ENV)
     if override:
         return override.rstrip("/")
@@ -256,7 +258,7 @@ def debian_mirror() -> str:
     tried = []
     for mirror in dict.fromkeys(m.rstrip("/") for m in candidates):
         try:
-            with urllib.request.urlopen(f"{mirror}/dists/{SUITE}/Release", timeout=10) as r:
+            with urllib.request.urlopen(f"{mirror}/dists/{suite}/Release", timeout=10) as r:
                 if r.status == 200:
                     return mirror
         except (OSError, urllib.error.URLError) as e:
@@ -318,6 +320,7 @@ def debootstrap_tarball(
     trim: tuple[str, ...],
     what: str,
     customize: Callable[[Path], None] | None = None,
+    suite: str = SUITE,
 ) -> None:
     """debootstrap a minimal Debian root with `include`, delete what `trim` globs, let
     `customize` adjust the root, and write it to `tarball` atomically (shared by the images
@@ -329,13 +332,13 @@ def debootstrap_tarball(
     debootstrap = shutil.which("debootstrap", path=os.environ.get("PATH", "") + ":" + _SBIN_PATH)
     if debootstrap is None:
         raise ImageBuildError("debootstrap is not installed (apt-get install debootstrap)")
-    mirror = debian_mirror()
+    mirror = debian_mirror(suite)
     started = time.monotonic()
     with _temp_dir(work_dir, "debian-rootfs-") as tmp:
         root = tmp / "root"
         log_path = tmp / "debootstrap.log"
         env = dict(os.environ, PATH=os.environ.get("PATH", "") + ":" + _SBIN_PATH)
-        log.info("debootstrap %s with %s from %s into %s", SUITE, include, mirror, root)
+        log.info("debootstrap %s with %s from %s into %s", suite, include, mirror, root)
         try:
             with open(log_path, "wb") as out:
                 result = subprocess.run(
@@ -343,7 +346,7 @@ def debootstrap_tarball(
                         debootstrap,
                         "--variant=minbase",
                         f"--include={','.join(include)}",
-                        SUITE,
+                        suite,
                         str(root),
                         mirror,
                     ],
@@ -392,7 +395,7 @@ def debootstrap_tarball(
             _unmount_under(root)  # debootstrap mounts proc and sys in the root while it runs
     log.info(
         "cached the %s root with %s (%.0f MB) in %s in %.1fs",
-        SUITE,
+        suite,
         what,
         tarball.stat().st_size / 1e6,
         tarball,

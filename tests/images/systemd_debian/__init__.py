@@ -1,12 +1,14 @@
-"""A fresh Debian 12 system with systemd as PID 1, as a container, for installing the packages.
+"""A fresh Debian system with systemd as PID 1, as a container, for installing the packages.
 
-    ensure_systemd_image(client) -> "spotdrain-test/debian-systemd:1"
-    boot(client, name=..., mounts=...) -> SystemdContainer   (systemd running, ready for apt)
+    ensure_systemd_image(client) -> "spotdrain-test/debian-systemd:1"               (Debian 12)
+    ensure_systemd_image(client, suite="trixie") -> "spotdrain-test/debian-systemd-trixie:1"
+    boot(client, name=..., image=..., mounts=...) -> SystemdContainer   (systemd up, ready for apt)
 
 The image is `debootstrap --variant=minbase --include=systemd,systemd-sysv,dbus,procps bookworm`,
 trimmed (apt lists and caches, docs, man pages, locales) and `docker import`ed: no Python, no
-spotdrain, so `apt install ./spotdrain-agent_*.deb` has to bring what the packages need. The
-trimmed root is cached as a tarball in /var/cache/spotdrain-test ($SPOTDRAIN_TEST_CACHE), like
+spotdrain, so `apt install ./spotdrain-agent_*.deb` has to bring what the packages need. Any
+release debootstrap knows (SUITES) is made the same way, from the same mirror. Each trimmed root
+is cached as a tarball in /var/cache/spotdrain-test ($SPOTDRAIN_TEST_CACHE), like
 the fake model's base (tests/images/fake_model): debootstrap (about 35 s, root, the Debian
 mirror) runs once per machine, and a new engine imports the tarball in seconds.
 
@@ -41,6 +43,8 @@ log = logging.getLogger("spotdrain.tests.systemd_debian")
 
 SYSTEMD_IMAGE = "spotdrain-test/debian-systemd:1"
 SUITE = "bookworm"
+# The releases the packaging test installs on: Debian 12 (python3.11) and 13 (python3.13).
+SUITES = ("bookworm", "trixie")
 RECIPE_LABEL = "spotdrain.test.recipe"
 
 # Bump when the recipe changes in a way the lists below do not show.
@@ -75,24 +79,34 @@ _RUN_FLAGS = {
 # image
 
 
+def systemd_image(suite: str = SUITE) -> str:
+    """The image tag of `suite`'s root (bookworm's keeps the tag it always had)."""
+    return SYSTEMD_IMAGE if suite == SUITE else f"spotdrain-test/debian-systemd-{suite}:1"
+
+
 def ensure_systemd_image(
-    client: docker.DockerClient, work_dir: Path | None = None, *, force: bool = False
+    client: docker.DockerClient,
+    work_dir: Path | None = None,
+    *,
+    suite: str = SUITE,
+    force: bool = False,
 ) -> str:
-    """Import `spotdrain-test/debian-systemd:1` unless it is there and current. Returns its tag."""
-    recipe = _digest(_RECIPE.encode(), SUITE.encode(), *(s.encode() for s in _INCLUDE + _TRIM))
+    """Import `suite`'s systemd image unless it is there and current. Returns its tag."""
+    recipe = _digest(_RECIPE.encode(), suite.encode(), *(s.encode() for s in _INCLUDE + _TRIM))
     return import_debian_root(
         client,
-        SYSTEMD_IMAGE,
+        systemd_image(suite),
         recipe,
         cache_name="debian-systemd",
-        build=lambda tarball: _debootstrap_tarball(tarball, work_dir),
+        build=lambda tarball: _debootstrap_tarball(tarball, work_dir, suite),
+        suite=suite,
         # systemd reads `container` to know it runs in a container.
         changes=["ENV container=docker", 'CMD ["/lib/systemd/systemd"]'],
         force=force,
     )
 
 
-def _debootstrap_tarball(tarball: Path, work_dir: Path | None) -> None:
+def _debootstrap_tarball(tarball: Path, work_dir: Path | None, suite: str) -> None:
     """debootstrap a minimal Debian root with systemd, trim it, write it to `tarball` atomically."""
 
     def fresh_machine_id(root: Path) -> None:
@@ -100,7 +114,13 @@ def _debootstrap_tarball(tarball: Path, work_dir: Path | None) -> None:
         (root / "etc/machine-id").write_text("")
 
     debootstrap_tarball(
-        tarball, work_dir, include=_INCLUDE, trim=_TRIM, what="systemd", customize=fresh_machine_id
+        tarball,
+        work_dir,
+        include=_INCLUDE,
+        trim=_TRIM,
+        what="systemd",
+        customize=fresh_machine_id,
+        suite=suite,
     )
 
 
@@ -114,7 +134,7 @@ class CommandFailed(RuntimeError):
 
 @dataclass
 class SystemdContainer:
-    """A running Debian 12 container with systemd as PID 1."""
+    """A running Debian container with systemd as PID 1."""
 
     container: Container
 

@@ -8,13 +8,18 @@
   or later. A gate's refusal (503 draining, 429 busy, 502 worker unreachable) or a connection
   error before any response byte sends the request to another worker, never the same one
   twice, up to `attempts`; then 503 `no_worker`.
-- Streams are relayed as they come (spotdrain.http.relay), the gate's `interrupted` error event
-  included. Once a response byte went to the client the request is never retried. A gate
-  connection that breaks mid-stream ends the client's stream as the gate would (invariant 7):
-  an SSE `error` event with an `interrupted` error and no `[DONE]`.
+- `POST /v1/completions` the same way.
+- Streams are relayed as they come (spotdrain.http.relay). Once a response byte went to the
+  client the request is never sent again as it was. A stream the gate cuts (its `interrupted`
+  error event), or whose connection breaks while its worker is no longer in the table
+  (draining), is continued on another ready worker (spotdrain.http.continuation, docs/api.md
+  "Continuing a cut stream"), at most `max_continuations` times; a non-streamed answer the
+  gate cut is sent again to another worker. What cannot be continued ends as the gate would
+  end it (invariant 7): an SSE `error` event with an `interrupted` error and no `[DONE]`.
 
 Other endpoints: `GET /v1/models` (models with a ready worker), `GET /stats` (counters),
-`GET /routes` (each watched model's table and version, for operators and tests).
+`GET /metrics` (the same counters for Prometheus), `GET /routes` (each watched model's table
+and version, for operators and tests).
 """
 
 from __future__ import annotations
@@ -23,20 +28,25 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 
 import aiohttp
+import grpc
 from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from spotdrain.coordinator.router.model_routes import ModelRoutes, ModelWatch, Route
 from spotdrain.http import sse
+from spotdrain.http.continuation import Carried, Transcript
 from spotdrain.http.relay import Ending, StreamRelay, is_stream
 from spotdrain.http.sse import REQUEST_ID_HEADER
 from spotdrain.net.leader import Replicas
+from spotdrain.v1 import spotdrain_pb2 as pb
+from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
 log = logging.getLogger("spotdrain.router")
 
@@ -52,6 +62,10 @@ GATE_KEEPALIVE_S = 15.0
 MAX_MODELS = 256  # watches are per model, and the model name comes from the client
 MAX_BODY_BYTES = 64 << 20
 RETRY_AFTER_S = "1"
+# A cut stream waits at most this long for another ready worker of its model to continue on.
+CONTINUE_PICK_WAIT_S = 5.0
+CONTINUE_PICK_POLL_S = 0.05
+REPORT_TIMEOUT_S = 5.0
 
 # Beyond the shared hop-by-hop set: aiohttp recomputes Content-Length on the way back.
 _NOT_FORWARDED = frozenset({"content-length"})
@@ -67,6 +81,22 @@ class Stats:
     refused: int = 0  # requests the router answered itself with 503 (no worker, no table)
     interrupted: int = 0  # answers that ended interrupted, the gate's or the router's doing
     upstream_errors: int = 0  # connections to gates that failed or broke
+    streams_continued: int = 0  # continuations that reached the client (one per seam)
+    resent_after_cut: int = 0  # non-streamed answers cut before any byte, sent to another worker
+    # Cut answers not continued, by why: no_worker, refused, cut_again, max_continuations,
+    # finished, no_chunk, no_tokens_left, too_long, broke.
+    continuation_failed: dict[str, int] = field(default_factory=dict)
+
+    def failed(self, reason: str) -> None:
+        self.continuation_failed[reason] = self.continuation_failed.get(reason, 0) + 1
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The gate cut a non-streamed answer before any byte of it reached the client."""
+
+    worker_id: str
+    answer: web.Response
 
 
 @dataclass(frozen=True)
@@ -78,13 +108,25 @@ class Refusal:
 
 
 class Router:
-    def __init__(self, replicas: Replicas, attempts: int) -> None:
+    def __init__(
+        self,
+        replicas: Replicas,
+        attempts: int,
+        *,
+        continue_cut: bool = True,
+        max_continuations: int = 2,
+        continue_wait_s: float = CONTINUE_PICK_WAIT_S,
+    ) -> None:
         self._replicas = replicas
         self.attempts = attempts
+        self.continue_cut = continue_cut
+        self.max_continuations = max_continuations if continue_cut else 0
+        self.continue_wait_s = continue_wait_s
         self.watches: dict[str, ModelWatch] = {}
         self.in_flight: Counter[str] = Counter()  # this router's requests, by worker id
         self.stats = Stats()
         self._session: aiohttp.ClientSession | None = None
+        self._reports: set[asyncio.Task[None]] = set()  # continuations being recorded
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
@@ -101,6 +143,8 @@ class Router:
         )
 
     async def close(self) -> None:
+        if self._reports:
+            await asyncio.wait(self._reports, timeout=REPORT_TIMEOUT_S)
         for watch in self.watches.values():
             watch.task.cancel()
         await asyncio.gather(*(w.task for w in self.watches.values()), return_exceptions=True)
@@ -109,9 +153,11 @@ class Router:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/stats", self.stats_json)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/routes", self.routes_json)
         return app
 
@@ -141,6 +187,19 @@ class Router:
     async def stats_json(self, request: web.Request) -> web.Response:
         return web.json_response(asdict(self.stats))
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The counters in Prometheus' text format, `spotdrain_router_` before each name."""
+        lines = []
+        for name, value in asdict(self.stats).items():
+            if isinstance(value, int):
+                metric = f"spotdrain_router_{name}_total"
+                lines += [f"# TYPE {metric} counter", f"{metric} {value}"]
+        metric = "spotdrain_router_continuation_failed_total"
+        lines.append(f"# TYPE {metric} counter")
+        for reason, count in sorted(self.stats.continuation_failed.items()):
+            lines.append(f'{metric}{{reason="{reason}"}} {count}')
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
     async def routes_json(self, request: web.Request) -> web.Response:
         return web.json_response(
             {
@@ -154,7 +213,7 @@ class Router:
             }
         )
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: web.Request) -> web.StreamResponse:
         request_id = request.headers.get(REQUEST_ID_HEADER) or str(uuid.uuid4())
         body = await request.read()
         model = _model_of(body)
@@ -179,7 +238,8 @@ class Router:
         headers = _upstream_headers(request.headers, request_id)
         tried: list[str] = []
         refusals: list[str] = []
-        for attempt in range(self.attempts):
+        cuts = 0
+        for attempt in range(self.attempts + self.max_continuations):
             # The version and the pick are read together: no await between them.
             version = table.version
             route = table.pick(self.in_flight, exclude=tried)
@@ -190,10 +250,27 @@ class Router:
             tried.append(route.worker_id)
             headers[ROUTE_VERSION_HEADER] = str(version)
             with self._counted(route.worker_id):
-                answer = await self._exchange(request, route, body, headers, request_id)
+                answer = await self._exchange(request, table, route, body, headers, request_id)
             if isinstance(answer, Refusal):
                 refusals.append(f"{answer.worker_id}: {answer.why}")
+                if len(refusals) >= self.attempts:
+                    break
                 continue
+            if isinstance(answer, Cut):
+                if cuts < self.max_continuations:
+                    # Nothing reached the client: the whole request goes to another worker.
+                    cuts += 1
+                    self.stats.resent_after_cut += 1
+                    log.info(
+                        "request %s: worker %s cut the answer before it began; sending it to "
+                        "another worker",
+                        request_id,
+                        answer.worker_id,
+                    )
+                    continue
+                self.stats.failed("max_continuations")
+                self.stats.interrupted += 1
+                return answer.answer
             return answer
         self.stats.refused += 1
         why = "; ".join(refusals) if refusals else "none is ready"
@@ -222,13 +299,14 @@ class Router:
     async def _exchange(
         self,
         request: web.Request,
+        table: ModelRoutes,
         route: Route,
         body: bytes,
         headers: CIMultiDict[str],
         request_id: str,
-    ) -> web.StreamResponse | Refusal:
+    ) -> web.StreamResponse | Refusal | Cut:
         assert self._session is not None
-        url = f"http://{route.address}/v1/chat/completions"
+        url = f"http://{route.address}{request.path}"
         try:
             upstream = await self._session.post(
                 url, data=body, headers=headers, allow_redirects=False
@@ -249,24 +327,30 @@ class Router:
             if upstream.status in (429, 502, 503):
                 return await self._refusal_or_answer(request, route, upstream, request_id)
             if is_stream(upstream):
-                return await self._relay_stream(request, route, upstream, request_id)
+                return await self._relay_stream(
+                    request, table, route, upstream, body, headers, request_id
+                )
             try:
                 data = await upstream.read()
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
-                # The worker had the request and its answer is lost: interrupted, not retried.
+                # The worker had the request and its answer is lost: interrupted, unless its
+                # worker is draining and another may answer it whole.
                 self.stats.upstream_errors += 1
-                self.stats.interrupted += 1
                 log.warning(
                     "request %s: worker %s broke its answer: %r", request_id, route.worker_id, e
                 )
-                return _error(
+                broken = _error(
                     502,
                     "interrupted",
                     "the connection to the worker broke mid-answer; the answer is incomplete",
                     request_id,
                     worker_id=route.worker_id,
                 )
-            return self._whole(route, upstream, data, request_id)
+                if self.max_continuations and route.worker_id not in table.routes:
+                    return Cut(route.worker_id, broken)
+                self.stats.interrupted += 1
+                return broken
+            return self._answer_or_cut(route, upstream, data, request_id)
         finally:
             upstream.close()  # no-op after a complete answer; else the gate sees us go
 
@@ -293,12 +377,27 @@ class Router:
                 kind,
             )
             return Refusal(route.worker_id, kind or f"HTTP {upstream.status}")
+        return self._answer_or_cut(route, upstream, data, request_id)
+
+    def _answer_or_cut(
+        self, route: Route, upstream: aiohttp.ClientResponse, data: bytes, request_id: str
+    ) -> web.Response | Cut:
+        """The worker's whole answer; a Cut when the gate cut it and it may go elsewhere."""
+        if self.max_continuations and upstream.status >= 500 and _error_type(data) == "interrupted":
+            return Cut(route.worker_id, self._whole(route, upstream, data, request_id, False))
         return self._whole(route, upstream, data, request_id)
 
     def _whole(
-        self, route: Route, upstream: aiohttp.ClientResponse, data: bytes, request_id: str
+        self,
+        route: Route,
+        upstream: aiohttp.ClientResponse,
+        data: bytes,
+        request_id: str,
+        count: bool = True,
     ) -> web.Response:
-        if upstream.status >= 500 and _error_type(data) == "interrupted":
+        if not count:
+            pass  # a cut answer the caller may send elsewhere: counted when it decides
+        elif upstream.status >= 500 and _error_type(data) == "interrupted":
             self.stats.interrupted += 1  # the gate cut it before its answer began
         else:
             self.stats.completed += 1
@@ -312,20 +411,47 @@ class Router:
     async def _relay_stream(
         self,
         request: web.Request,
+        table: ModelRoutes,
         route: Route,
         upstream: aiohttp.ClientResponse,
+        body: bytes,
+        headers: CIMultiDict[str],
         request_id: str,
     ) -> web.StreamResponse:
-        """Relay as it comes (spotdrain.http.relay), the gate's error event included. From the
-        first byte sent the request is the client's: never retried. Decide once how it ended."""
+        """Relay as it comes (spotdrain.http.relay). From the first byte sent the request is the
+        client's: never sent again as it was, but continued elsewhere when its worker cut it."""
         response = web.StreamResponse(
             status=upstream.status,
             reason=upstream.reason,
             headers=_client_headers(upstream.headers, route.worker_id, request_id),
         )
         await response.prepare(request)
-        relay = StreamRelay(request, response, upstream)
+        transcript = Transcript.of(request.path, body) if self.max_continuations else None
+        clock = _Clock(transcript)
+        relay = StreamRelay(request, response, upstream, edit=clock if transcript else None)
         ending = await relay.run()
+        self._note_break(relay, route, request_id)
+        if ending is Ending.CLIENT_GONE:
+            log.info("request %s: the client went away mid-stream", request_id)
+            return response
+        if transcript is not None and self._was_cut(relay, ending, table, route, transcript):
+            if await self._continue(
+                request, response, table, route, transcript, clock, headers, request_id
+            ):
+                return response
+        elif ending is Ending.COMPLETE:
+            self.stats.completed += 1
+        else:
+            self._count_interrupted(ending, route, request_id)
+        if transcript is not None and transcript.held_error:
+            await _end_with(request, response, transcript.held_error)
+            return response
+        await relay.end(
+            "the connection to the worker broke mid-stream; the answer is incomplete", request_id
+        )
+        return response
+
+    def _note_break(self, relay: StreamRelay, route: Route, request_id: str) -> None:
         if relay.broken is not None:
             self.stats.upstream_errors += 1
             log.warning(
@@ -335,25 +461,263 @@ class Router:
                 route.node_id,
                 relay.broken,
             )
-        if ending is Ending.CLIENT_GONE:
-            log.info("request %s: the client went away mid-stream", request_id)
-            return response
-        if ending is Ending.COMPLETE:
-            self.stats.completed += 1
-        else:
-            # The gate's own interrupted event, when it is the last, is already the client's
-            # explicit error; otherwise the relay ends the stream with ours (invariant 7).
-            self.stats.interrupted += 1
-            if ending is Ending.UPSTREAM_CUT:
-                log.warning(
-                    "request %s: stream from worker %s ended without [DONE]; told the client",
-                    request_id,
-                    route.worker_id,
-                )
-        await relay.end(
-            "the connection to the worker broke mid-stream; the answer is incomplete", request_id
+
+    def _count_interrupted(self, ending: Ending, route: Route, request_id: str) -> None:
+        # The gate's own interrupted event, when it is the last, is already the client's
+        # explicit error; otherwise the relay ends the stream with ours (invariant 7).
+        self.stats.interrupted += 1
+        if ending is Ending.UPSTREAM_CUT:
+            log.warning(
+                "request %s: stream from worker %s ended without [DONE]; told the client",
+                request_id,
+                route.worker_id,
+            )
+
+    @staticmethod
+    def _was_cut(
+        relay: StreamRelay,
+        ending: Ending,
+        table: ModelRoutes,
+        route: Route,
+        transcript: Transcript,
+    ) -> bool:
+        """The worker's stream was cut by its reclamation: the gate's interrupted event, or the
+        connection lost while the worker is out of the table (draining). Never a stream that
+        ends inside an event: what the client holds could not be continued cleanly."""
+        if relay.framer is None or relay.framer.open or ending is Ending.COMPLETE:
+            return False
+        if transcript.held_error:
+            return True
+        return (
+            ending in (Ending.UPSTREAM_BROKE, Ending.UPSTREAM_CUT)
+            and route.worker_id not in table.routes
         )
-        return response
+
+    async def _pick_within(
+        self, table: ModelRoutes, exclude: list[str], wait_s: float
+    ) -> tuple[int, Route] | None:
+        """Another ready worker of the model, waiting at most wait_s for one to be ready."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            version = table.version
+            route = table.pick(self.in_flight, exclude=exclude)
+            if route is not None:
+                return version, route
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(CONTINUE_PICK_POLL_S)
+
+    async def _continue(
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        table: ModelRoutes,
+        cut: Route,
+        transcript: Transcript,
+        clock: _Clock,
+        headers: CIMultiDict[str],
+        request_id: str,
+    ) -> bool:
+        """Continue a cut stream on other workers until it completes: True when it did (or the
+        client went away); False when it could not, the client's stream left for the caller to
+        end with `transcript.held_error` (or its own interrupted event). The reason goes to the
+        stats and the log."""
+        cut_by = [cut.worker_id]
+        while True:
+            why = transcript.continuable()
+            if not why and transcript.continuations >= self.max_continuations:
+                why = "cut_again" if transcript.continuations else "max_continuations"
+            if why:
+                return self._not_continued(why, request_id, cut_by[-1])
+            cut_event = transcript.held_error
+            body, carried = transcript.next_body()
+            opened = await self._open_continuation(request, table, cut_by, body, headers)
+            if isinstance(opened, str):
+                transcript.held_error = cut_event
+                return self._not_continued(opened, request_id, cut_by[-1])
+            route, upstream = opened
+            seam = _Seam(request_id, transcript, cut_by[-1], route, carried, clock.last)
+            following = _Clock(transcript, lambda at, seam=seam: self._continued(seam, at))
+            transcript.held_error = b""
+            try:
+                with self._counted(route.worker_id):
+                    relay = StreamRelay(request, response, upstream, edit=following)
+                    ending = await relay.run()
+                self._note_break(relay, route, request_id)
+            finally:
+                upstream.close()
+            if ending is Ending.CLIENT_GONE:
+                return True
+            if ending is Ending.COMPLETE:
+                self.stats.completed += 1
+                await _end_with(request, response, b"")
+                return True
+            if not self._was_cut(relay, ending, table, route, transcript):
+                self.stats.failed("broke")
+                self.stats.interrupted += 1
+                if relay.framer is not None and relay.framer.open:
+                    sse.abort(request)  # stopped inside an event: no clean end is honest
+                    return True
+                if not transcript.held_error and relay.framer.ended() != "error":
+                    transcript.held_error = sse.interrupted_event(
+                        "the connection to the worker broke mid-stream; the answer is incomplete",
+                        request_id,
+                    )
+                elif not transcript.held_error:
+                    return True  # the worker's own error event ended the client's stream
+                return False
+            cut_by.append(route.worker_id)
+            clock = following
+
+    async def _open_continuation(
+        self,
+        request: web.Request,
+        table: ModelRoutes,
+        cut_by: list[str],
+        body: bytes,
+        headers: CIMultiDict[str],
+    ) -> tuple[Route, aiohttp.ClientResponse] | str:
+        """A continuation's stream from another ready worker (never one that cut this request,
+        never a draining one: the table holds ready workers, a draining gate refuses); else why
+        not ("no_worker", or "refused" when a worker turned the continuation down)."""
+        assert self._session is not None
+        tried = list(cut_by)
+        for _ in range(self.attempts):
+            picked = await self._pick_within(table, tried, self.continue_wait_s)
+            if picked is None:
+                return "no_worker"
+            version, route = picked
+            tried.append(route.worker_id)
+            headers[ROUTE_VERSION_HEADER] = str(version)
+            try:
+                upstream = await self._session.post(
+                    f"http://{route.address}{request.path}",
+                    data=body,
+                    headers=headers,
+                    allow_redirects=False,
+                )
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                self.stats.upstream_errors += 1
+                continue
+            if upstream.status == 200 and upstream.content_type == "text/event-stream":
+                return route, upstream
+            detail = await _read_quietly(upstream)
+            upstream.close()
+            if _try_elsewhere(upstream.status, _error_type(detail)):
+                continue
+            log.warning(
+                "worker %s refused a continuation: %d %r",
+                route.worker_id,
+                upstream.status,
+                detail[:200],
+            )
+            return "refused"
+        return "no_worker"
+
+    def _continued(self, seam: _Seam, first_at: float) -> None:
+        """The continuation's first bytes went to the client: counted, logged, and reported to
+        the coordinator for the cut worker's node's timeline (in the background: the stream
+        does not wait on it)."""
+        gap = first_at - seam.last_at if seam.last_at is not None else 0.0
+        self.stats.streams_continued += 1
+        log.info(
+            "request %s: continued on worker %s on %s after worker %s cut it "
+            "(%d characters, %d tokens carried, gap %.1f ms)",
+            seam.request_id,
+            seam.to.worker_id,
+            seam.to.node_id,
+            seam.from_worker_id,
+            seam.carried.chars,
+            seam.carried.tokens,
+            gap * 1000,
+        )
+        report = pb.StreamContinued(
+            request_id=seam.request_id,
+            model=str(seam.transcript.request.get("model", "")),
+            from_worker_id=seam.from_worker_id,
+            to_worker_id=seam.to.worker_id,
+            chars=seam.carried.chars,
+            tokens=seam.carried.tokens,
+            gap_s=max(0.0, gap),
+        )
+        task = asyncio.create_task(self._report(report), name=f"report-{seam.request_id}")
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _report(self, report: pb.StreamContinued) -> None:
+        try:
+            await self._replicas.on_leader(
+                pb_grpc.RoutesStub, "ReportContinuation", report, REPORT_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as e:
+            # The answer went on all the same; only the timeline misses it.
+            log.warning(
+                "request %s: the coordinator did not take the continuation's record: %s %s",
+                report.request_id,
+                e.code().name,
+                e.details(),
+            )
+
+    def _not_continued(self, why: str, request_id: str, worker_id: str, detail: str = "") -> bool:
+        self.stats.failed(why)
+        self.stats.interrupted += 1
+        log.warning(
+            "request %s: the stream worker %s cut is not continued (%s)%s; told the client",
+            request_id,
+            worker_id,
+            why,
+            f": {detail}" if detail else "",
+        )
+        return False
+
+
+@dataclass(frozen=True)
+class _Seam:
+    """Where one continuation joins the answer: for the log and the coordinator's record."""
+
+    request_id: str
+    transcript: Transcript
+    from_worker_id: str
+    to: Route
+    carried: Carried
+    last_at: float | None  # when the cut worker's last bytes went to the client
+
+
+class _Clock:
+    """A transcript's edit for one relay, noting when its bytes went out (the gap a client sees
+    at a seam is the next relay's first less this one's last) and calling `on_first` once."""
+
+    __slots__ = ("transcript", "last", "on_first")
+
+    def __init__(
+        self, transcript: Transcript | None, on_first: Callable[[float], None] | None = None
+    ) -> None:
+        self.transcript = transcript
+        self.last: float | None = None
+        self.on_first = on_first
+
+    def __call__(self, block: bytes) -> bytes:
+        assert self.transcript is not None
+        out = self.transcript.relayed(block)
+        if out:
+            self.last = time.monotonic()
+            if self.on_first is not None:
+                on_first, self.on_first = self.on_first, None
+                on_first(self.last)
+        return out
+
+
+async def _read_quietly(upstream: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await upstream.read()
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return b""
+
+
+async def _end_with(request: web.Request, response: web.StreamResponse, last: bytes) -> None:
+    """End the client's stream with `last` (an interrupted event), bounded."""
+    if not await sse.bounded(response.write_eof(last)):
+        sse.abort(request)
 
 
 # --- helpers ----------------------------------------------------------------------------------

@@ -167,9 +167,8 @@ class Transcript:
                     self.finished = True
         if text:
             self.chars += len(text)
-            if self.chars > MAX_TEXT_CHARS:
-                raise ValueError("the answer outgrew what a transcript holds")
-            self.parts.append(text)
+            if self.chars <= MAX_TEXT_CHARS:
+                self.parts.append(text)
             self.tokens += 1
         usage = doc.get("usage")
         if isinstance(usage, dict):
@@ -222,6 +221,8 @@ class Transcript:
         """Why a continuation cannot be asked for (a short reason); "" when it can."""
         if self.finished:
             return "finished"
+        if self.chars > MAX_TEXT_CHARS:
+            return "too_long"
         if self.id is None:
             return "no_chunk"  # nothing to take the id from: the client saw no chunk
         remaining = self.remaining()

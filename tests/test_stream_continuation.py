@@ -12,6 +12,7 @@ import queue
 import re
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +138,10 @@ def pause_mid_stream(agents, workers, router, chat: bool = True, headers=None) -
     return out[0]
 
 
+def metrics(router) -> str:
+    return urllib.request.urlopen(router.url + "/metrics", timeout=10).read().decode()
+
+
 def continued_lines(router) -> list[str]:
     return re.findall(r"continued on worker .*", router.proc.log())
 
@@ -166,6 +171,7 @@ def test_a_chat_stream_cut_at_g_continues_on_the_other_worker(scene, coordinator
     assert 0 < continued["tokens"] < TOKENS and continued["chars"] > continued["tokens"]
     timeline = coordinator.admin().timeline(continued["reclaim_id"])
     assert "stream_continued" in [e.event.kind for e in timeline.events]
+    assert "spotdrain_router_streams_continued_total 1\n" in metrics(router)
 
 
 def test_a_plain_completion_stream_continues_too(scene):
@@ -244,6 +250,7 @@ def test_no_other_worker_ready_falls_back_to_interrupted(scene, coordinator):
     answer = pause_mid_stream(agents, workers, router)
     assert_interrupted(answer)
     assert "(no_worker)" in router.proc.log()
+    assert 'spotdrain_router_continuation_failed_total{reason="no_worker"} 1' in metrics(router)
 
 
 def test_a_worker_refusing_the_continuation_falls_back_to_interrupted(scene):
@@ -282,3 +289,89 @@ def test_continuation_turned_off_reports_the_cut_interrupted(scene):
     answer = pause_mid_stream(agents, workers, router)
     assert_interrupted(answer)
     assert not continued_lines(router)
+
+
+@pytest.fixture
+def crowd(tmp_path, docker_engine, coordinator, gpus, nvml_lib):
+    """Four nodes and the router; node-a's worker (64 slots) only, for the test to start the
+    other three when its streams are open there."""
+    image = ensure_model_image(docker_engine.client)
+    agents = {
+        n: start_agent(tmp_path, n, coordinator, docker_engine.host, gpus, nvml_lib, OPTIONS)
+        for n in ("node-a", "node-b", "node-c", "node-d")
+    }
+    router = None
+    try:
+        first = start_worker(coordinator, "node-a", image, slots=64, port=PORT_BASE + 10)
+        wait_state(coordinator, first.worker_id, "ready")
+        router = start_router(tmp_path / "router", coordinator)
+        yield agents, first, router, image, docker_engine.client
+    finally:
+        if router is not None:
+            router.proc.stop()
+        for agent in agents.values():
+            agent.proc.stop()
+        remove_test_containers(docker_engine.client, "spotdrain-w-")
+
+
+def test_64_streams_on_a_paused_node_all_complete_on_the_3_other_workers(crowd, coordinator):
+    """64 long answers stream from node-a when its owner pauses it; three other workers are
+    ready by then. Every one completes with its own whole text (no continuation sent twice or
+    to the wrong client), and none is continued on node-a's draining worker."""
+    agents, first, router, image, engine = crowd
+    tokens, pace = 1000, 20.0
+
+    def messages(i: int) -> list[dict[str, str]]:
+        return [{"role": "user", "content": f"client {i}: tell me how spot capacity drains"}]
+
+    def expected(i: int) -> str:
+        _, seed, _ = continuation_of(render(messages(i), False, True))
+        return "".join(_token(seed, k) for k in range(tokens))
+
+    results: dict[int, Answer] = {}
+
+    def one(i: int) -> None:
+        answer = Answer()
+        try:
+            chunks = client(router).chat.completions.create(
+                model="fake-model",
+                stream=True,
+                max_tokens=tokens,
+                messages=messages(i),
+                extra_headers={"X-Fake-Tokens-Per-S": str(pace)},
+            )
+            for chunk in chunks:
+                answer.ids.add((chunk.id, chunk.created, chunk.model))
+                for choice in chunk.choices:
+                    answer.text += choice.delta.content or ""
+                    answer.finish = choice.finish_reason or answer.finish
+        except BaseException as e:  # noqa: BLE001 (the test asserts on it)
+            answer.error = e
+        results[i] = answer
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(64)]
+    for t in threads:
+        t.start()
+    wait_until(
+        lambda: len(re.findall(r"arrived /v1/chat", _worker_log(engine, first))) >= 64,
+        30,
+        "64 streams on node-a",
+    )
+    others = [
+        start_worker(coordinator, n, image, slots=32, port=PORT_BASE + 11 + k)
+        for k, n in enumerate(("node-b", "node-c", "node-d"))
+    ]
+    for info in others:
+        wait_state(coordinator, info.worker_id, "ready")
+    assert spotctl(agents["node-a"], "pause")["ok"] is True
+    for t in threads:
+        t.join(120)
+    failed = {i: a.error for i, a in results.items() if a.error is not None}
+    assert len(results) == 64 and not failed, list(failed.items())[:3]
+    wrong = [i for i, a in results.items() if a.text != expected(i) or len(a.ids) != 1]
+    assert not wrong, wrong
+    to = re.findall(r"continued on worker (\S+)", router.proc.log())
+    assert len(to) == 64 and first.worker_id not in to
+    assert set(to) <= {w.worker_id for w in others}
+    events = [e for e in coordinator.admin().events() if e["kind"] == "stream_continued"]
+    assert len({e["request_id"] for e in events}) == 64, "every seam in node-a's timeline"

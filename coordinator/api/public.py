@@ -80,21 +80,30 @@ class RoutesServicer(pb_grpc.RoutesServicer):
         self, request: pb.StreamContinued, context: grpc.aio.ServicerContext
     ) -> pb.StreamContinuedReply:
         """A router continued a cut stream: `stream_continued` in the timeline of the cut
-        worker's node (its current reclamation, or the one that ended last). The worker must be
-        one this coordinator placed; the values are bounded as any event's."""
+        worker's node (its current reclamation, or the one that ended last), which must have
+        one; the values are bounded as any event's."""
         identity = self.coord.router(context)
-        for name in ("request_id", "model", "from_worker_id", "to_worker_id"):
+        for name in ("request_id", "model", "from_worker_id", "to_worker_id", "from_node_id"):
             if len(getattr(request, name)) > MAX_ID_CHARS:
                 raise BadRequest(f"{name} is longer than {MAX_ID_CHARS} characters")
         if not 0 <= request.gap_s <= MAX_GAP_S:
             raise BadRequest(f"gap_s must be 0 to {MAX_GAP_S}, not {request.gap_s}")
+        # The worker is usually stopped, and gone from the registry, by the time the report
+        # comes: then the node the router named, which must have had a drain to record it in.
         worker = self.coord.fleet.registry.get(request.from_worker_id)
-        if worker is None:
-            raise NotFound(f"no worker {request.from_worker_id!r}")
-        drain = self.coord.fleet.drains.latest(worker.node_id)
+        node_id = worker.node_id if worker is not None else request.from_node_id
+        if worker is not None and request.from_node_id not in ("", node_id):
+            raise BadRequest(
+                f"worker {request.from_worker_id!r} is not on {request.from_node_id!r}"
+            )
+        drain = self.coord.fleet.drains.latest(node_id) if node_id else None
+        if drain is None:
+            raise NotFound(
+                f"no drain of worker {request.from_worker_id!r}'s node {node_id!r} to record it in"
+            )
         await self.coord.record(
             "stream_continued",
-            worker.node_id,
+            node_id,
             {
                 "request_id": request.request_id,
                 "model": request.model,
@@ -105,7 +114,7 @@ class RoutesServicer(pb_grpc.RoutesServicer):
                 "gap_ms": round(request.gap_s * 1000, 1),
                 "router": identity.name,
             },
-            drain.reclaim_id if drain is not None else "",
+            drain.reclaim_id,
         )
         return pb.StreamContinuedReply()
 

@@ -106,6 +106,7 @@ class Continuing:
         end with `transcript.held_error` (or its own interrupted event). The reason goes to the
         stats and the log."""
         cut_by = [cut.worker_id]
+        last_cut = cut  # the worker whose stream was cut last
         while True:
             why = transcript.continuable()
             if not why and transcript.continuations >= self.max_continuations:
@@ -119,7 +120,7 @@ class Continuing:
                 transcript.held_error = cut_event
                 return self._not_continued(opened, request_id, cut_by[-1])
             route, upstream = opened
-            seam = _Seam(request_id, transcript, cut_by[-1], route, carried, clock.last)
+            seam = _Seam(request_id, transcript, last_cut, route, carried, clock.last)
             following = Clock(transcript, lambda at, seam=seam: self._continued(seam, at))
             transcript.held_error = b""
             try:
@@ -150,6 +151,7 @@ class Continuing:
                     return True  # the worker's own error event ended the client's stream
                 return False
             cut_by.append(route.worker_id)
+            last_cut = route
             clock = following
 
     async def _open_continuation(
@@ -209,7 +211,7 @@ class Continuing:
             seam.request_id,
             seam.to.worker_id,
             seam.to.node_id,
-            seam.from_worker_id,
+            seam.from_worker.worker_id,
             seam.carried.chars,
             seam.carried.tokens,
             gap * 1000,
@@ -217,7 +219,8 @@ class Continuing:
         report = pb.StreamContinued(
             request_id=seam.request_id,
             model=str(seam.transcript.request.get("model", "")),
-            from_worker_id=seam.from_worker_id,
+            from_worker_id=seam.from_worker.worker_id,
+            from_node_id=seam.from_worker.node_id,
             to_worker_id=seam.to.worker_id,
             chars=seam.carried.chars,
             tokens=seam.carried.tokens,
@@ -260,7 +263,7 @@ class _Seam:
 
     request_id: str
     transcript: Transcript
-    from_worker_id: str
+    from_worker: Route
     to: Route
     carried: Carried
     last_at: float | None  # when the cut worker's last bytes went to the client

@@ -552,7 +552,7 @@ class ListNodesReply(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...
 
 class StreamContinued(_message.Message):
-    __slots__ = ("request_id", "model", "from_worker_id", "to_worker_id", "chars", "tokens", "gap_s")
+    __slots__ = ("request_id", "model", "from_worker_id", "to_worker_id", "chars", "tokens", "gap_s", "from_node_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FROM_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -560,6 +560,7 @@ class StreamContinued(_message.Message):
     CHARS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     GAP_S_FIELD_NUMBER: _ClassVar[int]
+    FROM_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     from_worker_id: str
@@ -567,7 +568,8 @@ class StreamContinued(_message.Message):
     chars: int
     tokens: int
     gap_s: float
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., from_worker_id: _Optional[str] = ..., to_worker_id: _Optional[str] = ..., chars: _Optional[int] = ..., tokens: _Optional[int] = ..., gap_s: _Optional[float] = ...) -> None: ...
+    from_node_id: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., from_worker_id: _Optional[str] = ..., to_worker_id: _Optional[str] = ..., chars: _Optional[int] = ..., tokens: _Optional[int] = ..., gap_s: _Optional[float] = ..., from_node_id: _Optional[str] = ...) -> None: ...
 
 class StreamContinuedReply(_message.Message):
     __slots__ = ()

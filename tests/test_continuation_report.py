@@ -38,13 +38,16 @@ async def report(channel: grpc.aio.Channel, **fields: object) -> grpc.StatusCode
 async def test_a_continuation_report_is_checked_and_only_a_router_may_send_one(
     coordinator: Coordinator, pki: Pki
 ) -> None:
-    """A router's report of a worker the coordinator never placed is NOT_FOUND, an oversized id
-    or gap INVALID_ARGUMENT; a node or renter may not report at all. Nothing is recorded."""
+    """A router's report for a node with no drain to record it in is NOT_FOUND (whether it names
+    the node or not), an oversized id or gap INVALID_ARGUMENT; a node or renter may not report
+    at all. Nothing is recorded."""
     router = aio_channel(coordinator, pki.issue("router:r1"))
     node = aio_channel(coordinator, pki.issue("node:node-a"))
     renter = aio_channel(coordinator, pki.issue("renter:alice"))
     try:
         assert await report(router) == grpc.StatusCode.NOT_FOUND
+        assert await report(router, from_node_id="node-a") == grpc.StatusCode.NOT_FOUND
+        assert await report(router, from_node_id="n" * 257) == grpc.StatusCode.INVALID_ARGUMENT
         assert await report(router, request_id="x" * 257) == grpc.StatusCode.INVALID_ARGUMENT
         assert await report(router, gap_s=-1.0) == grpc.StatusCode.INVALID_ARGUMENT
         assert await report(router, gap_s=float("nan")) == grpc.StatusCode.INVALID_ARGUMENT

@@ -21,6 +21,9 @@ from spotdrain.net.security import OPERATOR, PROVIDER, RENTER, Identity
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 
+MAX_ID_CHARS = 256  # a request id, a model name, a worker id: as a router sends them
+MAX_GAP_S = 3600.0
+
 
 class RoutesServicer(pb_grpc.RoutesServicer):
     def __init__(self, coord: Coordinator) -> None:
@@ -71,6 +74,49 @@ class RoutesServicer(pb_grpc.RoutesServicer):
                 grpc.StatusCode.UNAVAILABLE, f"no ready worker for model {request.model!r}"
             )
         return convert.route_pb(entry)
+
+    @grpc_errors
+    async def ReportContinuation(  # noqa: N802
+        self, request: pb.StreamContinued, context: grpc.aio.ServicerContext
+    ) -> pb.StreamContinuedReply:
+        """A router continued a cut stream: `stream_continued` in the timeline of the cut
+        worker's node (its current reclamation, or the one that ended last), which must have
+        one; the values are bounded as any event's."""
+        identity = self.coord.router(context)
+        for name in ("request_id", "model", "from_worker_id", "to_worker_id", "from_node_id"):
+            if len(getattr(request, name)) > MAX_ID_CHARS:
+                raise BadRequest(f"{name} is longer than {MAX_ID_CHARS} characters")
+        if not 0 <= request.gap_s <= MAX_GAP_S:
+            raise BadRequest(f"gap_s must be 0 to {MAX_GAP_S}, not {request.gap_s}")
+        # The worker is usually stopped, and gone from the registry, by the time the report
+        # comes: then the node the router named, which must have had a drain to record it in.
+        worker = self.coord.fleet.registry.get(request.from_worker_id)
+        node_id = worker.node_id if worker is not None else request.from_node_id
+        if worker is not None and request.from_node_id not in ("", node_id):
+            raise BadRequest(
+                f"worker {request.from_worker_id!r} is not on {request.from_node_id!r}"
+            )
+        drain = self.coord.fleet.drains.latest(node_id) if node_id else None
+        if drain is None:
+            raise NotFound(
+                f"no drain of worker {request.from_worker_id!r}'s node {node_id!r} to record it in"
+            )
+        await self.coord.record(
+            "stream_continued",
+            node_id,
+            {
+                "request_id": request.request_id,
+                "model": request.model,
+                "worker_id": request.from_worker_id,
+                "to_worker_id": request.to_worker_id,
+                "chars": request.chars,
+                "tokens": request.tokens,
+                "gap_ms": round(request.gap_s * 1000, 1),
+                "router": identity.name,
+            },
+            drain.reclaim_id,
+        )
+        return pb.StreamContinuedReply()
 
 
 class RentalsServicer(pb_grpc.RentalsServicer):

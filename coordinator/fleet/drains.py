@@ -168,6 +168,15 @@ class Drains:
         drains = self.active.get(node_id)
         return min(drains.values(), key=lambda d: d.grace_deadline) if drains else None
 
+    def latest(self, node_id: str) -> DrainRow | None:
+        """The node's current drain, else the one lifted last: what a stream a drain cut was
+        continued under, when the report comes after the drain ended."""
+        current = self.current(node_id)
+        if current is not None:
+            return current
+        lifted = self.lifted.get(node_id)
+        return max(lifted.values(), key=lambda d: d.started_at) if lifted else None
+
     # --- the taint, set and lifted -----------------------------------------------------------
 
     async def taint(

@@ -47,8 +47,29 @@ def parser() -> ArgumentParser:
     p.add_argument("--tls-key")
     p.add_argument("--ca", help="CA that signed the coordinator's certificate")
     p.add_argument("--attempts", type=int, default=3, help="workers to try per request (default 3)")
+    p.add_argument(
+        "--continue-cut-streams",
+        type=_on_off,
+        default=True,
+        metavar="true|false",
+        help="continue a stream its worker's reclamation cut on another worker (default true)",
+    )
+    p.add_argument(
+        "--max-continuations",
+        type=int,
+        default=2,
+        help="continuations per request before it is reported interrupted (default 2)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
+
+
+def _on_off(value: str) -> bool:
+    if value.lower() in ("true", "on", "yes", "1"):
+        return True
+    if value.lower() in ("false", "off", "no", "0"):
+        return False
+    raise ValueError(value)
 
 
 async def _refused_by_coordinator(replicas: Replicas, coordinator: str) -> str:
@@ -89,6 +110,8 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
     coordinators = addresses(args.coordinator, "--coordinator")
     if args.attempts < 1:
         raise UsageError(f"--attempts must be at least 1, got {args.attempts}")
+    if not 0 <= args.max_continuations <= 16:
+        raise UsageError(f"--max-continuations must be 0 to 16, got {args.max_continuations}")
     tls = (args.tls_cert, args.tls_key, args.ca)
     if args.insecure and any(tls):
         raise UsageError("--insecure and TLS flags exclude each other")
@@ -112,7 +135,12 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
         if refused:
             print(f"{PROG}: error: {refused}", file=sys.stderr, flush=True)
             return 1
-        router = Router(replicas, args.attempts)
+        router = Router(
+            replicas,
+            args.attempts,
+            continue_cut=args.continue_cut_streams,
+            max_continuations=args.max_continuations,
+        )
         await router.start()
         runner = web.AppRunner(
             router.app(),
@@ -132,10 +160,13 @@ async def serve(args) -> int:  # noqa: ANN001 (argparse namespace)
         # Tests and the demo read the bound port from this line.
         print(f"{PROG}: listening on {listen_host}:{port}", flush=True)
         log.info(
-            "routing for coordinator %s (%s), %d attempts per request",
+            "routing for coordinator %s (%s), %d attempts per request, cut streams %s",
             args.coordinator,
             "PLAINTEXT" if args.insecure else "mutual TLS",
             args.attempts,
+            f"continued up to {router.max_continuations} times"
+            if router.max_continuations
+            else "reported interrupted",
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -8,13 +8,18 @@
   or later. A gate's refusal (503 draining, 429 busy, 502 worker unreachable) or a connection
   error before any response byte sends the request to another worker, never the same one
   twice, up to `attempts`; then 503 `no_worker`.
-- Streams are relayed as they come (spotdrain.http.relay), the gate's `interrupted` error event
-  included. Once a response byte went to the client the request is never retried. A gate
-  connection that breaks mid-stream ends the client's stream as the gate would (invariant 7):
-  an SSE `error` event with an `interrupted` error and no `[DONE]`.
+- `POST /v1/completions` the same way.
+- Streams are relayed as they come (spotdrain.http.relay). Once a response byte went to the
+  client the request is never sent again as it was. A stream the gate cuts (its `interrupted`
+  error event), or whose connection breaks while its worker is no longer in the table
+  (draining), is continued on another ready worker (spotdrain.http.continuation, docs/api.md
+  "Continuing a cut stream"), at most `max_continuations` times; a non-streamed answer the
+  gate cut is sent again to another worker. What cannot be continued ends as the gate would
+  end it (invariant 7): an SSE `error` event with an `interrupted` error and no `[DONE]`.
 
 Other endpoints: `GET /v1/models` (models with a ready worker), `GET /stats` (counters),
-`GET /routes` (each watched model's table and version, for operators and tests).
+`GET /metrics` (the same counters for Prometheus), `GET /routes` (each watched model's table
+and version, for operators and tests).
 """
 
 from __future__ import annotations
@@ -26,21 +31,29 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import aiohttp
 from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from spotdrain.coordinator.router.answers import ROUTE_VERSION_HEADER, error_type, try_elsewhere
+from spotdrain.coordinator.router.continuing import (
+    CONTINUE_PICK_WAIT_S,
+    REPORT_TIMEOUT_S,
+    Clock,
+    Continuing,
+    end_with,
+)
 from spotdrain.coordinator.router.model_routes import ModelRoutes, ModelWatch, Route
 from spotdrain.http import sse
+from spotdrain.http.continuation import Transcript
 from spotdrain.http.relay import Ending, StreamRelay, is_stream
 from spotdrain.http.sse import REQUEST_ID_HEADER
 from spotdrain.net.leader import Replicas
 
 log = logging.getLogger("spotdrain.router")
 
-ROUTE_VERSION_HEADER = "X-Route-Version"
 WORKER_ID_HEADER = "X-Worker-Id"
 
 SNAPSHOT_WAIT_S = 2.0  # a model's first request waits this long for its routing table
@@ -67,6 +80,22 @@ class Stats:
     refused: int = 0  # requests the router answered itself with 503 (no worker, no table)
     interrupted: int = 0  # answers that ended interrupted, the gate's or the router's doing
     upstream_errors: int = 0  # connections to gates that failed or broke
+    streams_continued: int = 0  # continuations that reached the client (one per seam)
+    resent_after_cut: int = 0  # non-streamed answers cut before any byte, sent to another worker
+    # Cut answers not continued, by why: no_worker, refused, cut_again, max_continuations,
+    # finished, no_chunk, no_tokens_left, too_long, broke.
+    continuation_failed: dict[str, int] = field(default_factory=dict)
+
+    def failed(self, reason: str) -> None:
+        self.continuation_failed[reason] = self.continuation_failed.get(reason, 0) + 1
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The gate cut a non-streamed answer before any byte of it reached the client."""
+
+    worker_id: str
+    answer: web.Response
 
 
 @dataclass(frozen=True)
@@ -77,14 +106,26 @@ class Refusal:
     why: str
 
 
-class Router:
-    def __init__(self, replicas: Replicas, attempts: int) -> None:
+class Router(Continuing):
+    def __init__(
+        self,
+        replicas: Replicas,
+        attempts: int,
+        *,
+        continue_cut: bool = True,
+        max_continuations: int = 2,
+        continue_wait_s: float = CONTINUE_PICK_WAIT_S,
+    ) -> None:
         self._replicas = replicas
         self.attempts = attempts
+        self.continue_cut = continue_cut
+        self.max_continuations = max_continuations if continue_cut else 0
+        self.continue_wait_s = continue_wait_s
         self.watches: dict[str, ModelWatch] = {}
         self.in_flight: Counter[str] = Counter()  # this router's requests, by worker id
         self.stats = Stats()
         self._session: aiohttp.ClientSession | None = None
+        self._reports: set[asyncio.Task[None]] = set()  # continuations being recorded
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
@@ -101,6 +142,8 @@ class Router:
         )
 
     async def close(self) -> None:
+        if self._reports:
+            await asyncio.wait(self._reports, timeout=REPORT_TIMEOUT_S)
         for watch in self.watches.values():
             watch.task.cancel()
         await asyncio.gather(*(w.task for w in self.watches.values()), return_exceptions=True)
@@ -109,9 +152,11 @@ class Router:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/stats", self.stats_json)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/routes", self.routes_json)
         return app
 
@@ -141,6 +186,19 @@ class Router:
     async def stats_json(self, request: web.Request) -> web.Response:
         return web.json_response(asdict(self.stats))
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The counters in Prometheus' text format, `spotdrain_router_` before each name."""
+        lines = []
+        for name, value in asdict(self.stats).items():
+            if isinstance(value, int):
+                metric = f"spotdrain_router_{name}_total"
+                lines += [f"# TYPE {metric} counter", f"{metric} {value}"]
+        metric = "spotdrain_router_continuation_failed_total"
+        lines.append(f"# TYPE {metric} counter")
+        for reason, count in sorted(self.stats.continuation_failed.items()):
+            lines.append(f'{metric}{{reason="{reason}"}} {count}')
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
     async def routes_json(self, request: web.Request) -> web.Response:
         return web.json_response(
             {
@@ -154,7 +212,7 @@ class Router:
             }
         )
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: web.Request) -> web.StreamResponse:
         request_id = request.headers.get(REQUEST_ID_HEADER) or str(uuid.uuid4())
         body = await request.read()
         model = _model_of(body)
@@ -179,7 +237,8 @@ class Router:
         headers = _upstream_headers(request.headers, request_id)
         tried: list[str] = []
         refusals: list[str] = []
-        for attempt in range(self.attempts):
+        cuts = 0
+        for attempt in range(self.attempts + self.max_continuations):
             # The version and the pick are read together: no await between them.
             version = table.version
             route = table.pick(self.in_flight, exclude=tried)
@@ -190,10 +249,27 @@ class Router:
             tried.append(route.worker_id)
             headers[ROUTE_VERSION_HEADER] = str(version)
             with self._counted(route.worker_id):
-                answer = await self._exchange(request, route, body, headers, request_id)
+                answer = await self._exchange(request, table, route, body, headers, request_id)
             if isinstance(answer, Refusal):
                 refusals.append(f"{answer.worker_id}: {answer.why}")
+                if len(refusals) >= self.attempts:
+                    break
                 continue
+            if isinstance(answer, Cut):
+                if cuts < self.max_continuations:
+                    # Nothing reached the client: the whole request goes to another worker.
+                    cuts += 1
+                    self.stats.resent_after_cut += 1
+                    log.info(
+                        "request %s: worker %s cut the answer before it began; sending it to "
+                        "another worker",
+                        request_id,
+                        answer.worker_id,
+                    )
+                    continue
+                self.stats.failed("max_continuations")
+                self.stats.interrupted += 1
+                return answer.answer
             return answer
         self.stats.refused += 1
         why = "; ".join(refusals) if refusals else "none is ready"
@@ -222,13 +298,14 @@ class Router:
     async def _exchange(
         self,
         request: web.Request,
+        table: ModelRoutes,
         route: Route,
         body: bytes,
         headers: CIMultiDict[str],
         request_id: str,
-    ) -> web.StreamResponse | Refusal:
+    ) -> web.StreamResponse | Refusal | Cut:
         assert self._session is not None
-        url = f"http://{route.address}/v1/chat/completions"
+        url = f"http://{route.address}{request.path}"
         try:
             upstream = await self._session.post(
                 url, data=body, headers=headers, allow_redirects=False
@@ -249,24 +326,30 @@ class Router:
             if upstream.status in (429, 502, 503):
                 return await self._refusal_or_answer(request, route, upstream, request_id)
             if is_stream(upstream):
-                return await self._relay_stream(request, route, upstream, request_id)
+                return await self._relay_stream(
+                    request, table, route, upstream, body, headers, request_id
+                )
             try:
                 data = await upstream.read()
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
-                # The worker had the request and its answer is lost: interrupted, not retried.
+                # The worker had the request and its answer is lost: interrupted, unless its
+                # worker is draining and another may answer it whole.
                 self.stats.upstream_errors += 1
-                self.stats.interrupted += 1
                 log.warning(
                     "request %s: worker %s broke its answer: %r", request_id, route.worker_id, e
                 )
-                return _error(
+                broken = _error(
                     502,
                     "interrupted",
                     "the connection to the worker broke mid-answer; the answer is incomplete",
                     request_id,
                     worker_id=route.worker_id,
                 )
-            return self._whole(route, upstream, data, request_id)
+                if self.max_continuations and route.worker_id not in table.routes:
+                    return Cut(route.worker_id, broken)
+                self.stats.interrupted += 1
+                return broken
+            return self._answer_or_cut(route, upstream, data, request_id)
         finally:
             upstream.close()  # no-op after a complete answer; else the gate sees us go
 
@@ -282,8 +365,8 @@ class Router:
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             self.stats.upstream_errors += 1
             return Refusal(route.worker_id, f"HTTP {upstream.status}, body lost ({e!r})")
-        kind = _error_type(data)
-        if _try_elsewhere(upstream.status, kind):
+        kind = error_type(data)
+        if try_elsewhere(upstream.status, kind):
             log.info(
                 "request %s: worker %s on %s refused (%d %s); trying another",
                 request_id,
@@ -293,12 +376,27 @@ class Router:
                 kind,
             )
             return Refusal(route.worker_id, kind or f"HTTP {upstream.status}")
+        return self._answer_or_cut(route, upstream, data, request_id)
+
+    def _answer_or_cut(
+        self, route: Route, upstream: aiohttp.ClientResponse, data: bytes, request_id: str
+    ) -> web.Response | Cut:
+        """The worker's whole answer; a Cut when the gate cut it and it may go elsewhere."""
+        if self.max_continuations and upstream.status >= 500 and error_type(data) == "interrupted":
+            return Cut(route.worker_id, self._whole(route, upstream, data, request_id, False))
         return self._whole(route, upstream, data, request_id)
 
     def _whole(
-        self, route: Route, upstream: aiohttp.ClientResponse, data: bytes, request_id: str
+        self,
+        route: Route,
+        upstream: aiohttp.ClientResponse,
+        data: bytes,
+        request_id: str,
+        count: bool = True,
     ) -> web.Response:
-        if upstream.status >= 500 and _error_type(data) == "interrupted":
+        if not count:
+            pass  # a cut answer the caller may send elsewhere: counted when it decides
+        elif upstream.status >= 500 and error_type(data) == "interrupted":
             self.stats.interrupted += 1  # the gate cut it before its answer began
         else:
             self.stats.completed += 1
@@ -312,20 +410,47 @@ class Router:
     async def _relay_stream(
         self,
         request: web.Request,
+        table: ModelRoutes,
         route: Route,
         upstream: aiohttp.ClientResponse,
+        body: bytes,
+        headers: CIMultiDict[str],
         request_id: str,
     ) -> web.StreamResponse:
-        """Relay as it comes (spotdrain.http.relay), the gate's error event included. From the
-        first byte sent the request is the client's: never retried. Decide once how it ended."""
+        """Relay as it comes (spotdrain.http.relay). From the first byte sent the request is the
+        client's: never sent again as it was, but continued elsewhere when its worker cut it."""
         response = web.StreamResponse(
             status=upstream.status,
             reason=upstream.reason,
             headers=_client_headers(upstream.headers, route.worker_id, request_id),
         )
         await response.prepare(request)
-        relay = StreamRelay(request, response, upstream)
+        transcript = Transcript.of(request.path, body) if self.max_continuations else None
+        clock = Clock(transcript)
+        relay = StreamRelay(request, response, upstream, edit=clock if transcript else None)
         ending = await relay.run()
+        self._note_break(relay, route, request_id)
+        if ending is Ending.CLIENT_GONE:
+            log.info("request %s: the client went away mid-stream", request_id)
+            return response
+        if transcript is not None and self._was_cut(relay, ending, table, route, transcript):
+            if await self._continue(
+                request, response, table, route, transcript, clock, headers, request_id
+            ):
+                return response
+        elif ending is Ending.COMPLETE:
+            self.stats.completed += 1
+        else:
+            self._count_interrupted(ending, route, request_id)
+        if transcript is not None and transcript.held_error:
+            await end_with(request, response, transcript.held_error)
+            return response
+        await relay.end(
+            "the connection to the worker broke mid-stream; the answer is incomplete", request_id
+        )
+        return response
+
+    def _note_break(self, relay: StreamRelay, route: Route, request_id: str) -> None:
         if relay.broken is not None:
             self.stats.upstream_errors += 1
             log.warning(
@@ -335,25 +460,17 @@ class Router:
                 route.node_id,
                 relay.broken,
             )
-        if ending is Ending.CLIENT_GONE:
-            log.info("request %s: the client went away mid-stream", request_id)
-            return response
-        if ending is Ending.COMPLETE:
-            self.stats.completed += 1
-        else:
-            # The gate's own interrupted event, when it is the last, is already the client's
-            # explicit error; otherwise the relay ends the stream with ours (invariant 7).
-            self.stats.interrupted += 1
-            if ending is Ending.UPSTREAM_CUT:
-                log.warning(
-                    "request %s: stream from worker %s ended without [DONE]; told the client",
-                    request_id,
-                    route.worker_id,
-                )
-        await relay.end(
-            "the connection to the worker broke mid-stream; the answer is incomplete", request_id
-        )
-        return response
+
+    def _count_interrupted(self, ending: Ending, route: Route, request_id: str) -> None:
+        # The gate's own interrupted event, when it is the last, is already the client's
+        # explicit error; otherwise the relay ends the stream with ours (invariant 7).
+        self.stats.interrupted += 1
+        if ending is Ending.UPSTREAM_CUT:
+            log.warning(
+                "request %s: stream from worker %s ended without [DONE]; told the client",
+                request_id,
+                route.worker_id,
+            )
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -366,26 +483,6 @@ def _model_of(body: bytes) -> str | None:
         return None
     model = doc.get("model") if isinstance(doc, dict) else None
     return model if isinstance(model, str) and model else None
-
-
-def _error_type(data: bytes) -> str:
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return ""
-    error = doc.get("error") if isinstance(doc, dict) else None
-    kind = error.get("type") if isinstance(error, dict) else None
-    return kind if isinstance(kind, str) else ""
-
-
-def _try_elsewhere(status: int, kind: str) -> bool:
-    """The gate refused before its worker saw the request, so another worker may take it.
-    A 503 or 502 `interrupted` is a request the worker had: relayed, never retried."""
-    if status == 503:
-        return kind != "interrupted"
-    if status == 429:
-        return kind == "worker_busy"
-    return status == 502 and kind == "upstream_unavailable"
 
 
 def _upstream_headers(incoming: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:

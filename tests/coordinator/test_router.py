@@ -383,7 +383,11 @@ async def start_router(
 ) -> RouterProc:
     proc = Proc(
         "router",
-        router_argv(coordinator, identity, "--log-level", "DEBUG"),
+        # The fake gates do not continue a text: cuts are relayed as the gate sent them here;
+        # continuation is tests/test_stream_continuation.py's, with the reference model server.
+        router_argv(
+            coordinator, identity, "--log-level", "DEBUG", "--continue-cut-streams", "false"
+        ),
         log_path,
         {"PYTHONUNBUFFERED": "1"},
     )

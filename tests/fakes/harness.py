@@ -333,8 +333,8 @@ class Router:
     url: str  # http://HOST:PORT
 
 
-def start_router(work: Path, coordinator: Coordinator) -> Router:
-    """The reference router as a process, with a `router:` identity."""
+def start_router(work: Path, coordinator: Coordinator, *flags: str) -> Router:
+    """The reference router as a process, with a `router:` identity and any extra flags."""
     work.mkdir(parents=True, exist_ok=True)
     argv = [
         str(BIN / "spotdrain-router"),
@@ -342,6 +342,7 @@ def start_router(work: Path, coordinator: Coordinator) -> Router:
         "127.0.0.1:0",
         "--coordinator",
         coordinator.address,
+        *flags,
     ]
     if coordinator.tls is None:
         argv.append("--insecure")

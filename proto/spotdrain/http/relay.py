@@ -155,6 +155,7 @@ class StreamRelay:
         upstream: aiohttp.ClientResponse,
         *,
         hold_max: int = HOLD_MAX,
+        edit: Callable[[bytes], bytes] | None = None,
     ) -> None:
         self._request = request
         self._response = response
@@ -163,6 +164,9 @@ class StreamRelay:
         self.framer = EventFramer(hold_max) if self.sse else None
         self.broken: BaseException | None = None  # what reading the upstream raised, if it did
         self.ending: Ending | None = None
+        # SSE only: whole events pass through it on their way out (a router's continuation
+        # records and rewrites them); how the stream ended is judged on what the upstream sent.
+        self._edit = edit if self.sse else None
 
     async def run(self, stopped: Callable[[], bool] = lambda: False) -> Ending:
         """Relay until the upstream ends or breaks, or the client goes away. A cancellation for
@@ -181,6 +185,7 @@ class StreamRelay:
         read = self._upstream.content.readany
         write = self._response.write
         framer = self.framer
+        edit = self._edit
         while True:
             try:
                 chunk = await read()
@@ -190,6 +195,8 @@ class StreamRelay:
             eof = not chunk
             if framer is not None:
                 chunk = framer.finish() if eof else framer.feed(chunk)
+                if chunk and edit is not None and not framer.open:
+                    chunk = edit(chunk)
             if chunk:
                 try:
                     await write(chunk)

@@ -2,9 +2,9 @@
 
 A certificate's common name says who its holder is: `node:<node-id>` for agents,
 `operator:<name>` for people and their scripts, `router:<name>` for routers, which may only
-read routes (docs/design.md "Security"), `renter:<name>` for a renter's tooling, which sees only its
-own rentals, and `provider:<name>` for a node owner's tooling, which may end rentals on its own
-nodes.
+read routes and report continued streams (docs/design.md "Security"), `renter:<name>` for a
+renter's tooling, which sees only its own rentals, and `provider:<name>` for a node owner's
+tooling, which may end rentals on its own nodes.
 """
 
 from __future__ import annotations

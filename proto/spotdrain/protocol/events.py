@@ -28,6 +28,7 @@ KINDS = frozenset(
         "container_exited",
         "sigkill_sent",
         "stream_interrupted",
+        "stream_continued",  # reported by a router: the cut stream went on elsewhere
         "verification_failed",
         "verified_empty",
         "drained",

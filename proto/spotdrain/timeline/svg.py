@@ -49,6 +49,7 @@ _ARROWS: dict[str, tuple[str, str]] = {
     "signal_failed": (AGENT, WORKLOADS),
     "worker_draining": (COORDINATOR, WORKLOADS),
     "stream_interrupted": (WORKLOADS, WORKLOADS),
+    "stream_continued": (WORKLOADS, WORKLOADS),
     "container_exited": (WORKLOADS, AGENT),
     "checkpoint_started": (WORKLOADS, AGENT),
     "checkpoint_committed": (WORKLOADS, AGENT),

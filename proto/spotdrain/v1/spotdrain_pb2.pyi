@@ -551,6 +551,30 @@ class ListNodesReply(_message.Message):
     nodes: _containers.RepeatedCompositeFieldContainer[Node]
     def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...
 
+class StreamContinued(_message.Message):
+    __slots__ = ("request_id", "model", "from_worker_id", "to_worker_id", "chars", "tokens", "gap_s", "from_node_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FROM_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CHARS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GAP_S_FIELD_NUMBER: _ClassVar[int]
+    FROM_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    from_worker_id: str
+    to_worker_id: str
+    chars: int
+    tokens: int
+    gap_s: float
+    from_node_id: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., from_worker_id: _Optional[str] = ..., to_worker_id: _Optional[str] = ..., chars: _Optional[int] = ..., tokens: _Optional[int] = ..., gap_s: _Optional[float] = ..., from_node_id: _Optional[str] = ...) -> None: ...
+
+class StreamContinuedReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class WatchRoutesRequest(_message.Message):
     __slots__ = ("model",)
     MODEL_FIELD_NUMBER: _ClassVar[int]

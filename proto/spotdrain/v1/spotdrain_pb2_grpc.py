@@ -708,6 +708,11 @@ class RoutesStub:
                 request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.PickWorkerRequest.SerializeToString,
                 response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.Route.FromString,
                 _registered_method=True)
+        self.ReportContinuation = channel.unary_unary(
+                '/spotdrain.v1.Routes/ReportContinuation',
+                request_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.StreamContinued.SerializeToString,
+                response_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.StreamContinuedReply.FromString,
+                _registered_method=True)
 
 
 class RoutesServicer:
@@ -732,6 +737,14 @@ class RoutesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportContinuation(self, request, context):
+        """A router continued a stream that a reclaimed worker's gate cut: recorded as
+        `stream_continued` in the timeline of that worker's node's reclamation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RoutesServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -744,6 +757,11 @@ def add_RoutesServicer_to_server(servicer, server):
                     servicer.PickWorker,
                     request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.PickWorkerRequest.FromString,
                     response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.Route.SerializeToString,
+            ),
+            'ReportContinuation': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportContinuation,
+                    request_deserializer=spotdrain_dot_v1_dot_spotdrain__pb2.StreamContinued.FromString,
+                    response_serializer=spotdrain_dot_v1_dot_spotdrain__pb2.StreamContinuedReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -805,6 +823,33 @@ class Routes:
             '/spotdrain.v1.Routes/PickWorker',
             spotdrain_dot_v1_dot_spotdrain__pb2.PickWorkerRequest.SerializeToString,
             spotdrain_dot_v1_dot_spotdrain__pb2.Route.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportContinuation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spotdrain.v1.Routes/ReportContinuation',
+            spotdrain_dot_v1_dot_spotdrain__pb2.StreamContinued.SerializeToString,
+            spotdrain_dot_v1_dot_spotdrain__pb2.StreamContinuedReply.FromString,
             options,
             channel_credentials,
             insecure,

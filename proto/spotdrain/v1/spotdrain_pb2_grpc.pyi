@@ -276,6 +276,10 @@ class RoutesStub:
     """A snapshot of the model's ready workers, then every change, each with a version."""
     PickWorker: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.PickWorkerRequest, _spotdrain_pb2.Route]
     """The least-loaded ready worker of a model, for simple routers."""
+    ReportContinuation: _grpc.UnaryUnaryMultiCallable[_spotdrain_pb2.StreamContinued, _spotdrain_pb2.StreamContinuedReply]
+    """A router continued a stream that a reclaimed worker's gate cut: recorded as
+    `stream_continued` in the timeline of that worker's node's reclamation.
+    """
 
 @_typing.type_check_only
 class RoutesAsyncStub(RoutesStub):
@@ -290,6 +294,10 @@ class RoutesAsyncStub(RoutesStub):
     """A snapshot of the model's ready workers, then every change, each with a version."""
     PickWorker: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.PickWorkerRequest, _spotdrain_pb2.Route]  # type: ignore[assignment]
     """The least-loaded ready worker of a model, for simple routers."""
+    ReportContinuation: _aio.UnaryUnaryMultiCallable[_spotdrain_pb2.StreamContinued, _spotdrain_pb2.StreamContinuedReply]  # type: ignore[assignment]
+    """A router continued a stream that a reclaimed worker's gate cut: recorded as
+    `stream_continued` in the timeline of that worker's node's reclamation.
+    """
 
 class RoutesServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------------------------------------------
@@ -313,6 +321,16 @@ class RoutesServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_spotdrain_pb2.Route, _abc.Awaitable[_spotdrain_pb2.Route]]:
         """The least-loaded ready worker of a model, for simple routers."""
+
+    @_abc_1.abstractmethod
+    def ReportContinuation(
+        self,
+        request: _spotdrain_pb2.StreamContinued,
+        context: _ServicerContext,
+    ) -> _typing.Union[_spotdrain_pb2.StreamContinuedReply, _abc.Awaitable[_spotdrain_pb2.StreamContinuedReply]]:
+        """A router continued a stream that a reclaimed worker's gate cut: recorded as
+        `stream_continued` in the timeline of that worker's node's reclamation.
+        """
 
 def add_RoutesServicer_to_server(servicer: RoutesServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

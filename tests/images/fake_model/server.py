@@ -10,6 +10,17 @@ Endpoints:
                              overrides the pace for one request. Streamed: server-sent events in
                              OpenAI's chat.completion.chunk format, chunked, one write per token,
                              then `data: [DONE]`. Otherwise one chat.completion JSON with usage.
+                             `continue_final_message` and `add_generation_prompt` as vLLM takes
+                             them; the header X-Fake-Continuation: refuse answers 400 to a
+                             continuation, as a server without them would.
+  POST /v1/completions       The same with a `prompt` string; text_completion objects.
+
+The text is a function of the prompt, as a greedy model's is: the messages are rendered into one
+prompt (`role: content` lines, then `assistant: ` unless the last message is continued), and the
+answer to a prompt P is the words of WORDS from an offset hashed from P. A prompt that ends with
+the first k tokens of its head's answer (a continuation) gets that answer's tokens from k on, so
+a continued text is exactly what the uninterrupted generation would have produced. Usage counts
+prompt tokens as the head's words plus k.
   GET  /health               200 {"status":"ok"}
   GET  /v1/models            the model list: $MODEL (default "fake-model").
 
@@ -23,6 +34,7 @@ SIGTERM or SIGINT while draining exits at once (128 + signal number).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -57,6 +69,42 @@ def log(line: str) -> None:
 
 class BadRequest(Exception):
     pass
+
+
+def _seed(head: str) -> int:
+    return int.from_bytes(hashlib.sha256(head.encode()).digest()[:4], "big") % len(WORDS)
+
+
+def _token(seed: int, i: int) -> str:
+    return ("" if i == 0 else " ") + WORDS[(seed + i) % len(WORDS)]
+
+
+def continuation_of(prompt: str) -> tuple[str, int, int]:
+    """(head, seed, k): the prompt is head + the first k tokens of head's answer, with k the
+    largest that fits (0: no continuation, the whole prompt is the head)."""
+    best = (prompt, _seed(prompt), 0)
+    for start in range(len(prompt) - 1, -1, -1):
+        tail = prompt[start:]
+        if not any(tail.startswith(word) for word in WORDS):
+            continue
+        seed = _seed(prompt[:start])
+        if not tail.startswith(WORDS[seed]):
+            continue
+        text, k = "", 0
+        while len(text) < len(tail):
+            text += _token(seed, k)
+            k += 1
+        if text == tail:
+            best = (prompt[:start], seed, k)
+    return best
+
+
+def render(messages: list, continue_final: bool, add_generation_prompt: bool) -> str:
+    """The chat template: one line per message; the last left open when it is continued."""
+    lines = [f"{m.get('role')}: {m.get('content') or ''}" for m in messages if isinstance(m, dict)]
+    if continue_final:
+        return "\n".join(lines)
+    return "\n".join(lines) + "\n" + ("assistant: " if add_generation_prompt else "")
 
 
 class Server(ThreadingHTTPServer):
@@ -157,11 +205,11 @@ class Handler(BaseHTTPRequestHandler):
     def _post(self):
         path = self.path.split("?", 1)[0]
         body = self._read_body()
-        if path != "/v1/chat/completions":
+        if path not in ("/v1/chat/completions", "/v1/completions"):
             self._not_found()
             return
         try:
-            request = self._parse_chat(body)
+            request = self._parse(path, body)
         except BadRequest as e:
             self._json(400, {"error": {"message": str(e), "type": "invalid_request_error"}})
             return
@@ -170,18 +218,42 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._complete(request)
 
-    # --- chat completions
+    # --- completions, chat and plain
 
-    def _parse_chat(self, body: bytes) -> dict:
+    def _parse(self, path: str, body: bytes) -> dict:
         try:
             data = json.loads(body or b"null")
         except ValueError as e:
             raise BadRequest(f"body is not JSON: {e}") from None
         if not isinstance(data, dict):
             raise BadRequest("body must be a JSON object")
-        messages = data.get("messages")
-        if not isinstance(messages, list):
-            raise BadRequest("'messages' must be a list")
+        chat = path == "/v1/chat/completions"
+        if chat:
+            messages = data.get("messages")
+            if not isinstance(messages, list):
+                raise BadRequest("'messages' must be a list")
+            continued = data.get("continue_final_message") is True
+            generation_prompt = data.get("add_generation_prompt", True) is not False
+            if continued and self.headers.get("X-Fake-Continuation") == "refuse":
+                raise BadRequest("continue_final_message is not supported by this server")
+            if continued and generation_prompt:
+                # vLLM's own check: the two ask for opposite ends of the template.
+                raise BadRequest(
+                    "continue_final_message and add_generation_prompt exclude each other"
+                )
+            if continued and not (
+                messages
+                and isinstance(messages[-1], dict)
+                and messages[-1].get("role") == "assistant"
+            ):
+                raise BadRequest("continue_final_message needs a last message from the assistant")
+            prompt = render(messages, continued, generation_prompt)
+        else:
+            prompt = data.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                raise BadRequest("'prompt' must be a string")
         tokens = data.get("max_tokens")
         if tokens is None:
             tokens = data.get("max_completion_tokens", DEFAULT_TOKENS)
@@ -192,19 +264,28 @@ class Handler(BaseHTTPRequestHandler):
             tokens_per_s = DEFAULT_TOKENS_PER_S if pace is None else float(pace)
         except ValueError:
             raise BadRequest(f"X-Fake-Tokens-Per-S must be a number, not {pace!r}") from None
-        prompt_tokens = sum(
-            len(str(m.get("content") or "").split()) for m in messages if isinstance(m, dict)
-        )
+        head, seed, first = continuation_of(prompt)
+        if chat:
+            # As before continuations: the words of the messages' contents, less the carried.
+            prompt_tokens = sum(
+                len(str(m.get("content") or "").split()) for m in messages if isinstance(m, dict)
+            )
+            prompt_tokens = prompt_tokens - len(prompt[len(head) :].split()) + first
+        else:
+            prompt_tokens = len(head.split()) + first
         options = data.get("stream_options") or {}
-        self._extra = f" tokens={tokens} stream={int(bool(data.get('stream')))}"
+        self._extra = f" tokens={tokens} stream={int(bool(data.get('stream')))} from={first}"
         return {
+            "chat": chat,
             "model": data.get("model") or MODEL,
             "stream": bool(data.get("stream")),
             "tokens": tokens,
             "tokens_per_s": tokens_per_s,
             "prompt_tokens": prompt_tokens,
+            "seed": seed,
+            "first": first,
             "include_usage": isinstance(options, dict) and bool(options.get("include_usage")),
-            "id": "chatcmpl-" + uuid.uuid4().hex[:24],
+            "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
             "created": int(time.time()),
         }
 
@@ -218,7 +299,7 @@ class Handler(BaseHTTPRequestHandler):
                 delay = start + (i + 1) / pace - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)
-            yield ("" if i == 0 else " ") + WORDS[i % len(WORDS)]
+            yield _token(request["seed"], request["first"] + i)
 
     @staticmethod
     def _usage(request: dict) -> dict:
@@ -230,22 +311,20 @@ class Handler(BaseHTTPRequestHandler):
 
     def _complete(self, request: dict) -> None:
         text = "".join(self._tokens(request))
+        choice = {"index": 0, "logprobs": None, "finish_reason": "stop"}
+        if request["chat"]:
+            choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+        else:
+            choice["text"] = text
         self._json(
             200,
             {
                 "id": request["id"],
-                "object": "chat.completion",
+                "object": "chat.completion" if request["chat"] else "text_completion",
                 "created": request["created"],
                 "model": request["model"],
                 "system_fingerprint": "fp_fake",
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text, "refusal": None},
-                        "logprobs": None,
-                        "finish_reason": "stop",
-                    }
-                ],
+                "choices": [choice],
                 "usage": self._usage(request),
             },
         )
@@ -257,33 +336,30 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
 
+        chat = request["chat"]
+
         def chunk(delta: dict, finish_reason=None, choices=True, usage=None) -> dict:
+            choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+            if chat:
+                choice["delta"] = delta
+            else:
+                choice["text"] = delta.get("content", "")
             out = {
                 "id": request["id"],
-                "object": "chat.completion.chunk",
+                "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": request["created"],
                 "model": request["model"],
                 "system_fingerprint": "fp_fake",
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": delta,
-                        "logprobs": None,
-                        "finish_reason": finish_reason,
-                    }
-                ]
-                if choices
-                else [],
+                "choices": [choice] if choices else [],
             }
             if request["include_usage"]:
                 out["usage"] = usage
             return out
 
-        self._event(chunk({"role": "assistant", "content": "", "refusal": None}))
-        sent = 0
+        if chat:
+            self._event(chunk({"role": "assistant", "content": "", "refusal": None}))
         for text in self._tokens(request):
             self._event(chunk({"content": text}))
-            sent += 1
         self._event(chunk({}, finish_reason="stop"))
         if request["include_usage"]:
             self._event(chunk({}, choices=False, usage=self._usage(request)))

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import grpc
 
-from harness import Coordinator
-from pki import CertFiles, Pki
+from fakes.harness import Coordinator
+from fakes.pki import CertFiles, Pki
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
 

@@ -20,8 +20,9 @@ import openai
 import pytest
 from test_pause import spotctl, start_worker, wait_state
 
-from dockerenv import remove_test_containers
-from harness import AgentOptions, start_agent, start_router, wait_until
+from fakes.dockerenv import remove_test_containers
+from fakes.harness import AgentOptions, start_agent, start_router
+from fakes.waiting import wait_until
 from images.fake_model import ensure_model_image
 from images.fake_model.server import _token, continuation_of, render
 

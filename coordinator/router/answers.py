@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import json
 
+from aiohttp import hdrs, web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from spotdrain.http import sse
+from spotdrain.http.sse import REQUEST_ID_HEADER
+
 ROUTE_VERSION_HEADER = "X-Route-Version"
+WORKER_ID_HEADER = "X-Worker-Id"
+RETRY_AFTER_S = "1"
+NOT_FORWARDED = frozenset({"content-length"})
 
 
 def error_type(data: bytes) -> str:
@@ -25,3 +34,47 @@ def try_elsewhere(status: int, kind: str) -> bool:
     if status == 429:
         return kind == "worker_busy"
     return status == 502 and kind == "upstream_unavailable"
+
+
+def model_of(body: bytes) -> str | None:
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    model = doc.get("model") if isinstance(doc, dict) else None
+    return model if isinstance(model, str) and model else None
+
+
+def upstream_headers(incoming: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
+    # The route version is this router's to stamp, never the client's.
+    return sse.forwarded(incoming, request_id, NOT_FORWARDED | {ROUTE_VERSION_HEADER.lower()})
+
+
+def client_headers(
+    upstream: CIMultiDictProxy[str], worker_id: str, request_id: str
+) -> CIMultiDict[str]:
+    out = sse.forwarded(upstream, request_id, NOT_FORWARDED)
+    out[WORKER_ID_HEADER] = worker_id
+    return out
+
+
+def error_response(
+    status: int,
+    kind: str,
+    message: str,
+    request_id: str,
+    *,
+    retry_after: bool = False,
+    worker_id: str = "",
+) -> web.Response:
+    headers = {REQUEST_ID_HEADER: request_id}
+    if retry_after:
+        headers[hdrs.RETRY_AFTER] = RETRY_AFTER_S
+    if worker_id:
+        headers[WORKER_ID_HEADER] = worker_id
+    return web.Response(
+        status=status,
+        body=sse.error_body(kind, message, request_id),
+        content_type="application/json",
+        headers=headers,
+    )

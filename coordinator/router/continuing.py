@@ -15,7 +15,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import aiohttp
 import grpc
@@ -24,15 +23,13 @@ from multidict import CIMultiDict
 
 from spotdrain.coordinator.router.answers import ROUTE_VERSION_HEADER, error_type, try_elsewhere
 from spotdrain.coordinator.router.model_routes import ModelRoutes, Route
+from spotdrain.coordinator.router.stats import Stats
 from spotdrain.http import sse
 from spotdrain.http.continuation import Carried, Transcript
 from spotdrain.http.relay import Ending, StreamRelay
 from spotdrain.net.leader import Replicas
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:
-    from spotdrain.coordinator.router.front import Stats
 
 log = logging.getLogger("spotdrain.router")
 

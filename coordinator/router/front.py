@@ -26,18 +26,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import aiohttp
 from aiohttp import hdrs, web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
-from spotdrain.coordinator.router.answers import ROUTE_VERSION_HEADER, error_type, try_elsewhere
+from spotdrain.coordinator.router.answers import (
+    ROUTE_VERSION_HEADER,
+    client_headers,
+    error_response,
+    error_type,
+    model_of,
+    try_elsewhere,
+    upstream_headers,
+)
 from spotdrain.coordinator.router.continuing import (
     CONTINUE_PICK_WAIT_S,
     REPORT_TIMEOUT_S,
@@ -46,7 +53,7 @@ from spotdrain.coordinator.router.continuing import (
     end_with,
 )
 from spotdrain.coordinator.router.model_routes import ModelRoutes, ModelWatch, Route
-from spotdrain.http import sse
+from spotdrain.coordinator.router.stats import Stats
 from spotdrain.http.continuation import Transcript
 from spotdrain.http.relay import Ending, StreamRelay, is_stream
 from spotdrain.http.sse import REQUEST_ID_HEADER
@@ -54,7 +61,6 @@ from spotdrain.net.leader import Replicas
 
 log = logging.getLogger("spotdrain.router")
 
-WORKER_ID_HEADER = "X-Worker-Id"
 
 SNAPSHOT_WAIT_S = 2.0  # a model's first request waits this long for its routing table
 GATE_CONNECT_TIMEOUT_S = 3.0
@@ -64,30 +70,11 @@ GATE_CONNECT_TIMEOUT_S = 3.0
 GATE_KEEPALIVE_S = 15.0
 MAX_MODELS = 256  # watches are per model, and the model name comes from the client
 MAX_BODY_BYTES = 64 << 20
-RETRY_AFTER_S = "1"
 
 # Beyond the shared hop-by-hop set: aiohttp recomputes Content-Length on the way back.
-_NOT_FORWARDED = frozenset({"content-length"})
 
 
 # --- the HTTP front ---------------------------------------------------------------------------
-
-
-@dataclass
-class Stats:
-    completed: int = 0  # a worker's answer relayed whole (a stream up to its [DONE])
-    retried: int = 0  # attempts after a request's first (each sent to another worker)
-    refused: int = 0  # requests the router answered itself with 503 (no worker, no table)
-    interrupted: int = 0  # answers that ended interrupted, the gate's or the router's doing
-    upstream_errors: int = 0  # connections to gates that failed or broke
-    streams_continued: int = 0  # continuations that reached the client (one per seam)
-    resent_after_cut: int = 0  # non-streamed answers cut before any byte, sent to another worker
-    # Cut answers not continued, by why: no_worker, refused, cut_again, max_continuations,
-    # finished, no_chunk, no_tokens_left, too_long, broke.
-    continuation_failed: dict[str, int] = field(default_factory=dict)
-
-    def failed(self, reason: str) -> None:
-        self.continuation_failed[reason] = self.continuation_failed.get(reason, 0) + 1
 
 
 @dataclass(frozen=True)
@@ -187,17 +174,7 @@ class Router(Continuing):
         return web.json_response(asdict(self.stats))
 
     async def metrics(self, request: web.Request) -> web.Response:
-        """The counters in Prometheus' text format, `spotdrain_router_` before each name."""
-        lines = []
-        for name, value in asdict(self.stats).items():
-            if isinstance(value, int):
-                metric = f"spotdrain_router_{name}_total"
-                lines += [f"# TYPE {metric} counter", f"{metric} {value}"]
-        metric = "spotdrain_router_continuation_failed_total"
-        lines.append(f"# TYPE {metric} counter")
-        for reason, count in sorted(self.stats.continuation_failed.items()):
-            lines.append(f'{metric}{{reason="{reason}"}} {count}')
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+        return web.Response(text=self.stats.prometheus_text(), content_type="text/plain")
 
     async def routes_json(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -215,9 +192,9 @@ class Router(Continuing):
     async def completions(self, request: web.Request) -> web.StreamResponse:
         request_id = request.headers.get(REQUEST_ID_HEADER) or str(uuid.uuid4())
         body = await request.read()
-        model = _model_of(body)
+        model = model_of(body)
         if model is None:
-            return _error(
+            return error_response(
                 400,
                 "invalid_request_error",
                 'the body must be a JSON object with a "model" string',
@@ -227,14 +204,14 @@ class Router(Continuing):
         if table is None:
             self.stats.refused += 1
             log.warning("request %s: model %s: no routing table: %s", request_id, model, problem)
-            return _error(
+            return error_response(
                 503,
                 "no_worker",
                 f"no routing table for model {model!r}: {problem}",
                 request_id,
                 retry_after=True,
             )
-        headers = _upstream_headers(request.headers, request_id)
+        headers = upstream_headers(request.headers, request_id)
         tried: list[str] = []
         refusals: list[str] = []
         cuts = 0
@@ -274,7 +251,7 @@ class Router(Continuing):
         self.stats.refused += 1
         why = "; ".join(refusals) if refusals else "none is ready"
         log.warning("request %s: no worker of %s took it (%s)", request_id, model, why)
-        return _error(
+        return error_response(
             503,
             "no_worker",
             f"no worker of model {model!r} could take the request ({why})",
@@ -338,7 +315,7 @@ class Router(Continuing):
                 log.warning(
                     "request %s: worker %s broke its answer: %r", request_id, route.worker_id, e
                 )
-                broken = _error(
+                broken = error_response(
                     502,
                     "interrupted",
                     "the connection to the worker broke mid-answer; the answer is incomplete",
@@ -404,7 +381,7 @@ class Router(Continuing):
             status=upstream.status,
             reason=upstream.reason,
             body=data,
-            headers=_client_headers(upstream.headers, route.worker_id, request_id),
+            headers=client_headers(upstream.headers, route.worker_id, request_id),
         )
 
     async def _relay_stream(
@@ -422,7 +399,7 @@ class Router(Continuing):
         response = web.StreamResponse(
             status=upstream.status,
             reason=upstream.reason,
-            headers=_client_headers(upstream.headers, route.worker_id, request_id),
+            headers=client_headers(upstream.headers, route.worker_id, request_id),
         )
         await response.prepare(request)
         transcript = Transcript.of(request.path, body) if self.max_continuations else None
@@ -471,50 +448,3 @@ class Router(Continuing):
                 request_id,
                 route.worker_id,
             )
-
-
-# --- helpers ----------------------------------------------------------------------------------
-
-
-def _model_of(body: bytes) -> str | None:
-    try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    model = doc.get("model") if isinstance(doc, dict) else None
-    return model if isinstance(model, str) and model else None
-
-
-def _upstream_headers(incoming: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
-    # The route version is this router's to stamp, never the client's.
-    return sse.forwarded(incoming, request_id, _NOT_FORWARDED | {ROUTE_VERSION_HEADER.lower()})
-
-
-def _client_headers(
-    upstream: CIMultiDictProxy[str], worker_id: str, request_id: str
-) -> CIMultiDict[str]:
-    out = sse.forwarded(upstream, request_id, _NOT_FORWARDED)
-    out[WORKER_ID_HEADER] = worker_id
-    return out
-
-
-def _error(
-    status: int,
-    kind: str,
-    message: str,
-    request_id: str,
-    *,
-    retry_after: bool = False,
-    worker_id: str = "",
-) -> web.Response:
-    headers = {REQUEST_ID_HEADER: request_id}
-    if retry_after:
-        headers[hdrs.RETRY_AFTER] = RETRY_AFTER_S
-    if worker_id:
-        headers[WORKER_ID_HEADER] = worker_id
-    return web.Response(
-        status=status,
-        body=sse.error_body(kind, message, request_id),
-        content_type="application/json",
-        headers=headers,
-    )

@@ -99,10 +99,10 @@ def stored_event_to_dict(stored: pb.StoredEvent) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class EventRecord:
-    """One event as an agent's outbox holds it and the coordinator's store takes it (the wire's
-    Event): its uid makes a repeat harmless; wall_time is the sender's clock, t_offset_s the
-    seconds since its reclamation's notice (None outside one)."""
+class EventHead:
+    """What every event carries beside its details, wherever it is held: its uid makes a repeat
+    harmless; wall_time is the sender's clock, t_offset_s the seconds since its reclamation's
+    notice (None outside one)."""
 
     uid: str
     kind: str
@@ -110,4 +110,26 @@ class EventRecord:
     reclaim_id: str
     wall_time: float
     t_offset_s: float | None
+
+
+@dataclass(frozen=True)
+class EventRecord(EventHead):
+    """One event as an agent's outbox holds it and the coordinator's store takes it (the wire's
+    Event)."""
+
     details: dict[str, Any]
+
+
+def event_message(ev: EventHead, details_json: str) -> pb.Event:
+    """The wire's Event, for the agent's link and the coordinator's answers alike."""
+    msg = pb.Event(
+        uid=ev.uid,
+        kind=ev.kind,
+        node_id=ev.node_id,
+        reclaim_id=ev.reclaim_id,
+        wall_time=ev.wall_time,
+        details_json=details_json,
+    )
+    if ev.t_offset_s is not None:  # absent outside a reclamation, not 0
+        msg.t_offset_s = ev.t_offset_s
+    return msg

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
@@ -23,6 +23,7 @@ from spotdrain.coordinator.core.rental import Rental
 from spotdrain.coordinator.fleet.route_table import RouteEntry
 from spotdrain.coordinator.store import EventRow, NewEvent, TaintRow
 from spotdrain.protocol import limits
+from spotdrain.protocol.events import event_message
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 MAX_ID_CHARS = 256
@@ -218,17 +219,8 @@ def _fields(command: Any) -> dict[str, Any]:
 
 
 def event_pb(row: EventRow) -> pb.StoredEvent:
-    ev = pb.Event(
-        uid=row.uid,
-        kind=row.kind,
-        node_id=row.node_id,
-        reclaim_id=row.reclaim_id,
-        wall_time=row.wall_time,
-        details_json=row.details_json,
-    )
-    if row.t_offset_s is not None:
-        ev.t_offset_s = row.t_offset_s
-    return pb.StoredEvent(id=row.id, event=ev, received_at=row.received_at)
+    event = event_message(row, row.details_json)
+    return pb.StoredEvent(id=row.id, event=event, received_at=row.received_at)
 
 
 def reclamation_pb(record: dict[str, Any]) -> pb.Reclamation:
@@ -319,58 +311,27 @@ def contracts_pb(report: ContractsReport) -> pb.ListWorkloadContractsReply:
     return reply
 
 
+M = TypeVar("M", bound=Message)
+
+
+def _filled(message: M, source: object) -> M:
+    """`message` with each of its fields taken from `source`'s attribute of the same name: the
+    message is the list, so a field added to it is not forgotten here. None leaves an optional
+    field absent, as the wire means it."""
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(source, field.name)
+        if value is not None:
+            setattr(message, field.name, value)
+    return message
+
+
 def worker_pb(w: wm.Worker) -> pb.WorkerInfo:
-    info = pb.WorkerInfo(
-        worker_id=w.worker_id,
-        node_id=w.node_id,
-        model=w.model,
-        image=w.image,
-        port=w.port,
-        capacity=w.capacity,
-        state=w.state,
-        gate_address=w.gate_address,
-        slots_in_use=w.slots_in_use,
-        drain_reason=w.drain_reason,
-        kind=w.kind,
-    )
-    if w.grace_deadline is not None:
-        info.grace_deadline = w.grace_deadline
-    if w.terminate_at is not None:
-        info.terminate_at = w.terminate_at
-    return info
+    return _filled(pb.WorkerInfo(), w)
 
 
 def route_pb(e: RouteEntry) -> pb.Route:
-    return pb.Route(
-        worker_id=e.worker_id,
-        node_id=e.node_id,
-        model=e.model,
-        address=e.address,
-        slots_in_use=e.slots_in_use,
-        capacity=e.capacity,
-    )
+    return _filled(pb.Route(), e)
 
 
 def rental_pb(r: Rental) -> pb.Rental:
-    out = pb.Rental(
-        rental_id=r.rental_id,
-        node_id=r.node_id,
-        provider=r.provider,
-        renter=r.renter,
-        image=r.image,
-        gpus=r.gpus,
-        state=r.state,
-        started_at=r.started_at,
-        ended_by=r.ended_by,
-        started_on_spot=r.started_on_spot,
-        reclaim_id=r.reclaim_id,
-        reclaim_reason=r.reclaim_reason,
-        detail=r.detail,
-    )
-    if r.ended_at is not None:
-        out.ended_at = r.ended_at
-    if r.reclaim_at is not None:
-        out.reclaim_at = r.reclaim_at
-    if r.exit_code is not None:
-        out.exit_code = r.exit_code
-    return out
+    return _filled(pb.Rental(), r)

@@ -79,29 +79,30 @@ def _check_string(name: str, value: object, bound: int | None = limits.MAX_STRIN
         raise BadRequest(f"{name[:100]} is {len(value)} characters, at most {bound}")
 
 
+T = TypeVar("T")
+M = TypeVar("M", bound=Message)
+
+
 # --- from agents -----------------------------------------------------------------------------
 
 
+def _taken(cls: type[T], message: Message, **checked: Any) -> T:
+    """A `cls` from `message`'s fields of the same names, `checked` replacing those that are
+    read through a check."""
+    fields = {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}
+    return cls(**(fields | checked))
+
+
 def worker_report(r: pb.WorkerReport) -> msg.WorkerReport:
-    return msg.WorkerReport(
-        worker_id=check_id(r.worker_id, "worker_id"),
-        state=r.state,
-        gate_address=r.gate_address,
-        capacity=r.capacity,
-        exit_code=r.exit_code,
-        reason=r.reason,
-    )
+    return _taken(msg.WorkerReport, r, worker_id=check_id(r.worker_id, "worker_id"))
 
 
 def rental_report(r: pb.RentalReport) -> msg.RentalReport:
-    return msg.RentalReport(
+    return _taken(
+        msg.RentalReport,
+        r,
         rental_id=check_id(r.rental_id, "rental_id"),
-        state=r.state,
-        container=r.container,
-        exit_code=r.exit_code,
-        reason=r.reason,
         reclaim_id=check_id(r.reclaim_id, "reclaim_id", required=False),
-        reclaim_reason=r.reclaim_reason,
         reclaim_at=finite(r.reclaim_at, "reclaim_at"),
     )
 
@@ -261,28 +262,11 @@ def node_pb(n: NodeStatus) -> pb.Node:
 
 
 def model_pb(m: ModelStatus) -> pb.Model:
-    return pb.Model(
-        model=m.row.model,
-        replicas=m.row.replicas,
-        image=m.row.image,
-        slots=m.row.slots,
-        ready=m.ready,
-        starting=m.starting,
-        draining=m.draining,
-    )
+    return _filled(pb.Model, m.row, ready=m.ready, starting=m.starting, draining=m.draining)
 
 
 def reputation_pb(node_id: str, provider: str, score: reputation.Score) -> pb.Reputation:
-    return pb.Reputation(
-        node_id=node_id,
-        provider=provider,
-        score=score.value,
-        successes=score.successes,
-        failures=score.failures,
-        counted=score.counted,
-        excluded_spot=score.excluded_spot,
-        neutral_reclaims=score.neutral_reclaims,
-    )
+    return _filled(pb.Reputation, score, node_id=node_id, provider=provider, score=score.value)
 
 
 def timeline_pb(record: dict[str, Any], events: Sequence[EventRow]) -> pb.Timeline:
@@ -290,48 +274,33 @@ def timeline_pb(record: dict[str, Any], events: Sequence[EventRow]) -> pb.Timeli
 
 
 def contracts_pb(report: ContractsReport) -> pb.ListWorkloadContractsReply:
-    reply = pb.ListWorkloadContractsReply(
-        budget=report.policy.budget,
-        min_reclamations=report.policy.min_reclamations,
-        no_spot_for_flagged=report.policy.no_spot_for_flagged,
-    )
-    for r in report.rows:
-        c = reply.contracts.add(
-            image=r.image,
-            kind=r.kind,
-            exited=r.exited,
-            killed=r.killed,
-            overrun=r.overrun,
-            reclamations=r.reclamations,
-            share=r.failed_share,
-            flagged=r.flagged_at is not None,
-        )
-        if r.flagged_at is not None:
-            c.flagged_at = r.flagged_at
-    return reply
+    contracts = [
+        _filled(pb.WorkloadContract, r, share=r.failed_share, flagged=r.flagged_at is not None)
+        for r in report.rows
+    ]
+    return _filled(pb.ListWorkloadContractsReply, report.policy, contracts=contracts)
 
 
-M = TypeVar("M", bound=Message)
-
-
-def _filled(message: M, source: object) -> M:
-    """`message` with each of its fields taken from `source`'s attribute of the same name: the
-    message is the list, so a field added to it is not forgotten here. None leaves an optional
-    field absent, as the wire means it."""
+def _filled(cls: type[M], source: object, **given: Any) -> M:
+    """A `cls` message with each field not `given` taken from `source`'s attribute of the same
+    name: the message is the list, so a field added to it is not forgotten here. None leaves an
+    optional field absent, as the wire means it."""
+    message = cls(**given)
     for field in message.DESCRIPTOR.fields:
-        value = getattr(source, field.name)
-        if value is not None:
-            setattr(message, field.name, value)
+        if field.name not in given:
+            value = getattr(source, field.name)
+            if value is not None:
+                setattr(message, field.name, value)
     return message
 
 
 def worker_pb(w: wm.Worker) -> pb.WorkerInfo:
-    return _filled(pb.WorkerInfo(), w)
+    return _filled(pb.WorkerInfo, w)
 
 
 def route_pb(e: RouteEntry) -> pb.Route:
-    return _filled(pb.Route(), e)
+    return _filled(pb.Route, e)
 
 
 def rental_pb(r: Rental) -> pb.Rental:
-    return _filled(pb.Rental(), r)
+    return _filled(pb.Rental, r)

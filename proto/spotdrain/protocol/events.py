@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from spotdrain.v1 import spotdrain_pb2 as pb
@@ -121,15 +121,14 @@ class EventRecord(EventHead):
 
 
 def event_message(ev: EventHead, details_json: str) -> pb.Event:
-    """The wire's Event, for the agent's link and the coordinator's answers alike."""
-    msg = pb.Event(
-        uid=ev.uid,
-        kind=ev.kind,
-        node_id=ev.node_id,
-        reclaim_id=ev.reclaim_id,
-        wall_time=ev.wall_time,
-        details_json=details_json,
-    )
-    if ev.t_offset_s is not None:  # absent outside a reclamation, not 0
-        msg.t_offset_s = ev.t_offset_s
+    """The wire's Event, for the agent's link and the coordinator's answers alike: the head's
+    fields by the same names."""
+    msg = pb.Event(details_json=details_json)
+    for name in _HEAD_FIELDS:
+        value = getattr(ev, name)
+        if value is not None:  # t_offset_s: absent outside a reclamation, not 0
+            setattr(msg, name, value)
     return msg
+
+
+_HEAD_FIELDS = tuple(f.name for f in fields(EventHead))

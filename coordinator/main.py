@@ -27,7 +27,7 @@ from spotdrain.coordinator.store import StoreError, open_store
 from spotdrain.net.security import server_credentials, warn_insecure
 from spotdrain.protocol import limits, timing
 from spotdrain.runtime import systemd
-from spotdrain.runtime.cli import ArgumentParser, UsageError, fail_usage, host_port, seconds
+from spotdrain.runtime.cli import ArgumentParser, UsageError, add_bounded, fail_usage, host_port
 from spotdrain.runtime.metrics import serve as metrics_serve
 from spotdrain.runtime.supervisor import Supervisor
 from spotdrain.v1 import spotdrain_pb2 as pb
@@ -50,26 +50,32 @@ def parser() -> ArgumentParser:
     p.add_argument("--tls-cert")
     p.add_argument("--tls-key")
     p.add_argument("--client-ca", help="CA that signs node and operator certificates")
-    p.add_argument(
+    add_bounded(
+        p,
         "--start-timeout-s",
-        type=seconds(0.1, 86400),
-        default=timing.START_TIMEOUT_S,
-        help="a worker not started this long after it was placed is given up (default %(default)g)",
+        0.1,
+        86400,
+        timing.START_TIMEOUT_S,
+        "a worker not started this long after it was placed is given up",
     )
     p.add_argument(
         "--metrics-listen", default="", help="serve Prometheus /metrics on HOST:PORT (default: off)"
     )
-    p.add_argument(
+    add_bounded(
+        p,
         "--heartbeat-ttl-s",
-        type=seconds(0.1, 3600),
-        default=timing.HEARTBEAT_TTL_S,
-        help="a ready worker without a heartbeat this long is missing (default %(default)g)",
+        0.1,
+        3600,
+        timing.HEARTBEAT_TTL_S,
+        "a ready worker without a heartbeat this long is missing",
     )
-    p.add_argument(
+    add_bounded(
+        p,
         "--node-gone-s",
-        type=seconds(0.1, 30 * 86400),
-        default=timing.NODE_GONE_S,
-        help="rentals on a node disconnected this long end as platform (default %(default)g)",
+        0.1,
+        30 * 86400,
+        timing.NODE_GONE_S,
+        "rentals on a node disconnected this long end as platform",
     )
     p.add_argument(
         "--acquirers",
@@ -77,12 +83,13 @@ def parser() -> ArgumentParser:
         help="TOML file: replacement acquirers per node group and the avoidance window "
         "(default: none; see README)",
     )
-    p.add_argument(
+    add_bounded(
+        p,
         "--contract-budget",
-        type=seconds(0, 1),
-        default=DEFAULT_BUDGET,
-        help="share of an image's reclamations that may end killed at G or overrun before it is "
-        f"flagged (default {DEFAULT_BUDGET})",
+        0,
+        1,
+        DEFAULT_BUDGET,
+        "share of an image's reclamations that may end killed at G or overrun before it is flagged",
     )
     p.add_argument(
         "--contract-min",

@@ -13,6 +13,7 @@ from typing import Any, Self
 
 from spotdrain.agent.core.reclamation_commands import SIGKILL, SIGTERM
 from spotdrain.protocol.machine import StateMachine, StoryEntry, Table
+from spotdrain.protocol.records import refuse_unknown_fields
 
 # The reclamation's own phase: tainting until a taint is in force, then draining; done once
 # verified empty, cancelled or resumed.
@@ -165,8 +166,5 @@ class ReclamationRecord(StateMachine[str, str]):
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Self:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(doc) - names
-        if unknown:
-            raise ValueError(f"reclamation bundle has unknown fields {sorted(unknown)}")
+        refuse_unknown_fields(doc, (f.name for f in dataclasses.fields(cls)), "reclamation bundle")
         return cls(**doc)

@@ -30,7 +30,7 @@ from spotdrain.agent.drain.outbox import Outbox, bounded_details, details_json
 from spotdrain.net.leader import Replicas, leader_hint
 from spotdrain.net.security import channel_credentials
 from spotdrain.protocol import limits, timing
-from spotdrain.protocol.events import EventRecord
+from spotdrain.protocol.events import EventRecord, event_message
 from spotdrain.protocol.limits import MAX_AGENT_MESSAGE_BYTES, MAX_BATCH_BYTES, MAX_BATCH_EVENTS
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
@@ -83,17 +83,7 @@ def to_pb(ev: EventRecord) -> pb.Event:
             ev.uid,
             original_bytes,
         )
-    msg = pb.Event(
-        uid=ev.uid,
-        kind=ev.kind,
-        node_id=ev.node_id,
-        reclaim_id=ev.reclaim_id,
-        wall_time=ev.wall_time,
-        details_json=details_json(details),
-    )
-    if ev.t_offset_s is not None:
-        msg.t_offset_s = ev.t_offset_s
-    return msg
+    return event_message(ev, details_json(details))
 
 
 def _varint_bytes(n: int) -> int:

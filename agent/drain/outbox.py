@@ -158,13 +158,7 @@ class Outbox:
                 MAX_DETAILS_BYTES,
             )
         return EventRecord(
-            uid=str(uuid.uuid4()),
-            kind=kind,
-            node_id=node_id,
-            reclaim_id=reclaim_id,
-            wall_time=wall_time,
-            t_offset_s=t_offset_s,
-            details=details,
+            str(uuid.uuid4()), kind, node_id, reclaim_id, wall_time, t_offset_s, details
         )
 
     def put(self, event: EventRecord) -> EventRecord:
@@ -262,15 +256,8 @@ class Outbox:
         """The count of dropped events so far, as one event at the head of the queue."""
         if not self._dropped:
             return
-        counted = EventRecord(
-            uid=str(uuid.uuid4()),
-            kind=DROPPED_KIND,
-            node_id=self._dropped_node,
-            reclaim_id="",
-            wall_time=time.time(),
-            t_offset_s=None,
-            details={"count": sum(self._dropped.values()), "kinds": dict(self._dropped)},
-        )
+        details = {"count": sum(self._dropped.values()), "kinds": dict(self._dropped)}
+        counted = self.event(DROPPED_KIND, self._dropped_node, "", time.time(), None, details)
         self._dropped.clear()
         self._memory[counted.uid] = counted
         self._memory.move_to_end(counted.uid, last=False)

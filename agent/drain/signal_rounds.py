@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from spotdrain.agent.core.reclamation_commands import SIGTERM, SignalContainers
 from spotdrain.agent.core.reclamation_events import (
@@ -37,6 +38,8 @@ from spotdrain.agent.workloads.docker_engine import (
 from spotdrain.agent.workloads.status_dirs import StatusDirs
 
 log = logging.getLogger("spotdrain.agent.drain")
+
+T = TypeVar("T")
 Answer = asyncio.Future[tuple[str, ...]]
 
 
@@ -155,26 +158,15 @@ class SignalRounds:
 
     async def _observe(self, rid: str) -> None:
         """Verification by observation: Docker and NVML must both answer, and both be empty."""
-        errors = []
-        running: tuple[str, ...] = ()
-        rentals: tuple[str, ...] = ()
-        pids: tuple[int, ...] = ()
+        errors: list[str] = []
         docker_result, gpu_result = await asyncio.gather(
             self.docker.running(), self.nvml.processes(), return_exceptions=True
         )
-        if isinstance(docker_result, DockerUnavailable):
-            errors.append(f"docker: {docker_result}")
-        elif isinstance(docker_result, BaseException):
-            raise docker_result
-        else:
-            running = tuple(c.id for c in docker_result)
-            rentals = tuple(c.id for c in docker_result if c.kind == RENTAL_KIND)
-        if isinstance(gpu_result, GpuError):
-            errors.append(f"nvml: {gpu_result}")
-        elif isinstance(gpu_result, BaseException):
-            raise gpu_result
-        else:
-            pids = tuple(p.pid for p in gpu_result)
+        containers = _observed(docker_result, DockerUnavailable, "docker", errors) or []
+        gpu_processes = _observed(gpu_result, GpuError, "nvml", errors) or []
+        running = tuple(c.id for c in containers)
+        rentals = tuple(c.id for c in containers if c.kind == RENTAL_KIND)
+        pids = tuple(p.pid for p in gpu_processes)
         log.debug(
             "node %s reclamation %s: observed containers %s, GPU pids %s, errors %s",
             self.node_id,
@@ -188,3 +180,16 @@ class SignalRounds:
     def close(self) -> None:
         for ahead in self.listed_ahead.values():
             ahead.cancel()
+
+
+def _observed(
+    result: T | BaseException, expected: type[Exception], what: str, errors: list[str]
+) -> T | None:
+    """One adapter's answer from gather(): its expected failure is noted in `errors` (None: the
+    observation is incomplete, never empty); anything else is a bug and raised."""
+    if isinstance(result, expected):
+        errors.append(f"{what}: {result}")
+        return None
+    if isinstance(result, BaseException):
+        raise result
+    return result

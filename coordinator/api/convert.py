@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
@@ -23,6 +23,7 @@ from spotdrain.coordinator.core.rental import Rental
 from spotdrain.coordinator.fleet.route_table import RouteEntry
 from spotdrain.coordinator.store import EventRow, NewEvent, TaintRow
 from spotdrain.protocol import limits
+from spotdrain.protocol.events import event_message
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 MAX_ID_CHARS = 256
@@ -78,29 +79,30 @@ def _check_string(name: str, value: object, bound: int | None = limits.MAX_STRIN
         raise BadRequest(f"{name[:100]} is {len(value)} characters, at most {bound}")
 
 
+T = TypeVar("T")
+M = TypeVar("M", bound=Message)
+
+
 # --- from agents -----------------------------------------------------------------------------
 
 
+def _taken(cls: type[T], message: Message, **checked: Any) -> T:
+    """A `cls` from `message`'s fields of the same names, `checked` replacing those that are
+    read through a check."""
+    fields = {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}
+    return cls(**(fields | checked))
+
+
 def worker_report(r: pb.WorkerReport) -> msg.WorkerReport:
-    return msg.WorkerReport(
-        worker_id=check_id(r.worker_id, "worker_id"),
-        state=r.state,
-        gate_address=r.gate_address,
-        capacity=r.capacity,
-        exit_code=r.exit_code,
-        reason=r.reason,
-    )
+    return _taken(msg.WorkerReport, r, worker_id=check_id(r.worker_id, "worker_id"))
 
 
 def rental_report(r: pb.RentalReport) -> msg.RentalReport:
-    return msg.RentalReport(
+    return _taken(
+        msg.RentalReport,
+        r,
         rental_id=check_id(r.rental_id, "rental_id"),
-        state=r.state,
-        container=r.container,
-        exit_code=r.exit_code,
-        reason=r.reason,
         reclaim_id=check_id(r.reclaim_id, "reclaim_id", required=False),
-        reclaim_reason=r.reclaim_reason,
         reclaim_at=finite(r.reclaim_at, "reclaim_at"),
     )
 
@@ -218,17 +220,8 @@ def _fields(command: Any) -> dict[str, Any]:
 
 
 def event_pb(row: EventRow) -> pb.StoredEvent:
-    ev = pb.Event(
-        uid=row.uid,
-        kind=row.kind,
-        node_id=row.node_id,
-        reclaim_id=row.reclaim_id,
-        wall_time=row.wall_time,
-        details_json=row.details_json,
-    )
-    if row.t_offset_s is not None:
-        ev.t_offset_s = row.t_offset_s
-    return pb.StoredEvent(id=row.id, event=ev, received_at=row.received_at)
+    event = event_message(row, row.details_json)
+    return pb.StoredEvent(id=row.id, event=event, received_at=row.received_at)
 
 
 def reclamation_pb(record: dict[str, Any]) -> pb.Reclamation:
@@ -269,28 +262,11 @@ def node_pb(n: NodeStatus) -> pb.Node:
 
 
 def model_pb(m: ModelStatus) -> pb.Model:
-    return pb.Model(
-        model=m.row.model,
-        replicas=m.row.replicas,
-        image=m.row.image,
-        slots=m.row.slots,
-        ready=m.ready,
-        starting=m.starting,
-        draining=m.draining,
-    )
+    return _filled(pb.Model, m.row, ready=m.ready, starting=m.starting, draining=m.draining)
 
 
 def reputation_pb(node_id: str, provider: str, score: reputation.Score) -> pb.Reputation:
-    return pb.Reputation(
-        node_id=node_id,
-        provider=provider,
-        score=score.value,
-        successes=score.successes,
-        failures=score.failures,
-        counted=score.counted,
-        excluded_spot=score.excluded_spot,
-        neutral_reclaims=score.neutral_reclaims,
-    )
+    return _filled(pb.Reputation, score, node_id=node_id, provider=provider, score=score.value)
 
 
 def timeline_pb(record: dict[str, Any], events: Sequence[EventRow]) -> pb.Timeline:
@@ -298,79 +274,33 @@ def timeline_pb(record: dict[str, Any], events: Sequence[EventRow]) -> pb.Timeli
 
 
 def contracts_pb(report: ContractsReport) -> pb.ListWorkloadContractsReply:
-    reply = pb.ListWorkloadContractsReply(
-        budget=report.policy.budget,
-        min_reclamations=report.policy.min_reclamations,
-        no_spot_for_flagged=report.policy.no_spot_for_flagged,
-    )
-    for r in report.rows:
-        c = reply.contracts.add(
-            image=r.image,
-            kind=r.kind,
-            exited=r.exited,
-            killed=r.killed,
-            overrun=r.overrun,
-            reclamations=r.reclamations,
-            share=r.failed_share,
-            flagged=r.flagged_at is not None,
-        )
-        if r.flagged_at is not None:
-            c.flagged_at = r.flagged_at
-    return reply
+    contracts = [
+        _filled(pb.WorkloadContract, r, share=r.failed_share, flagged=r.flagged_at is not None)
+        for r in report.rows
+    ]
+    return _filled(pb.ListWorkloadContractsReply, report.policy, contracts=contracts)
+
+
+def _filled(cls: type[M], source: object, **given: Any) -> M:
+    """A `cls` message with each field not `given` taken from `source`'s attribute of the same
+    name: the message is the list, so a field added to it is not forgotten here. None leaves an
+    optional field absent, as the wire means it."""
+    message = cls(**given)
+    for field in message.DESCRIPTOR.fields:
+        if field.name not in given:
+            value = getattr(source, field.name)
+            if value is not None:
+                setattr(message, field.name, value)
+    return message
 
 
 def worker_pb(w: wm.Worker) -> pb.WorkerInfo:
-    info = pb.WorkerInfo(
-        worker_id=w.worker_id,
-        node_id=w.node_id,
-        model=w.model,
-        image=w.image,
-        port=w.port,
-        capacity=w.capacity,
-        state=w.state,
-        gate_address=w.gate_address,
-        slots_in_use=w.slots_in_use,
-        drain_reason=w.drain_reason,
-        kind=w.kind,
-    )
-    if w.grace_deadline is not None:
-        info.grace_deadline = w.grace_deadline
-    if w.terminate_at is not None:
-        info.terminate_at = w.terminate_at
-    return info
+    return _filled(pb.WorkerInfo, w)
 
 
 def route_pb(e: RouteEntry) -> pb.Route:
-    return pb.Route(
-        worker_id=e.worker_id,
-        node_id=e.node_id,
-        model=e.model,
-        address=e.address,
-        slots_in_use=e.slots_in_use,
-        capacity=e.capacity,
-    )
+    return _filled(pb.Route, e)
 
 
 def rental_pb(r: Rental) -> pb.Rental:
-    out = pb.Rental(
-        rental_id=r.rental_id,
-        node_id=r.node_id,
-        provider=r.provider,
-        renter=r.renter,
-        image=r.image,
-        gpus=r.gpus,
-        state=r.state,
-        started_at=r.started_at,
-        ended_by=r.ended_by,
-        started_on_spot=r.started_on_spot,
-        reclaim_id=r.reclaim_id,
-        reclaim_reason=r.reclaim_reason,
-        detail=r.detail,
-    )
-    if r.ended_at is not None:
-        out.ended_at = r.ended_at
-    if r.reclaim_at is not None:
-        out.reclaim_at = r.reclaim_at
-    if r.exit_code is not None:
-        out.exit_code = r.exit_code
-    return out
+    return _filled(pb.Rental, r)

@@ -38,6 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from spotdrain.protocol.records import refuse_unknown_fields
+
 STARTING = "starting"
 RUNNING = "running"
 ENDED = "ended"
@@ -165,10 +167,7 @@ class Rental:
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Rental:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(doc) - names
-        if unknown:
-            raise ValueError(f"rental record has unknown fields {sorted(unknown)}")
+        refuse_unknown_fields(doc, (f.name for f in dataclasses.fields(cls)), "rental record")
         if doc.get("state", STARTING) not in STATES:
             raise ValueError(f"rental record has unknown state {doc['state']!r}")
         fields = dict(doc)

@@ -46,6 +46,7 @@ from spotdrain.coordinator.core.worker_effects import (
     WorkerEvent,
 )
 from spotdrain.protocol.machine import StateMachine, StoryEntry, Table
+from spotdrain.protocol.records import refuse_unknown_fields
 
 STARTING = "starting"
 READY = "ready"
@@ -378,9 +379,7 @@ class Worker(StateMachine[str, Callable[["Worker"], list[Effect]]]):
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Worker:
-        unknown = set(doc) - set(_FIELD_NAMES)
-        if unknown:
-            raise ValueError(f"worker record has unknown fields {sorted(unknown)}")
+        refuse_unknown_fields(doc, _FIELD_NAMES, "worker record")
         fields = dict(doc)
         if fields.get("state", STARTING) not in STATES:
             raise ValueError(f"worker record has unknown state {fields['state']!r}")

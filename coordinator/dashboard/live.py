@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 
 from spotdrain.coordinator.fleet.eventlog import EventLog
 from spotdrain.coordinator.store import Store
+from spotdrain.runtime.watchers import Watchers
 
 log = logging.getLogger("spotdrain.coordinator.dashboard")
 
@@ -41,27 +42,23 @@ class LiveTimelines:
         self.store = store
         self.message_for = message_for  # reclaim id -> the message every watcher gets
         self.max_watchers = max_watchers
-        self._watchers: dict[str, set[asyncio.Queue[str]]] = {}
+        self._watchers: Watchers[str, str] = Watchers()
         self._follower: asyncio.Task[None] | None = None
         self._last_id: int | None = None
 
     def count(self) -> int:
-        return sum(len(queues) for queues in self._watchers.values())
+        return len(self._watchers)
 
     def watch(self, reclaim_id: str) -> asyncio.Queue[str]:
         if self.count() >= self.max_watchers:
             raise TooManyWatchers(f"{self.max_watchers} live pages open already")
-        queue: asyncio.Queue[str] = asyncio.Queue(maxsize=1)
-        self._watchers.setdefault(reclaim_id, set()).add(queue)
+        queue = self._watchers.add(reclaim_id, asyncio.Queue(maxsize=1))
         if self._follower is None or self._follower.done():
             self._follower = asyncio.get_running_loop().create_task(self._follow())
         return queue
 
     def unwatch(self, reclaim_id: str, queue: asyncio.Queue[str]) -> None:
-        queues = self._watchers.get(reclaim_id, set())
-        queues.discard(queue)
-        if not queues:
-            self._watchers.pop(reclaim_id, None)
+        self._watchers.remove(reclaim_id, queue)
 
     async def close(self) -> None:
         if self._follower is not None:
@@ -89,7 +86,7 @@ class LiveTimelines:
                     log.exception("live timeline %s: could not draw it", reclaim_id)
                     continue
                 if message is not None:
-                    for queue in list(self._watchers.get(reclaim_id, ())):
+                    for queue in self._watchers.of(reclaim_id):
                         offer(queue, message)
             await self.events.wait(timeout=NOTIFY_BOUND_S)
 

@@ -17,6 +17,7 @@ from spotdrain.coordinator.core.admission import PlacementRequest
 from spotdrain.coordinator.core.rental import Rental
 from spotdrain.coordinator.fleet.placer import Gate
 from spotdrain.coordinator.fleet.registry import FleetState, SendCommand
+from spotdrain.runtime.watchers import Watchers
 
 log = logging.getLogger("spotdrain.coordinator.core.rental")
 
@@ -42,7 +43,7 @@ class RentalBook:
         # A node's GPUs came free (a rental's container gone): the capacity keeper's turn.
         self.gpus_freed = gpus_freed
         # Each rental's watchers (WatchRental streams): a queue of snapshots each.
-        self.watchers: dict[str, set[asyncio.Queue[Rental]]] = {}
+        self.watchers: Watchers[str, Rental] = Watchers()
 
     # --- reading -----------------------------------------------------------------------------
 
@@ -227,7 +228,7 @@ class RentalBook:
         holding = await store.rental_docs(rental.node_id, holding_only=True)
         self.nodes.rental_gpus[rental.node_id] = sum(int(d["gpus"]) for d in holding)
         self.nodes.load_changed(rental.node_id)
-        for queue in self.watchers.get(rental.rental_id, ()):
+        for queue in self.watchers.of(rental.rental_id):
             queue.put_nowait(Rental.from_json(rental.to_json()))
 
     def _send_start(self, rental: Rental) -> None:
@@ -245,12 +246,7 @@ class RentalBook:
         self.send(rental.node_id, msg.StopRental(rental_id=rental.rental_id, reason=reason))
 
     def watch(self, rental_id: str) -> asyncio.Queue[Rental]:
-        queue: asyncio.Queue[Rental] = asyncio.Queue()
-        self.watchers.setdefault(rental_id, set()).add(queue)
-        return queue
+        return self.watchers.add(rental_id, asyncio.Queue())
 
     def unwatch(self, rental_id: str, queue: asyncio.Queue[Rental]) -> None:
-        watchers = self.watchers.get(rental_id, set())
-        watchers.discard(queue)
-        if not watchers:
-            self.watchers.pop(rental_id, None)
+        self.watchers.remove(rental_id, queue)

@@ -11,6 +11,8 @@ import asyncio
 import time
 from dataclasses import dataclass, replace
 
+from spotdrain.runtime.watchers import Watchers
+
 WATCH_BACKLOG = 10_000  # changes a watcher may be behind before its stream is ended
 
 
@@ -38,7 +40,7 @@ class RouteTable:
         self.version = time.time_ns() // 1000
         self._routes: dict[str, dict[str, RouteEntry]] = {}
         self._model_of: dict[str, str] = {}
-        self._watchers: dict[str, set[asyncio.Queue[RouteChange]]] = {}
+        self._watchers: Watchers[str, RouteChange] = Watchers()
         self._overflowed: set[asyncio.Queue[RouteChange]] = set()
 
     def snapshot(self, model: str) -> tuple[int, list[RouteEntry]]:
@@ -75,15 +77,13 @@ class RouteTable:
         )
 
     def subscribe(self, model: str) -> asyncio.Queue[RouteChange]:
-        queue: asyncio.Queue[RouteChange] = asyncio.Queue(maxsize=WATCH_BACKLOG)
-        self._watchers.setdefault(model, set()).add(queue)
-        return queue
+        return self._watchers.add(model, asyncio.Queue(maxsize=WATCH_BACKLOG))
 
     def overflowed(self, queue: asyncio.Queue[RouteChange]) -> bool:
         return queue in self._overflowed
 
     def unsubscribe(self, model: str, queue: asyncio.Queue[RouteChange]) -> None:
-        self._watchers.get(model, set()).discard(queue)
+        self._watchers.remove(model, queue)
         self._overflowed.discard(queue)
 
     def _bump(self) -> int:
@@ -91,13 +91,13 @@ class RouteTable:
         return self.version
 
     def _publish(self, model: str, change: RouteChange) -> None:
-        for queue in list(self._watchers.get(model, ())):
+        for queue in self._watchers.of(model):
             try:
                 queue.put_nowait(change)
             except asyncio.QueueFull:
                 # A watcher this far behind gets no more changes: its stream ends and the
                 # router re-snapshots (memory stays bounded whatever a router does).
-                self._watchers[model].discard(queue)
+                self._watchers.remove(model, queue)
                 self._overflowed.add(queue)
 
 

@@ -36,7 +36,7 @@ from spotdrain.coordinator.api.errors import end_call
 from spotdrain.coordinator.replicas import lease as lm
 from spotdrain.coordinator.store import Store, StoreError
 from spotdrain.net.leader import LEADER_KEY  # trailing metadata: the leader's --advertise address
-from spotdrain.runtime.cli import ArgumentParser, UsageError, host_port, seconds
+from spotdrain.runtime.cli import ArgumentParser, UsageError, add_bounded, host_port
 from spotdrain.v1 import spotdrain_pb2 as pb
 
 log = logging.getLogger("spotdrain.coordinator.replicas.leadership")
@@ -62,17 +62,14 @@ def add_arguments(p: ArgumentParser) -> None:
         help="HOST:PORT clients reach this replica at: runs it as one of several replicas on a "
         "PostgreSQL --db, one leading through a lease (default: a single coordinator)",
     )
-    p.add_argument(
-        "--lease-ttl-s",
-        type=seconds(0.01, 3600),
-        default=DEFAULT_TTL_S,
-        help=f"replicas: the leader lease's TTL (default {DEFAULT_TTL_S})",
-    )
-    p.add_argument(
+    add_bounded(p, "--lease-ttl-s", 0.01, 3600, DEFAULT_TTL_S, "replicas: the leader lease's TTL")
+    add_bounded(
+        p,
         "--lease-renew-s",
-        type=seconds(0.01, 3600),
-        default=DEFAULT_RENEW_S,
-        help=f"replicas: how often the leader renews it (default {DEFAULT_RENEW_S})",
+        0.01,
+        3600,
+        DEFAULT_RENEW_S,
+        "replicas: how often the leader renews it",
     )
 
 

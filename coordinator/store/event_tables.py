@@ -15,8 +15,9 @@ from spotdrain.coordinator.store.rows import (
 )
 from spotdrain.coordinator.store.transactions import Transactions
 
+# EventRow's field order (its EventHead first).
 _EVENT_COLUMNS = (
-    "id, uid, kind, node_id, reclaim_id, wall_time, t_offset_s, details_json, received_at"
+    "uid, kind, node_id, reclaim_id, wall_time, t_offset_s, id, details_json, received_at"
 )
 _CONTRACT_COLUMNS = "image, kind, exited, killed, overrun, flagged_at"
 EVENTS_PER_TRANSACTION = 100

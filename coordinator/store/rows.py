@@ -5,18 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from spotdrain.protocol.events import EventRecord
+from spotdrain.protocol.events import EventHead, EventRecord
 
 
 @dataclass(frozen=True)
-class EventRow:
+class EventRow(EventHead):
+    """A stored event; its fields in the order event_tables reads its columns."""
+
     id: int
-    uid: str
-    kind: str
-    node_id: str
-    reclaim_id: str
-    wall_time: float
-    t_offset_s: float | None
     details_json: str
     received_at: float
 

@@ -14,6 +14,21 @@ from spotdrain.coordinator.store.transactions import Transactions
 
 
 class WorkloadTables(Transactions):
+    async def _docs(
+        self, table: str, equal: dict[str, str | None], where: str, order: str
+    ) -> list[dict[str, Any]]:
+        """The documents of `table`'s rows whose columns equal `equal`'s values (None: any) and
+        that meet `where` (SQL of our own, "" for none), in `order`."""
+        sql, args = f"SELECT doc_json FROM {table} WHERE 1=1", []
+        for column, value in equal.items():
+            if value is not None:
+                sql += f" AND {column}=?"
+                args.append(value)
+        if where:
+            sql += f" AND {where}"
+        rows = await self._read(sql + f" ORDER BY {order}{self._c}", args)
+        return [json.loads(r[0]) for r in rows]
+
     # --- workers -----------------------------------------------------------------------------
 
     async def save_worker(
@@ -35,17 +50,9 @@ class WorkloadTables(Transactions):
     async def worker_docs(
         self, node_id: str | None = None, model: str | None = None, live_only: bool = False
     ) -> list[dict[str, Any]]:
-        sql, args = "SELECT doc_json FROM workers WHERE 1=1", []
-        if node_id is not None:
-            sql += " AND node_id=?"
-            args.append(node_id)
-        if model is not None:
-            sql += " AND model=?"
-            args.append(model)
-        if live_only:
-            sql += " AND state!='stopped'"
-        rows = await self._read(sql + f" ORDER BY created_at, worker_id{self._c}", args)
-        return [json.loads(r[0]) for r in rows]
+        live = "state!='stopped'" if live_only else ""
+        equal = {"node_id": node_id, "model": model}
+        return await self._docs("workers", equal, live, "created_at, worker_id")
 
     # --- drain state that outlives the process -----------------------------------------------
 
@@ -122,14 +129,8 @@ class WorkloadTables(Transactions):
         self, node_id: str | None = None, holding_only: bool = False
     ) -> list[dict[str, Any]]:
         """Rentals, oldest first; `holding_only`: those holding their node's GPUs."""
-        sql, args = "SELECT doc_json FROM rentals WHERE 1=1", []
-        if node_id is not None:
-            sql += " AND node_id=?"
-            args.append(node_id)
-        if holding_only:
-            sql += " AND ended_at IS NULL"
-        rows = await self._read(sql + f" ORDER BY started_at, rental_id{self._c}", args)
-        return [json.loads(r[0]) for r in rows]
+        holding = "ended_at IS NULL" if holding_only else ""
+        return await self._docs("rentals", {"node_id": node_id}, holding, "started_at, rental_id")
 
     async def active_rental_count(self, node_id: str) -> int:
         """Rentals holding the node (an ended one counts until its container has stopped)."""

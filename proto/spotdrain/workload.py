@@ -152,13 +152,17 @@ class Deadline:
 
     @classmethod
     def parse(cls, raw: bytes) -> Deadline:
-        if len(raw) > MAX_DEADLINE_BYTES:
-            raise DeadlineInvalid(f"deadline file larger than {MAX_DEADLINE_BYTES} bytes")
-        try:
-            doc = json.loads(raw, parse_constant=_no_constant)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise DeadlineInvalid(f"deadline file is not JSON: {e}") from None
-        return cls.from_json(doc)
+        return cls.from_json(_load(raw, MAX_DEADLINE_BYTES, DeadlineInvalid, "deadline file "))
+
+
+def _load(raw: bytes, limit: int, invalid: type[ValueError], what: str = "") -> Any:
+    """A file's JSON, at most `limit` bytes, NaN and infinities refused; `invalid` says why."""
+    if len(raw) > limit:
+        raise invalid(f"{what}larger than {limit} bytes")
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise invalid(f"{what}not JSON: {e}") from None
 
 
 def _no_constant(name: str) -> Any:
@@ -400,12 +404,7 @@ class Report:
 def parse_report(raw: bytes) -> Report:
     """A report file's content, checked; ReportInvalid says what is wrong. Unknown extra keys
     are ignored (a newer module copied into an older image's agent keeps working)."""
-    if len(raw) > MAX_REPORT_BYTES:
-        raise ReportInvalid(f"larger than {MAX_REPORT_BYTES} bytes")
-    try:
-        doc = json.loads(raw, parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ReportInvalid(f"not JSON: {e}") from None
+    doc = _load(raw, MAX_REPORT_BYTES, ReportInvalid)
     if not isinstance(doc, dict):
         raise ReportInvalid("not a JSON object")
     kind = doc.get("report")

@@ -25,6 +25,7 @@ EMITTERS = {
     "_emit": 0,
     "_tell": 0,  # the agent's state-write health
     "make_event": 0,
+    "event": 0,  # the outbox's Outbox.event (agent/drain/outbox.py)
     "NewEvent": 1,  # (uid, kind, ...)
     "EventRecord": 1,
 }
@@ -38,6 +39,7 @@ COMPUTED = {
 # from the wire (an agent's event, which may be newer than this coordinator: stored as sent).
 RELAYS = {
     ("agent/notices/hub.py", "kind"),  # the advisory book's Record commands
+    ("agent/drain/executor.py", "emit.kind"),  # the reclamation's Emit commands
     ("coordinator/api/convert.py", "ev.kind"),  # an agent's batch
     ("coordinator/fleet/eventlog.py", "kind"),  # record_soon's queue
     ("coordinator/fleet/wiring.py", "kind"),  # the worker machine's WorkerEvent

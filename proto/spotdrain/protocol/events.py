@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from spotdrain.v1 import spotdrain_pb2 as pb
@@ -100,10 +100,10 @@ def stored_event_to_dict(stored: pb.StoredEvent) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class EventRecord:
-    """One event as an agent's outbox holds it and the coordinator's store takes it (the wire's
-    Event): its uid makes a repeat harmless; wall_time is the sender's clock, t_offset_s the
-    seconds since its reclamation's notice (None outside one)."""
+class EventHead:
+    """What every event carries beside its details, wherever it is held: its uid makes a repeat
+    harmless; wall_time is the sender's clock, t_offset_s the seconds since its reclamation's
+    notice (None outside one)."""
 
     uid: str
     kind: str
@@ -111,4 +111,25 @@ class EventRecord:
     reclaim_id: str
     wall_time: float
     t_offset_s: float | None
+
+
+@dataclass(frozen=True)
+class EventRecord(EventHead):
+    """One event as an agent's outbox holds it and the coordinator's store takes it (the wire's
+    Event)."""
+
     details: dict[str, Any]
+
+
+def event_message(ev: EventHead, details_json: str) -> pb.Event:
+    """The wire's Event, for the agent's link and the coordinator's answers alike: the head's
+    fields by the same names."""
+    msg = pb.Event(details_json=details_json)
+    for name in _HEAD_FIELDS:
+        value = getattr(ev, name)
+        if value is not None:  # t_offset_s: absent outside a reclamation, not 0
+            setattr(msg, name, value)
+    return msg
+
+
+_HEAD_FIELDS = tuple(f.name for f in fields(EventHead))

@@ -49,3 +49,13 @@ def seconds(low: float, high: float):
         return value
 
     return parse
+
+
+def add_bounded(
+    p: argparse.ArgumentParser, flag: str, low: float, high: float, default: float, help: str
+) -> None:
+    """An option taking a finite number within [low, high] (see `seconds`); its help ends with
+    the default."""
+    p.add_argument(
+        flag, type=seconds(low, high), default=default, help=f"{help} (default {default:g})"
+    )

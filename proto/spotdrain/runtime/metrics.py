@@ -8,6 +8,7 @@ coordinator as it stores them: the two can never disagree about what a step took
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -37,66 +38,55 @@ STEP_BUCKETS = (
 
 class ReclamationMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.notice_to_taint = Histogram(
+        # Every series in this registry; the steps' histograms share one set of buckets.
+        step = partial(Histogram, buckets=STEP_BUCKETS, registry=registry)
+        count = partial(Counter, registry=registry)
+        self.notice_to_taint = step(
             "spotdrain_notice_to_taint_seconds",
             "From the notice (T0) to the node's taint in force (remote or local).",
             ["reason"],
-            buckets=STEP_BUCKETS,
-            registry=registry,
         )
-        self.notice_to_sigterm = Histogram(
+        self.notice_to_sigterm = step(
             "spotdrain_notice_to_sigterm_seconds",
             "From the notice (T0) to the first SIGTERM sent.",
             ["reason"],
-            buckets=STEP_BUCKETS,
-            registry=registry,
         )
-        self.notice_to_empty = Histogram(
+        self.notice_to_empty = step(
             "spotdrain_notice_to_verified_empty_seconds",
             "From the notice (T0) to the node verified empty by observation.",
             ["reason"],
-            buckets=STEP_BUCKETS,
-            registry=registry,
         )
-        self.drain_duration = Histogram(
+        self.drain_duration = step(
             "spotdrain_drain_duration_seconds",
             "From the notice (T0) to the reclamation's outcome (drained or overrun).",
             ["reason", "outcome"],
-            buckets=STEP_BUCKETS,
-            registry=registry,
         )
-        self.slot_wait = Histogram(
+        self.slot_wait = step(
             "spotdrain_slot_wait_seconds",
             "From a worker going draining to its last slot released (or its cut at G).",
-            buckets=STEP_BUCKETS,
-            registry=registry,
         )
-        self.reclamations = Counter(
+        self.reclamations = count(
             "spotdrain_reclamations_total",
             "Reclamations by outcome.",
             ["reason", "outcome"],
-            registry=registry,
         )
         # Exported at 0 from the start: a series that first appears at 1 hides that first
         # reclamation from increase(), and an overrun is rare enough that its first one matters.
         for reason in ("notice", "pause"):
             for outcome in ("drained", "overrun"):
                 self.reclamations.labels(reason, outcome)
-        self.local_taints = Counter(
+        self.local_taints = count(
             "spotdrain_local_taints_total",
             "Taints applied locally because the coordinator did not answer in time.",
-            registry=registry,
         )
-        self.interrupted = Counter(
+        self.interrupted = count(
             "spotdrain_interrupted_streams_total",
             "Requests cut while in flight (reported as interrupted, never as finished).",
-            registry=registry,
         )
-        self.refused = Counter(
+        self.refused = count(
             "spotdrain_refused_requests_total",
             "Requests a slot gate refused (draining or all slots busy).",
             ["why"],
-            registry=registry,
         )
         self._reason: dict[str, str] = {}
         self._seen: set[tuple[str, str]] = set()

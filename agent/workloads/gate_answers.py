@@ -32,22 +32,13 @@ from __future__ import annotations
 from aiohttp import hdrs, web
 
 from spotdrain.http import sse
-from spotdrain.http.sse import REQUEST_ID_HEADER
 
 
 def error_response(
     status: int, kind: str, message: str, retry_after: str, request_id: str | None = None
 ) -> web.Response:
     """The gate's own error, as JSON, with Retry-After (and the request id, once it has one)."""
-    headers = {hdrs.RETRY_AFTER: retry_after}
-    if request_id is not None:
-        headers[REQUEST_ID_HEADER] = request_id
-    return web.Response(
-        status=status,
-        body=sse.error_body(kind, message, request_id),
-        content_type="application/json",
-        headers=headers,
-    )
+    return sse.error_response(status, kind, message, request_id, {hdrs.RETRY_AFTER: retry_after})
 
 
 async def answer(request: web.BaseRequest, response: web.Response) -> web.StreamResponse:

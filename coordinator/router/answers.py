@@ -8,7 +8,6 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from spotdrain.http import sse
-from spotdrain.http.sse import REQUEST_ID_HEADER
 
 ROUTE_VERSION_HEADER = "X-Route-Version"
 WORKER_ID_HEADER = "X-Worker-Id"
@@ -67,14 +66,9 @@ def error_response(
     retry_after: bool = False,
     worker_id: str = "",
 ) -> web.Response:
-    headers = {REQUEST_ID_HEADER: request_id}
+    headers = {}
     if retry_after:
         headers[hdrs.RETRY_AFTER] = RETRY_AFTER_S
     if worker_id:
         headers[WORKER_ID_HEADER] = worker_id
-    return web.Response(
-        status=status,
-        body=sse.error_body(kind, message, request_id),
-        content_type="application/json",
-        headers=headers,
-    )
+    return sse.error_response(status, kind, message, request_id, headers)

@@ -68,6 +68,21 @@ def error_body(kind: str, message: str, request_id: str | None) -> bytes:
     return json.dumps({"error": error}).encode()
 
 
+def error_response(
+    status: int, kind: str, message: str, request_id: str | None, headers: dict[str, str]
+) -> web.Response:
+    """An error the gate or the router answers itself, as JSON, with the request id (once
+    there is one) beside the caller's own headers."""
+    if request_id is not None:
+        headers = {**headers, REQUEST_ID_HEADER: request_id}
+    return web.Response(
+        status=status,
+        body=error_body(kind, message, request_id),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
 def interrupted_event(message: str, request_id: str) -> bytes:
     """The SSE event that ends an interrupted stream, in place of `data: [DONE]`."""
     return b"event: error\ndata: " + error_body("interrupted", message, request_id) + b"\n\n"

@@ -60,6 +60,10 @@ BUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Config
 # --- the bus ----------------------------------------------------------------------------------
 
 
+# How long stop() waits for the bus to say it is closed.
+STOP_WAIT_S = 5.0
+
+
 @dataclass
 class PrivateBus:
     socket: Path
@@ -202,11 +206,14 @@ class FakeLogind:
         return sent_at
 
     async def stop(self) -> None:
+        """Bounded: a bus whose daemon is already gone may never report its end."""
         for task in list(self._tasks):
-            await task
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self.bus.disconnect()
         with contextlib.suppress(Exception):
-            await self.bus.wait_for_disconnect()
+            async with asyncio.timeout(STOP_WAIT_S):
+                await self.bus.wait_for_disconnect()
         for lock in self.locks:
             with contextlib.suppress(OSError):
                 os.close(lock.read_end)

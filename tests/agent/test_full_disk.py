@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from fakes.waiting import eventually
 from spotdrain.agent.config import AgentConfig
 from spotdrain.agent.core.notice import Notice
 from spotdrain.agent.core.reclamation import Margins, Reclamation
@@ -46,9 +47,11 @@ class Disk:
     def __init__(self) -> None:
         self.refuse: int | None = None
         self.writes: list[Path] = []
+        self.refused = 0  # writes refused so far: a retry tick's trace a test can wait for
 
     def __call__(self, path: Path, doc: Any, mode: int) -> None:
         if self.refuse is not None:
+            self.refused += 1
             raise OSError(self.refuse, os.strerror(self.refuse), str(path))
         write_json(path, doc, mode)
         self.writes.append(path)
@@ -354,10 +357,11 @@ async def test_a_notice_on_a_disk_that_refuses_every_write_is_answered_on_time(
     the deadline file and the held events are written, in order."""
     disk = Disk()
     disk.refuse = errno.ENOSPC
-    deadline_refused = {"on": True}
+    deadline_refused = {"on": True, "times": 0}
 
     def deadline_file(path: Path, *args: Any) -> None:
         if deadline_refused["on"]:
+            deadline_refused["times"] += 1
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         write_deadline_file(path, *args)
 
@@ -405,7 +409,13 @@ async def test_a_notice_on_a_disk_that_refuses_every_write_is_answered_on_time(
         outcome = await asyncio.wait_for(drains.settled("full-1"), 5)
         assert outcome == "drained"
         assert link.taints and engine.signals == [(engine.job.id, "SIGTERM")]
-        await asyncio.sleep(0.3)  # several retry ticks: still one report per path
+        # Several retry ticks of both refused paths (a barrier, not a sleep): still one report
+        # per path.
+        tried = (disk.refused, deadline_refused["times"])
+        await eventually(
+            lambda: disk.refused >= tried[0] + 3 and deadline_refused["times"] >= tried[1] + 3,
+            "three more refused tries of the bundle and of the deadline file",
+        )
         assert not loop.done()
         kinds = [e.kind for e in outbox.pending()]
         for kind in (

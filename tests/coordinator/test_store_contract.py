@@ -1071,13 +1071,19 @@ async def test_sqlite_a_write_cancelled_while_the_file_is_locked_leaves_the_stor
     try:
         other.execute("BEGIN IMMEDIATE")
         task = asyncio.create_task(taint_and_drain())
-        # Time for the writer thread to enter BEGIN (it then waits up to busy_timeout, 5 s).
-        await asyncio.sleep(0.3)
+        # A later writer queues behind the Taint's transaction, which took the writer in its
+        # first step (tasks start in order) and handed BEGIN to the writer thread (there it
+        # waits up to busy_timeout, 5 s): once it is seen waiting, the cancel comes after.
+        later = asyncio.create_task(
+            store.save_worker("w-1", "node-b", "m", "ready", 1.0, {"worker_id": "w-1"})
+        )
+        await eventually(lambda: waiting_writers(store) == 1, "the later writer queued")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         other.execute("COMMIT")
         async with asyncio.timeout(10):
+            await later
             await store.add_taint("node-a", "rcl-2", "notice")
             taints = [t.reclaim_id for t in await store.taints("node-a")]
             drains = [d.reclaim_id for d in await store.active_drains("node-a")]

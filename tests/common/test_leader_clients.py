@@ -306,7 +306,9 @@ async def test_the_router_watch_moves_to_the_new_leader_and_never_shows_an_older
         new.leader = None
         await old.stop()
         await eventually(lambda: new.calls.count("WatchRoutes") >= 2, "the watch at the new leader")
-        await asyncio.sleep(0.3)
+        # The watch lost the old leader (its problem said so); live again means the new
+        # leader's older snapshot was taken in (kept aside): a barrier, not a sleep.
+        await eventually(lambda: watch.problem == "", "the new leader's snapshot taken in")
         assert (watch.table.version, set(watch.table.routes)) == (101, {"w2"})
 
         new.routes.append(change(200, (), ("w1",)))

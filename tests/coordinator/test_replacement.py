@@ -209,12 +209,17 @@ async def test_a_paused_nodes_workers_are_replaced_while_it_drains(coordinator, 
         watcher.cancel()
         assert lowest[0] >= 1
 
-        # The owner resumes: the model has its two already, so nothing more is placed.
+        # The owner resumes: the model has its two already, so nothing more is placed. The
+        # resume places before it answers, so the coordinator's own list is the barrier.
+        def on_a(workers: dict[str, pb.WorkerInfo]) -> list[str]:
+            return [w.worker_id for w in workers.values() if w.node_id == "a"]
+
         await nodes["a"].resume()
-        await asyncio.sleep(0.5)
-        assert len(started["a"]) == 1
+        assert on_a(await ops.workers()) == [paused_worker]
         # Fewer wanted: one is drained, the newest first.
         await ops.admin.SetModelReplicas(pb.SetModelReplicasRequest(model="m", replicas=1))
+        # Its capacity pass ran after any pass asked for before (passes are serialised).
+        assert on_a(await ops.workers()) == [paused_worker] and len(started["a"]) == 1
         [model] = (await ops.admin.ListModels(pb.ListModelsRequest())).models
         assert (model.ready, model.draining, model.image) == (1, 1, "img")
         assert (await ops.workers())[started["c"][0]].state == "draining"

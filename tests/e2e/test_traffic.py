@@ -103,19 +103,24 @@ def test_pause_mid_traffic_loses_no_request_and_routes_none_to_the_draining_work
         if c.labels.get("spotdrain.worker") == worker_a
     )
 
+    def late_requests_at_node_a() -> bool:
+        """node-a's model server must never see a request the router picked under a routing
+        version at or after the removal. True once there is nothing more to look at."""
+        try:
+            logs = container_a.logs().decode()
+        except Exception:  # noqa: BLE001 (container gone: nothing more can arrive)
+            return True
+        for version in re.findall(r"arrived \S+ request_id=\S+ route_version=(\d+)", logs):
+            if int(version) >= removed_at[0]:
+                broken.append(f"request with route version {version} >= {removed_at[0]}")
+                return True
+        return False
+
     def police_node_a() -> None:
-        # The background watcher: node-a's model server must never see a request the router
-        # picked under a routing version at or after the removal.
+        # The background watcher: fails the test the moment a late request arrives.
         while not stop.is_set():
-            if removed_at:
-                try:
-                    logs = container_a.logs().decode()
-                except Exception:  # noqa: BLE001 (container gone: nothing more can arrive)
-                    return
-                for version in re.findall(r"arrived \S+ request_id=\S+ route_version=(\d+)", logs):
-                    if int(version) >= removed_at[0]:
-                        broken.append(f"request with route version {version} >= {removed_at[0]}")
-                        return
+            if removed_at and late_requests_at_node_a():
+                return
             time.sleep(0.05)
 
     results: list[tuple[str, str | None]] = []
@@ -149,12 +154,17 @@ def test_pause_mid_traffic_loses_no_request_and_routes_none_to_the_draining_work
         assert spotctl(agents["node-a"], "pause")["ok"] is True
         drained = coordinator.admin().wait_for("drained", node="node-a", timeout=30)
         assert drained["wall_time"] - paused_at < 5  # seconds, not the grace deadline
-        time.sleep(1.0)  # traffic goes on, to node-b only
+        # Traffic goes on, to node-b only: two more answers per client after the drain (a
+        # barrier: those requests were routed after node-a's removal), not a second's worth.
+        after = len(results) + len(errors)
+        wait_until(lambda: len(results) + len(errors) >= after + 8, 30, "traffic after the drain")
     finally:
         stop.set()
         watch.cancel()
         for t in threads[2:]:
             t.join(30)
+    if removed_at and not broken:
+        late_requests_at_node_a()  # the last look, after every client stopped
     assert not broken, broken
     assert not errors, errors[:3]
     assert results and all(finish == "stop" for _, finish in results)

@@ -514,7 +514,20 @@ def test_agent_tells_systemd(
             "a STATUS saying what the agent waits for",
         )
         assert "NVML" in waiting[0] and "Docker" not in waiting[0]
-        time.sleep(1.5)
+        # Another NVML failure (a lost GPU, not a missing driver): the same retry loop says so
+        # in a new STATUS (sent only on a change), which comes after any wrong READY would
+        # have. A barrier, not a sleep.
+        gpus.faults.pop("init_failed")
+        gpus.fault("gpu_lost")
+        wait_until(
+            lambda: [
+                s
+                for s in listener.statuses()
+                if s.startswith("starting: waiting for NVML") and s != waiting[0]
+            ],
+            10,
+            "a STATUS for the other NVML failure",
+        )
         assert listener.with_field("READY=1") == []
         gpus.clear_faults()
 

@@ -181,8 +181,11 @@ def test_gpu_process_outlives_every_container(
         holder.kill()
         holder.wait()
         admin.wait_for("verified_empty", node="node-a", timeout=10)
-        time.sleep(1.0)  # give a wrong second overrun or a late drained the chance to appear
-        kinds = admin.kinds(node="node-a")
+        # A later notice's event comes through the same ordered outbox after anything this
+        # reclamation could still say (a second overrun, a late drained): a barrier.
+        agent.write_notice({"id": "later", "action": "terminate", "terminate_at": time.time() + 60})
+        admin.wait_for("notice_received", node="node-a", notice_id="later", timeout=10)
+        kinds = [e["kind"] for e in admin.events(node="node-a", reclaim_id=overrun["reclaim_id"])]
         assert kinds.count("overrun") == 1
         assert "drained" not in kinds
         notice = by_kind(admin.events(node="node-a"), "notice_received")[0]

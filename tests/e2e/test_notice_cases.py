@@ -3,6 +3,7 @@ deadlines already past, AWS's own format, and malformed input."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -15,6 +16,15 @@ from fakes.harness import AgentOptions, start_agent
 from fakes.waiting import wait_until
 
 pytestmark = pytest.mark.docker
+
+
+def bundle(agent, notice_id: str) -> dict | None:
+    """The agent's reclamation bundle for a notice, as on disk (what spotctl reads)."""
+    for path in (agent.state_dir / "reclamations").glob("*.json"):
+        doc = json.loads(path.read_text())
+        if doc["notice_id"] == notice_id:
+            return doc
+    return None
 
 
 def by_kind(events: list[dict], kind: str) -> list[dict]:
@@ -92,15 +102,24 @@ def test_cancel_before_anything_was_stopped_lifts_the_taint(
         node_a.write_notice(
             {"id": "cancel-1", "action": "terminate", "terminate_at": time.time() + 20}
         )
-        time.sleep(0.2)
+        # The agent took the notice in (its bundle on disk) before the cancel replaces it, and
+        # then the cancel, both while the coordinator is still hung: barriers, not sleeps.
+        wait_until(lambda: bundle(node_a, "cancel-1"), 10, "the notice's bundle")
         node_a.write_notice({"id": "cancel-1", "action": "cancel"})
-        time.sleep(1.0)
+        wait_until(
+            lambda: (bundle(node_a, "cancel-1") or {}).get("cancel_recorded"),
+            10,
+            "the cancel in the bundle",
+        )
     finally:
         coordinator.proc.signal(signal.SIGCONT)
     cancelled = admin.wait_for("notice_cancelled", node="node-a")
     assert cancelled["lifted"] is True
     wait_until(lambda: not [t for n in admin.nodes() for t in n.taints], 10, "the taint lifted")
-    time.sleep(0.5)
+    # A later notice the agent refuses (it taints and stops nothing) comes through the same
+    # ordered outbox after anything the cancelled reclamation said: the barrier.
+    node_a.write_notice(b"not json")
+    admin.wait_for("notice_invalid", node="node-a")
     kinds = admin.kinds(node="node-a")
     assert "sigterm_sent" not in kinds and "tainted" not in kinds
     job.reload()

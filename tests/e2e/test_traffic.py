@@ -10,7 +10,7 @@ import time
 import grpc
 import openai
 import pytest
-from test_pause import spotctl, start_worker, wait_state
+from test_pause import spotctl, start_worker, wait_state, worker
 
 from fakes.dockerenv import remove_test_containers
 from fakes.harness import AgentOptions, start_agent, start_router
@@ -193,10 +193,12 @@ def test_openai_client_through_the_router_sees_an_interruption_as_an_error(scene
 
     t = threading.Thread(target=long_stream, daemon=True)
     t.start()
+    # The long stream holds a slot of node-a's worker (a barrier, not a second's wait).
     wait_until(
-        lambda: any(e["kind"] == "worker_ready" for e in coordinator.admin().events()), 5, "traffic"
+        lambda: worker(coordinator, workers["node-a"].worker_id).slots_in_use >= 1,
+        15,
+        "the long stream under way on node-a",
     )
-    time.sleep(1.0)
     assert spotctl(agents["node-a"], "pause")["ok"] is True
     t.join(30)
     assert outcome and isinstance(outcome[0], openai.APIError), outcome

@@ -207,14 +207,14 @@ def test_malformed_notices_are_reported_and_change_nothing(
         docker_engine.client, name=containers + "job", node_id="node-a", kind="exits_on_term"
     )
     admin = coordinator.admin()
-    for raw, _ in MALFORMED:
+    for n, (raw, _) in enumerate(MALFORMED, 1):
         node_a.write_notice(raw)
-        time.sleep(0.05)
-    wait_until(
-        lambda: len(by_kind(admin.events(node="node-a"), "notice_invalid")) == len(MALFORMED),
-        10,
-        "every notice_invalid",
-    )
+        # Each one read before the next replaces it (the watcher reads the file as it is now).
+        wait_until(
+            lambda n=n: len(by_kind(admin.events(node="node-a"), "notice_invalid")) == n,
+            10,
+            f"notice_invalid number {n}",
+        )
     invalid = by_kind(admin.events(node="node-a"), "notice_invalid")
     for (_, reason), ev in zip(MALFORMED, invalid, strict=True):
         assert reason in ev["reason"]

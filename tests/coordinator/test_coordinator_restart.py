@@ -141,7 +141,9 @@ async def test_a_restart_gives_every_node_a_full_heartbeat_ttl(tmp_path, pki, co
             await n.close()
         port = int(coordinator.address.rsplit(":", 1)[1])
         coordinator.proc.kill()
-        await asyncio.sleep(4)  # past every worker's expiry as the dead coordinator knew it
+        # Not an absence proof: real time must pass every worker's expiry as the dead
+        # coordinator knew it (a real process, no fake clock) before it comes back.
+        await asyncio.sleep(4)
         coordinator = start_coordinator(
             tmp_path / "c", tls=pki, db=coordinator.db, port=port, extra=ttl
         )

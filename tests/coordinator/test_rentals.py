@@ -486,6 +486,9 @@ async def test_a_rental_on_a_node_gone_for_good_ends_as_platform(tmp_path, pki):
     try:
         await node.connect()
         rental = await running_rental(node, alice)
+        # Real time past --node-gone-s in the real coordinator process (no fake clock there):
+        # "not gone" only means something once the threshold has passed, so this is a wait
+        # for time, the one thing no event can stand for.
         await asyncio.sleep(1.5)
         assert (await alice.get(rental.rental_id)).state == "running"  # connected: not gone
         await node.disconnect()

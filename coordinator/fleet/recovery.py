@@ -354,5 +354,8 @@ class Recovery:
             wait = TIMER_MAX_SLEEP_S
             if next_at is not None:
                 wait = min(max(next_at - self.clock(), 0.0), TIMER_MAX_SLEEP_S)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands as
+            # the wake is set (a stream closing as the process stops), and the timer ran on.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), wait)
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()

@@ -255,16 +255,17 @@ class SqliteBackend(Backend):
             raise StoreError(f"database {self.path}: {e}") from e
 
     async def close(self) -> None:
-        def close_all() -> None:
-            with self._all_lock:
-                for db in self._all:
-                    db.close()
-            if self._wdb is not None:
-                self._wdb.close()
-
-        await self._in(self._writer, close_all)
-        self._writer.shutdown(wait=True)
-        self._readers.shutdown(wait=True)
+        """Let every read and write already handed to a thread finish, then close. Closing a
+        connection under a statement still running on another thread crashes the process
+        (sqlite3 frees the statement under it); it is never an error one could catch."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._readers.shutdown, True)
+        with self._all_lock:
+            for db in self._all:
+                db.close()
+        if self._wdb is not None:
+            await self._in(self._writer, self._wdb.close)
+        await loop.run_in_executor(None, self._writer.shutdown, True)
 
 
 def check_version(version: int, where: str) -> None:

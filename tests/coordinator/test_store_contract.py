@@ -1253,3 +1253,22 @@ async def test_a_blind_transactions_commands_wait_for_its_group_commit(store):
         store.after_commit(lambda: seen.append(group_trips(store)))
     assert seen == [trips + 1]
     assert [t.reclaim_id for t in await store.taints("node-a")] == ["rcl-1"]
+
+
+async def test_sqlite_close_lets_the_reads_already_running_answer(tmp_path):
+    """Dashboard reads are still running on their reader threads when the coordinator stops.
+    Closing the store lets each finish with its answer: closing a connection under a running
+    statement crashed the whole process (sqlite3 frees the statement under it) or cut the read
+    with "closed database". Several rounds: the race is lost in one of the first few."""
+    count = (
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 2000) "
+        "SELECT count(*) FROM n"
+    )
+    for round_ in range(10):
+        backend = SqliteBackend(str(tmp_path / f"c{round_}.sqlite"))
+        await backend.open()
+        reads = [asyncio.create_task(backend.read(count)) for _ in range(20)]
+        await asyncio.sleep(0)  # every read is handed to a reader thread
+        await backend.close()
+        answers = await asyncio.gather(*reads)
+        assert [a.rows for a in answers] == [[(2000,)]] * 20

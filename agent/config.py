@@ -20,6 +20,7 @@ from spotdrain.agent.notices.settings import (
     parse_advisory,
     parse_sources,
 )
+from spotdrain.agent.workloads.settings import WorkloadSettings, parse_workloads
 from spotdrain.protocol import timing
 from spotdrain.runtime.cli import ArgumentParser, UsageError, host_port
 
@@ -75,6 +76,8 @@ class AgentConfig:
     advisory: AdvisoryPolicy = field(default_factory=AdvisoryPolicy)
     # Each source to run, its settings checked at start: name -> that source's Config.
     source_configs: dict[str, Any] = field(default_factory=dict)
+    # The work managers drained ([workloads]): Docker, Slurm, or both.
+    workloads: WorkloadSettings = field(default_factory=WorkloadSettings)
 
     @property
     def coordinators(self) -> tuple[str, ...]:
@@ -160,6 +163,7 @@ def from_sources(flags: dict[str, Any], doc: dict[str, Any], origin: str = "") -
         }
     sources = parse_sources(sources_doc, where, flags.get("sources"))
     advisory = parse_advisory(doc.pop("advisory", None), where)
+    workloads = parse_workloads(doc.pop("workloads", None), where)
     known = set(SETTINGS) | {"insecure", "spot"}
     unknown = sorted(set(doc) - known) + [
         f"margins.{k}" for k in sorted(set(margins_doc) - set(MARGINS))
@@ -230,6 +234,7 @@ def from_sources(flags: dict[str, Any], doc: dict[str, Any], origin: str = "") -
         raise UsageError(str(e)) from e
     values["sources"] = sources
     values["advisory"] = advisory
+    values["workloads"] = workloads
     values["source_configs"] = source_configs(sources, values, flags, where)
     return AgentConfig(**values)
 

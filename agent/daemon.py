@@ -27,7 +27,9 @@ from spotdrain.agent.notices.hub import SourceHub
 from spotdrain.agent.workloads.docker_engine import DockerEngine, DockerUnavailable
 from spotdrain.agent.workloads.inference import WorkerManager
 from spotdrain.agent.workloads.jobs import PlainWorkloads
+from spotdrain.agent.workloads.managers import DockerWork, WorkManager, WorkManagers
 from spotdrain.agent.workloads.slot_gate import Interrupted
+from spotdrain.agent.workloads.slurm import SlurmWork
 from spotdrain.protocol import kinds
 from spotdrain.runtime import systemd
 from spotdrain.runtime.background import Background
@@ -80,11 +82,18 @@ class Agent:
             report_worker=self.link.report_worker,
             status_root=cfg.status_dir,
         )
+        # The work managers drained: Docker, Slurm, or both ([workloads]).
+        managers: list[WorkManager] = [DockerWork(self.docker)] if cfg.workloads.docker else []
+        self.slurm: SlurmWork | None = None
+        if cfg.workloads.slurm is not None:
+            self.slurm = SlurmWork(cfg.workloads.slurm, lambda rid, ev: self.drains.feed(rid, ev))
+            managers.append(self.slurm)
+        self.work = WorkManagers(managers)
         self.drains = DrainRunner(
             cfg,
             self.outbox,
             self.link,
-            self.docker,
+            self.work,
             self.nvml,
             self.workers,
             metrics=self.metrics,
@@ -272,6 +281,10 @@ class Agent:
                 port,
             )
         await self._adopt()
+        if self.slurm is not None:
+            await self.slurm.check_node()  # a node slurmctld does not know: exit 2
+            if not self.drains.live:
+                await self.slurm.resume_stale()  # back from a reclamation: work may come again
         sup = self.supervisor
         sup.add("drains", self.drains.run())
         for name, src in self.sources.sources.items():
@@ -311,7 +324,8 @@ class Agent:
     async def _not_yet_up(self) -> str:
         missing = []
         try:
-            await self.docker.running()
+            if self.cfg.workloads.docker:
+                await self.docker.running()
         except DockerUnavailable as e:
             missing.append(f"Docker ({e})")
         try:
@@ -340,6 +354,7 @@ class Agent:
         await self.control.close()
         await self._tasks.close()
         await self.drains.close()
+        self.work.close()
         await self.workers.close()
         await self.plain.close()
         await self.link.close()

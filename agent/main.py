@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         warn_insecure(PROG)
     try:
         return asyncio.run(amain(cfg))
-    except ValueError as e:  # unreadable TLS files and the like
+    except (ValueError, UsageError) as e:  # unreadable TLS files, a Slurm node not known
         return fail_usage(PROG, str(e))
 
 

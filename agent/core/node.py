@@ -51,6 +51,7 @@ from spotdrain.agent.core.reclamation_events import (
     DeadlinesDue,
     Event,
     ForReclamation,
+    ManagerNoted,
     NodeEvent,
     NoticeArrived,
     NoticeHeard,
@@ -306,9 +307,10 @@ class Node:
         if rec is not None:
             return self._step(rec, self._sigterm_once(rec, event), event.now)
         rec = self.finished.get(reclaim_id)
-        if rec is not None and isinstance(event, ContainerExited):
-            # Verified empty (and finished) before the engine's wait came back: the exit still
-            # belongs in its timeline.
+        if rec is not None and isinstance(event, ContainerExited | ManagerNoted):
+            # Verified empty (and finished) before the engine's wait came back, or before a
+            # manager's late note (a requeue that landed, the DRAIN lifted): it still belongs
+            # in its timeline.
             return self._step(rec, event, event.now)
         return []
 

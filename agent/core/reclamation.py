@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 from spotdrain.agent.core.notice import Notice
 from spotdrain.agent.core.reclamation_commands import (
@@ -40,10 +41,12 @@ from spotdrain.agent.core.reclamation_deadlines import (
     publish_deadlines,
 )
 from spotdrain.agent.core.reclamation_events import (
+    MANAGER_NOTES,
     Cancelled,
     ContainerExited,
     ContainerSignalled,
     Event,
+    ManagerNoted,
     NoticeHeard,
     Observed,
     Resumed,
@@ -213,8 +216,8 @@ class Reclamation(ReclamationRecord):
                 return deliver(self, event)
             case SignalRoundDone(now, signal):
                 return self._observe(now) if round_done(self, now, signal) else []
-            case ContainerExited(now, container, name, code):
-                return self._exited(now, container, name, code)
+            case ContainerExited(now, container, name, code, state):
+                return self._exited(now, container, name, code, state)
             case Observed():
                 return self._observed(event)
             case WorkersDraining(now, containers, names):
@@ -230,6 +233,10 @@ class Reclamation(ReclamationRecord):
                 return cancelled(self, now)
             case WorkloadReported():
                 return reported(self, event)
+            case ManagerNoted(now, kind, details):
+                if kind not in MANAGER_NOTES:
+                    raise ValueError(f"{self.reclaim_id}: {kind!r} is not a manager's note")
+                return [Emit(kind, dict(details))]
             case NoticeHeard():
                 before = self.terminate_at
                 commands = notice_heard_again(self, event)
@@ -309,16 +316,19 @@ class Reclamation(ReclamationRecord):
             commands.append(WatchExits(tuple(new)))
         return commands
 
-    def _exited(self, now: float, container: str, name: str, code: int) -> list[Command]:
+    def _exited(
+        self, now: float, container: str, name: str, code: int, state: str = ""
+    ) -> list[Command]:
         if container in self.exited:
             return []
         self.names.setdefault(container, name)
         # Reports it made before it exited come first (the shell read them before this event).
         commands: list[Command] = held_reports(self, container, None)
         self.exited[container] = code
-        commands.append(
-            Emit("container_exited", {"container": container, "name": name, "exit_code": code})
-        )
+        details: dict[str, Any] = {"container": container, "name": name, "exit_code": code}
+        if state:
+            details["state"] = state
+        commands.append(Emit("container_exited", details))
         if all(c in self.exited for c in [*self.signalled, *self.gated]):
             # The last exit: verify now rather than at the next periodic observation.
             commands += self._observe(now)

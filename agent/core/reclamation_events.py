@@ -75,10 +75,13 @@ class SignalRoundDone:
 
 @dataclass(frozen=True)
 class ContainerExited:
+    """A unit left the node: a container exited, a Slurm job ended or was requeued."""
+
     now: float
     container: str
     name: str
     exit_code: int
+    state: str = ""  # the manager's word for how it ended, where it has one (Slurm's)
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,30 @@ class WorkloadReported:
     reported_at: float = 0.0  # the workload's own clock
 
 
+# What a work manager (agent/workloads/managers.py) tells a reclamation's record beside its
+# signals and exits: these kinds only, recorded as they come.
+MANAGER_NOTES = frozenset(
+    {
+        "manager_cordoned",
+        "manager_cordon_failed",
+        "manager_uncordoned",
+        "requeued",
+        "kill_wait_warning",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ManagerNoted:
+    """A work manager's note for the record: its cordon (Slurm's DRAIN) landed or failed, a
+    requeue landed, a warning about its own deadlines. Information only: never a deadline,
+    never verification."""
+
+    now: float
+    kind: str  # one of MANAGER_NOTES
+    details: Mapping[str, object] = field(default_factory=dict)
+
+
 Event = (
     TaintAnswered
     | TaintUnanswered
@@ -171,6 +198,7 @@ Event = (
     | Cancelled
     | WorkloadReported
     | NoticeHeard
+    | ManagerNoted
 )
 
 

@@ -183,7 +183,7 @@ class Executor:
                     self._put(next(events))
                 case RequestTaint(_, answer_by):
                     self.taints.request(rec, answer_by)
-                    self.rounds.list_ahead(rid)
+                    self.rounds.list_ahead(rec, answer_by)
                 case ApplyLocalTaint():
                     self.local_taints.apply(rid)  # held in memory if the disk refuses it
                     if self.local_taints.dirty:
@@ -196,6 +196,7 @@ class Executor:
                     if self.local_taints.dirty or self.deadline_file.unwritten:
                         self._retry_writes_soon()
                     self.taints.lift(rec)
+                    self.rounds.work.uncordon(rid)
                 case SignalContainers(signal):
                     if signal == SIGTERM and not rec.sigterm_round_done:
                         # The first round only (a stray one may be asked at every look while a

@@ -55,6 +55,7 @@ from spotdrain.agent.drain.taint_calls import TaintCalls
 from spotdrain.agent.host.gpu import Nvml
 from spotdrain.agent.workloads.docker_engine import DockerEngine
 from spotdrain.agent.workloads.inference import WorkerManager
+from spotdrain.agent.workloads.managers import DockerWork, WorkManagers
 from spotdrain.agent.workloads.status_dirs import StatusDirs
 from spotdrain.protocol.events import EventRecord
 from spotdrain.runtime.background import Background
@@ -71,7 +72,7 @@ class DrainRunner:
         cfg: AgentConfig,
         outbox: Outbox,
         link: CoordinatorLink,
-        docker: DockerEngine,
+        work: WorkManagers | DockerEngine,
         nvml: Nvml,
         workers: WorkerManager,
         clock: Callable[[], float] = time.time,
@@ -88,7 +89,8 @@ class DrainRunner:
         self.workers = workers
         self.outbox = outbox
         self.link = link
-        self.docker = docker
+        # The node's work managers; a bare engine is the Docker-only host's (and the tests').
+        self.work = work if isinstance(work, WorkManagers) else WorkManagers([DockerWork(work)])
         self.clock = clock
         self.retry_writes_s = retry_writes_s
         # Which state files the disk refuses; its reports are events like any other (attached
@@ -105,7 +107,7 @@ class DrainRunner:
         self._tasks = Background(lambda e: self._queue.put_nowait(("crash", e)))
         self.rounds = SignalRounds(
             cfg.node_id,
-            docker,
+            self.work,
             nvml,
             link,
             self.status,
@@ -278,12 +280,15 @@ class DrainRunner:
 
     async def _delivered(self, recs: list[r.Reclamation], now: float) -> set[str] | None:
         """Of the SIGTERMs the old process announced, those the engine was asked to send."""
-        announced = [
-            e["at"] for rec in recs for e in rec.announced.values() if e["signal"] == SIGTERM
-        ]
+        announced = {
+            unit: e["at"]
+            for rec in recs
+            for unit, e in rec.announced.items()
+            if e["signal"] == SIGTERM
+        }
         if not announced:
             return None
-        return await self.docker.sigterms_since(min(announced), now)
+        return await self.work.delivered(min(announced.values()), now, set(announced))
 
     def _on_notice(self, parsed: Notice | NoticeInvalid) -> None:
         if isinstance(parsed, NoticeInvalid):

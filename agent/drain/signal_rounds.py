@@ -1,5 +1,6 @@
-"""Signal rounds, exit watches and observations: the node's containers and GPUs, each answer
-reported back as an event for its reclamation.
+"""Signal rounds, exit watches and observations: the node's work units (containers, Slurm
+jobs: agent/workloads/managers.py) and GPUs, each answer reported back as an event for its
+reclamation.
 
 A signal round lists its targets, hands them to the node (RoundListed, through the runner's
 queue) and waits for its answer (DeliverSignals), which comes after the bundle holding the
@@ -16,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 
+from spotdrain.agent.core.reclamation import Reclamation
 from spotdrain.agent.core.reclamation_commands import SIGTERM, SignalContainers
 from spotdrain.agent.core.reclamation_events import (
     Event,
@@ -29,12 +31,7 @@ from spotdrain.agent.core.reclamation_events import (
 from spotdrain.agent.drain.link import CoordinatorLink
 from spotdrain.agent.drain.taint_calls import Spawn
 from spotdrain.agent.host.gpu import GpuError, Nvml
-from spotdrain.agent.workloads.docker_engine import (
-    RENTAL_KIND,
-    ContainerInfo,
-    DockerEngine,
-    DockerUnavailable,
-)
+from spotdrain.agent.workloads.managers import Hold, WorkManagers
 from spotdrain.agent.workloads.status_dirs import StatusDirs
 
 log = logging.getLogger("spotdrain.agent.drain")
@@ -47,7 +44,7 @@ class SignalRounds:
     def __init__(
         self,
         node_id: str,
-        docker: DockerEngine,
+        work: WorkManagers,
         nvml: Nvml,
         link: CoordinatorLink,
         status: StatusDirs,
@@ -57,7 +54,7 @@ class SignalRounds:
         clock: Callable[[], float],
     ) -> None:
         self.node_id = node_id
-        self.docker = docker
+        self.work = work
         self.nvml = nvml
         self.link = link
         self.status = status
@@ -68,18 +65,20 @@ class SignalRounds:
         self.lock = asyncio.Lock()
         # The round waiting for the node's DeliverSignals (at most one: rounds hold the lock).
         self.answer: Answer | None = None
-        # The node's containers, listed while the Taint call is in flight: the first SIGTERM
-        # round signals these at once when the taint lands instead of listing then. One started
-        # in between is not lost: the observation right after the round sees it and the stray
+        # The node's units, listed while the Taint call is in flight (after each manager's own
+        # cordon, Slurm's DRAIN, landed or the taint's 800 ms passed): the first SIGTERM round
+        # signals these at once when the taint lands instead of listing then. One started in
+        # between is not lost: the observation right after the round sees it and the stray
         # round signals it (invariant 1 holds either way: nothing is signalled before a taint).
-        self.listed_ahead: dict[str, asyncio.Task[list[ContainerInfo]]] = {}
+        self.listed_ahead: dict[str, asyncio.Task[list[Any]]] = {}
 
     # --- the listing made during the Taint call ----------------------------------------------
 
-    def list_ahead(self, rid: str) -> None:
-        if rid not in self.listed_ahead:
-            self.listed_ahead[rid] = asyncio.ensure_future(
-                self.docker.targets(frozenset(), frozenset())
+    def list_ahead(self, rec: Reclamation, answer_by: float) -> None:
+        if rec.reclaim_id not in self.listed_ahead:
+            cordons = self.work.cordon(Hold(rec.reclaim_id, rec.grace_deadline, rec.terminate_at))
+            self.listed_ahead[rec.reclaim_id] = asyncio.ensure_future(
+                self.work.listed_after(cordons, answer_by, self._clock)
             )
 
     def drop_listing(self, rid: str) -> None:
@@ -124,7 +123,7 @@ class SignalRounds:
             if ahead is not None:
                 found = [t for t in await ahead if t.id not in skip and t.kind not in skip_kinds]
             else:
-                found = await self.docker.targets(skip, skip_kinds)
+                found = await self.work.targets(skip, skip_kinds)
             listed = RoundListed(
                 self._clock(),
                 signal,
@@ -135,8 +134,8 @@ class SignalRounds:
             approved = set(await answer)  # announced, and the bundle saved
             await self._send(rid, signal, [t for t in found if t.id in approved])
 
-    async def _send(self, rid: str, signal: str, targets: list[ContainerInfo]) -> None:
-        async for result in self.docker.signal_each(targets, signal):
+    async def _send(self, rid: str, signal: str, targets: list[Any]) -> None:
+        async for result in self.work.signal_each(targets, signal):
             self._feed(rid, result)
         self.link.release_events(rid)  # the notice path is done: its events may go
         self._feed(rid, SignalRoundDone(self._clock(), signal))
@@ -147,7 +146,7 @@ class SignalRounds:
         self._spawn(self._watch_exit(rid, container_id, name))
 
     async def _watch_exit(self, rid: str, container_id: str, name: str) -> None:
-        exited = await self.docker.wait_exit(container_id, name)
+        exited = await self.work.wait_exit(container_id, name)
         # What it reported before it exited is recorded before its exit (docs/design.md
         # "Workload status directory"): every report it wrote is complete by now.
         self.status.collect(name)
@@ -157,25 +156,29 @@ class SignalRounds:
         self._spawn(self._observe(rid))
 
     async def _observe(self, rid: str) -> None:
-        """Verification by observation: Docker and NVML must both answer, and both be empty."""
+        """Verification by observation: every work manager and NVML must answer, and all be
+        empty."""
         errors: list[str] = []
-        docker_result, gpu_result = await asyncio.gather(
-            self.docker.running(), self.nvml.processes(), return_exceptions=True
+        look, gpu_result = await asyncio.gather(
+            self.work.look(), self.nvml.processes(), return_exceptions=True
         )
-        containers = _observed(docker_result, DockerUnavailable, "docker", errors) or []
+        if isinstance(look, BaseException):
+            raise look  # a manager answers its own failures in its Look: this is a bug
+        if look.error:
+            errors.append(look.error)
         gpu_processes = _observed(gpu_result, GpuError, "nvml", errors) or []
-        running = tuple(c.id for c in containers)
-        rentals = tuple(c.id for c in containers if c.kind == RENTAL_KIND)
         pids = tuple(p.pid for p in gpu_processes)
         log.debug(
-            "node %s reclamation %s: observed containers %s, GPU pids %s, errors %s",
+            "node %s reclamation %s: observed units %s, GPU pids %s, errors %s",
             self.node_id,
             rid,
-            running,
+            look.running,
             pids,
             errors,
         )
-        self._feed(rid, Observed(self._clock(), running, pids, "; ".join(errors), rentals))
+        self._feed(
+            rid, Observed(self._clock(), look.running, pids, "; ".join(errors), look.rentals)
+        )
 
     def close(self) -> None:
         for ahead in self.listed_ahead.values():

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from spotdrain import workload
+from spotdrain.agent.core.reclamation_events import MANAGER_NOTES
 from spotdrain.protocol import events
 from spotdrain.timeline import svg
 
@@ -34,6 +35,7 @@ SINK_RECORD = 1
 # Kinds computed from data the scan cannot read, with what they may be.
 COMPUTED = {
     ("agent/core/reclamation_reports.py", "doc['report']"): set(workload.REPORT_KINDS),
+    ("agent/core/reclamation.py", "kind"): set(MANAGER_NOTES),
 }
 # Relays: they pass on a kind an emit point above made (a queue, a match on a command), or one
 # from the wire (an agent's event, which may be newer than this coordinator: stored as sent).

@@ -47,6 +47,7 @@ from spotdrain.agent.core.reclamation_events import (
     ContainerExited,
     ContainerSignalled,
     Event,
+    ManagerNoted,
     NoticeHeard,
     Observed,
     Resumed,
@@ -387,6 +388,39 @@ def test_a_job_ignoring_sigterm_is_killed_at_the_grace_deadline_exactly_once(
     ]
     assert story.kinds.count("SignalContainers(SIGKILL)") == 1
     assert story.kinds.index("CutWorkers") == story.kinds.index("SignalContainers(SIGKILL)") - 1
+
+
+def test_a_slurm_job_is_requeued_and_its_manager_notes_go_into_the_record(
+    story: Story,
+) -> None:
+    """A host running Slurm: the DRAIN lands 12 ms after the notice, the requeueable job is
+    requeued by its SIGTERM round, leaves the node PENDING (to restart elsewhere), and the node
+    drains. The manager's notes are recorded as they come, before and after the drain."""
+    story.begin()
+    noted = ManagerNoted(T0 + 0.012, "manager_cordoned", {"manager": "slurm", "ms": 12.0})
+    assert story(noted) == [emit("manager_cordoned", manager="slurm", ms=12.0)]
+    story(TaintAnswered(T0 + 0.05))
+    requeued = ContainerSignalled(T0 + 0.07, "slurm:101", "train", SIGTERM, "requeue")
+    assert story(requeued) == [
+        emit("sigterm_sent", container="slurm:101", via="requeue"),
+        WatchExits(("slurm:101",)),
+    ]
+    story(SignalRoundDone(T0 + 0.08, SIGTERM))
+    assert story(Observed(T0 + 0.1, running=("slurm:101",))) == []  # the requeue under way
+    left = ContainerExited(T0 + 2.0, "slurm:101", "train", 0, state="PENDING")
+    assert story(left) == [
+        emit("container_exited", container="slurm:101", exit_code=0, state="PENDING"),
+        Observe(),
+    ]
+    assert kinds(story(Observed(T0 + 2.1))) == ["verified_empty", "drained"]
+    lifted = ManagerNoted(T0 + 40, "manager_uncordoned", {"manager": "slurm"})
+    assert story(lifted) == [emit("manager_uncordoned")]
+
+
+def test_a_manager_note_of_a_kind_not_listed_is_refused(story: Story) -> None:
+    story.begin()
+    with pytest.raises(ValueError, match="not a manager's note"):
+        story(ManagerNoted(T0 + 0.1, "tainted", {}))
 
 
 # --- when verification cannot succeed -------------------------------------------------------

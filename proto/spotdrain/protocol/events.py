@@ -30,6 +30,12 @@ KINDS = frozenset(
         "stream_interrupted",
         "stream_continued",  # reported by a router: the cut stream went on elsewhere
         "verification_failed",
+        # what a work manager (Docker, Slurm) notes beside the signals
+        "manager_cordoned",
+        "manager_cordon_failed",
+        "manager_uncordoned",
+        "requeued",
+        "kill_wait_warning",
         "verified_empty",
         "drained",
         "overrun",

@@ -1,11 +1,11 @@
-"""pytest plugin for CI: Docker- and PostgreSQL-backed tests must run, never be skipped
-(docs/design.md).
+"""pytest plugin for CI: Docker-, PostgreSQL-, browser- and Slurm-backed tests must run, never
+be skipped (docs/design.md).
 
-Loaded by .ci/run with `-p docker_guard`. Tests marked `docker`, `postgres` or `browser`
+Loaded by .ci/run with `-p docker_guard`. Tests marked `docker`, `postgres`, `browser` or `slurm`
 (tests/conftest.py marks every test that uses the `postgres` fixture or the postgresql param of
-`store_url` or `coordinator_db`, and every test that uses the `browser` fixture) that were
-skipped, or no such test of one kind running at all, fail the
-session. The tally is written as JSON to $SPOTDRAIN_CI_REPORT so .ci/run can check it
+`store_url` or `coordinator_db`, every test that uses the `browser` fixture, and every test that
+uses the `slurm_cluster` fixture) that were skipped, or no such test of one kind running at
+all, fail the session. The tally is written as JSON to $SPOTDRAIN_CI_REPORT so .ci/run can check it
 independently of pytest's exit code.
 """
 
@@ -17,7 +17,7 @@ import os
 import pytest
 
 # marker -> what its tests are backed by, for the messages
-_GUARDED = {"docker": "Docker", "postgres": "PostgreSQL", "browser": "browser"}
+_GUARDED = {"docker": "Docker", "postgres": "PostgreSQL", "browser": "browser", "slurm": "Slurm"}
 
 _ran: dict[str, set[str]] = {marker: set() for marker in _GUARDED}
 _skipped: dict[str, dict[str, str]] = {marker: {} for marker in _GUARDED}

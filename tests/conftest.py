@@ -1,5 +1,5 @@
 """Shared fixtures. The Docker engine and test images come from tests/fakes/dockerenv.py, the
-PostgreSQL server from tests/fakes/pgserver.py."""
+PostgreSQL server from tests/fakes/pgserver.py, the Slurm cluster from tests/fakes/slurm.py."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from fakes.fakenvml import FakeGpus, build
 from fakes.harness import start_coordinator
 from fakes.pgserver import PgServer, database_name, fresh_database, start_postgres
 from fakes.pki import Pki
+from fakes.slurm import SlurmCluster, start_cluster
 
 # The two store backends every store-level and end-to-end test runs against.
 STORE_BACKENDS = ["sqlite", "postgresql"]
@@ -59,9 +60,11 @@ def _uses_postgres(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The `postgres` and `browser` markers are what .ci/docker_guard.py counts: such tests
-    # must run in CI.
+    # The `postgres`, `browser` and `slurm` markers are what .ci/docker_guard.py counts: such
+    # tests must run in CI.
     for item in items:
+        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slurm)
         if _uses_postgres(item):
             item.add_marker(pytest.mark.postgres)
         if "browser" in getattr(item, "fixturenames", ()):
@@ -173,6 +176,34 @@ def coordinator_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[P
         yield tmp_path / "coordinator.sqlite"
     else:
         yield from _fresh_database(request)
+
+
+# --- Slurm: one cluster (munged, slurmctld, three slurmd) for the session ----------------------
+
+
+def _no_slurm(error: BaseException) -> NoReturn:
+    # Never a skip, as for Docker: the Slurm backend's tests must run, in CI above all.
+    where = (
+        "CI must run the Slurm-backed tests"
+        if os.environ.get("CI") == "true"
+        else "Slurm-backed tests need Debian's slurmctld, slurmd, slurm-client and munge; "
+        "tests/setup.sh installs them"
+    )
+    raise pytest.fail.Exception(
+        f"could not start the Slurm cluster: {error}\n({where})", pytrace=False
+    ) from None
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """A private Slurm cluster for the whole session (tests/fakes/slurm.py). A test that drains
+    a node or stops the controller puts it back before it ends."""
+    try:
+        cluster = start_cluster()
+    except Exception as e:
+        _no_slurm(e)
+    yield cluster
+    cluster.stop()
 
 
 # --- spotdrain's own parts: fake GPUs, a PKI, a coordinator process, test containers ----------

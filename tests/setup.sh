@@ -6,7 +6,8 @@
 #     the shutdown source's tests run a fake logind on), chromium (the dashboard's browser test
 #     drives it through Playwright's executable_path; Playwright never downloads a browser here),
 #     patroni and etcd-server (the PostgreSQL cluster the failover test starts itself,
-#     tests/fakes/patroni.py; neither is started as a service).
+#     tests/fakes/patroni.py; neither is started as a service), slurmctld, slurmd, slurm-client
+#     and munge (the Slurm cluster tests/fakes/slurm.py starts itself, with its own munged).
 #   - .venv in the repository root, with the project installed editable with its test extras,
 #     reinstalled whenever pyproject.toml changes.
 set -euo pipefail
@@ -21,7 +22,7 @@ stamp="$venv/.spotdrain-install-stamp"
 packages=(docker.io busybox-static debootstrap python3-venv gcc libc6-dev ca-certificates
           libsystemd-dev pkg-config python3-dev
           build-essential debhelper lintian systemd postgresql dbus-daemon chromium
-          patroni etcd-server)
+          patroni etcd-server slurmctld slurmd slurm-client munge)
 missing=()
 for package in "${packages[@]}"; do
     if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed'; then

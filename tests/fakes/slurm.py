@@ -126,6 +126,7 @@ class SlurmCluster:
             "--requeue" if requeue else "--no-requeue",
             f"--chdir={jobs}",
             f"--output={jobs}/%j.out",
+            "--open-mode=append",  # a requeued job's second run adds to its first run's output
             *args,
             str(path),
         )

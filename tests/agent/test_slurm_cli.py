@@ -151,6 +151,21 @@ async def test_a_job_that_may_not_be_requeued_is_cancelled_with_sigterm(cluster,
     await cli.cancel(job)
 
 
+async def test_a_cancel_reaches_an_srun_steps_tasks_as_sigterm(cluster: SlurmCluster, cli):
+    """A batch script whose work runs in an srun step: the cancel reaches the step's task as
+    SIGTERM it can act on (not srun's own TERM-to-KILL), as it reaches the batch shell."""
+    step = "trap 'echo step got TERM; exit 0' TERM; echo step up; sleep 300 & wait"
+    job = cluster.submit(
+        f"trap 'echo shell got TERM' TERM\nsrun bash -c \"{step}\" &\nwait\nwait\n", node="sd-n1"
+    )
+    await eventually(lambda: "step up" in cluster.output(job), "the step's task")
+    assert len(await cli.listpids("sd-n1", job)) == 1
+
+    await cli.cancel(job)
+    await eventually(lambda: "step got TERM" in cluster.output(job), "the step's trap")
+    await eventually(lambda: "shell got TERM" in cluster.output(job), "the shell's trap")
+
+
 async def test_a_requeued_batch_job_runs_again_on_another_node(cluster: SlurmCluster, cli) -> None:
     """A requeueable job on sd-n1 (placed there by Slurm, so free to move): sd-n1 drained and the
     job requeued, it gets SIGTERM, and runs again on another node as its first restart."""

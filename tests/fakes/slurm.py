@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from fakes.slurm_conf import GPUS_PER_NODE, KILL_WAIT_S, NODES, write_conf
+from fakes.waiting import wait_until
 
 BIN_DIR = Path("/usr/bin")
 SBIN_DIR = Path("/usr/sbin")
@@ -150,17 +151,12 @@ class SlurmCluster:
     def wait_state(self, job_id: int, states: Iterable[str], timeout: float = 30.0) -> str:
         """Wait until the job's JobState is one of states; that state."""
         wanted = set(states)
-        deadline = time.monotonic() + timeout
-        state = None
-        while True:
-            state = self.job_field(job_id, "JobState")
-            if state in wanted:
-                return state
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"job {job_id} not in {sorted(wanted)} after {timeout} s: {state}"
-                )
-            time.sleep(0.1)
+
+        def state() -> str | None:
+            found = self.job_field(job_id, "JobState")
+            return found if found in wanted else None
+
+        return wait_until(state, timeout, f"job {job_id} in {sorted(wanted)}", every=0.1)
 
     def output(self, job_id: int) -> str:
         try:

@@ -75,6 +75,7 @@ class JobInfo:
     requeue: bool
     batch: bool
     exit_code: int | None  # the job's exit status; None where the call does not tell it
+    exit_signal: int | None = None  # the signal that ended it (ExitCode=0:9), 0 for none
 
 
 def _int(text: str, what: str) -> int:
@@ -121,7 +122,7 @@ def parse_node(line: str) -> NodeInfo:
 
 def parse_job(line: str) -> JobInfo:
     fields = parse_show(line)
-    code = fields.get("ExitCode", "").split(":")[0]
+    code, _, signal = fields.get("ExitCode", "").partition(":")
     return JobInfo(
         job_id=_int(fields.get("JobId", ""), "JobId"),
         name=_text(fields.get("JobName", "")),
@@ -129,6 +130,7 @@ def parse_job(line: str) -> JobInfo:
         requeue=_flag(fields.get("Requeue", ""), "Requeue"),
         batch=_flag(fields.get("BatchFlag", ""), "BatchFlag"),
         exit_code=_int(code, "ExitCode"),
+        exit_signal=_int(signal, "ExitCode signal"),
     )
 
 

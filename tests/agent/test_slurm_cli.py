@@ -99,6 +99,8 @@ async def test_a_node_is_draining_until_its_last_job_has_completed(cluster: Slur
     assert time.monotonic() - cancelled_at >= cluster.kill_wait_s - 1
     assert cluster.node_state("sd-n2") == "drained"
     assert await cli.listpids("sd-n2") == {}
+    ended = await cli.job(job)
+    assert (ended.state, ended.exit_code, ended.exit_signal) == ("CANCELLED", 0, 9)
 
 
 async def test_the_jobs_on_a_node_and_what_each_allows(cluster: SlurmCluster, cli) -> None:
@@ -129,7 +131,9 @@ async def test_the_jobs_on_a_node_and_what_each_allows(cluster: SlurmCluster, cl
         }
 
         shown = await cli.job(requeueable)
-        assert shown == JobInfo(requeueable, "train | step 1", "RUNNING", True, True, exit_code=0)
+        assert shown == JobInfo(
+            requeueable, "train | step 1", "RUNNING", True, True, exit_code=0, exit_signal=0
+        )
         assert await cli.job(999_999) is None
     finally:
         srun.kill()

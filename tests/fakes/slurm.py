@@ -191,6 +191,7 @@ class SlurmCluster:
     def stop_controller(self) -> None:
         """SIGTERM slurmctld and wait for it to exit (its state is saved in the temp dir)."""
         if self._slurmctld is not None:
+            self.thaw_controller()  # a frozen process never sees SIGTERM
             _terminate(self._slurmctld)
             self._slurmctld = None
 

@@ -205,12 +205,13 @@ class SlurmCluster:
         os.kill(self.controller_pid, signal.SIGSTOP)
 
     def thaw_controller(self) -> None:
-        os.kill(self.controller_pid, signal.SIGCONT)
+        if self._slurmctld is not None and self._slurmctld.poll() is None:
+            os.kill(self._slurmctld.pid, signal.SIGCONT)
 
     def log(self, name: str) -> str:
         """A daemon's log: 'slurmctld', 'munged' or a node name."""
         if name == "munged":
-            path = self.munge_socket.parent / "munged.log"
+            path = self.log_dir / "munged.stdout"  # in the foreground it logs to stderr only
         else:
             path = self.log_dir / (f"slurmd-{name}.log" if name in NODES else f"{name}.log")
         try:
@@ -223,9 +224,7 @@ class SlurmCluster:
         if self._stopped:
             return
         self._stopped = True
-        if self._slurmctld is not None:
-            # A frozen controller never sees SIGTERM.
-            os.kill(self._slurmctld.pid, signal.SIGCONT)
+        self.thaw_controller()  # a frozen controller never sees SIGTERM
         procs = [*self._slurmd.values(), self._slurmctld, self._munged]
         for proc in procs:
             if proc is not None:
@@ -371,13 +370,19 @@ def _kill_tree_under(root: Path) -> None:
 def start_cluster() -> SlurmCluster:
     """Start a private Slurm cluster with its own munged; the caller stops it."""
     munge_user = _check_installed()
-    root = Path(tempfile.mkdtemp(prefix="spotdrain-slurm-", dir="/tmp"))
-    os.chmod(root, 0o755)
-    cluster = SlurmCluster(root, munge_user)
-    try:
-        cluster._start()
-    except BaseException:
-        cluster.stop()
-        raise
+    for attempt in range(3):  # a free port can be taken before a daemon binds it
+        root = Path(tempfile.mkdtemp(prefix="spotdrain-slurm-", dir="/tmp"))
+        os.chmod(root, 0o755)
+        cluster = SlurmCluster(root, munge_user)
+        try:
+            cluster._start()
+            break
+        except RuntimeError as e:
+            cluster.stop()
+            if attempt == 2 or "Address already in use" not in str(e):
+                raise
+        except BaseException:
+            cluster.stop()
+            raise
     atexit.register(cluster.stop)  # should the session end without tearing down its fixtures
     return cluster

@@ -5,8 +5,8 @@ bounded lengths and checked integers, so a strange answer is an error, never a g
 
 Verified on Debian's 22.05.8: `scancel JOB` and `scontrol requeue JOB` both send SIGCONT then
 SIGTERM to the batch shell and every step's processes, and slurmd sends SIGKILL KillWait seconds
-later (the job shows COMPLETING meanwhile). Plain `scancel` of an unknown job exits 0 and prints
-nothing. A requeued job restarts no sooner than cred_expire (AuthInfo, default 120 s) later.
+later (the job shows COMPLETING meanwhile). `scancel` of an unknown job exits 0, silent unless
+--verbose. A requeued job restarts no sooner than cred_expire (AuthInfo, default 120 s) later.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 MAX_OUTPUT = 4 << 20  # bytes of a tool's stdout; a node's jobs fit many times over
 MAX_TEXT = 512  # a name, a reason, a state: longer is cut, never trusted whole
+MAX_STDERR = 4096
 _INT = re.compile(r"[0-9]{1,18}")
 # `Key=value` tokens of `scontrol -o show`: keys such as ReqB:S:C:T or CPUs/Task; a value may hold
 # spaces (JobName, Reason), so it runs up to the next key.
@@ -26,12 +27,21 @@ _KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=")
 # scontrol appends who set a node's reason and when: `Reason=text [root@2026-12-03T15:32:14]`.
 _REASON_STAMP = re.compile(r"\s*\[[^\]\s]*@[^\]\s]*\]$")
 _JOB_FORMAT = "JobID:|,State:|,Requeue:|,BatchFlag:|,Name:"  # Name last: it may hold a `|`
-# stderr of `scontrol listpids` that means "nothing of Slurm runs here", with exit 1.
-_NO_STEPS = ("No job steps exist on this node", "does not exist on node")
+# stderr of `scontrol listpids` that means "nothing of Slurm runs here", with exit 1. An unknown
+# node also prints the first, after an `error:` line about its missing spool directory.
+_NO_STEPS = (
+    "No job steps exist on this node",
+    "There are no steps for job",
+    "does not exist on node",
+)
 
 
 class SlurmError(Exception):
     """A Slurm call failed, timed out or answered something this module cannot read."""
+
+
+class SlurmTimeout(SlurmError):
+    """A Slurm call got no answer within its bound (the tool was killed)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,7 @@ class JobInfo:
     requeue: bool
     batch: bool
     exit_code: int | None  # the job's exit status; None where the call does not tell it
+    exit_signal: int | None = None  # the signal that ended it (ExitCode=0:9), 0 for none
 
 
 def _int(text: str, what: str) -> int:
@@ -111,7 +122,7 @@ def parse_node(line: str) -> NodeInfo:
 
 def parse_job(line: str) -> JobInfo:
     fields = parse_show(line)
-    code = fields.get("ExitCode", "").split(":")[0]
+    code, _, signal = fields.get("ExitCode", "").partition(":")
     return JobInfo(
         job_id=_int(fields.get("JobId", ""), "JobId"),
         name=_text(fields.get("JobName", "")),
@@ -119,6 +130,7 @@ def parse_job(line: str) -> JobInfo:
         requeue=_flag(fields.get("Requeue", ""), "Requeue"),
         batch=_flag(fields.get("BatchFlag", ""), "BatchFlag"),
         exit_code=_int(code, "ExitCode"),
+        exit_signal=_int(signal, "ExitCode signal"),
     )
 
 
@@ -195,15 +207,17 @@ class SlurmCli:
             async with asyncio.timeout(bound):
                 out, err = await proc.communicate()
         except TimeoutError:
-            raise SlurmError(f"{what}: no answer within {bound} s") from None
+            raise SlurmTimeout(f"{what}: no answer within {bound} s") from None
         finally:
             if proc.returncode is None:  # timed out or cancelled: never leave it running
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
-        stderr = err.decode(errors="replace").strip()[:MAX_TEXT]
+        stderr = err.decode(errors="replace").strip()[:MAX_STDERR]
         if proc.returncode not in ok_rcs:
-            raise SlurmError(f"{what}: exit {proc.returncode}: {stderr or '(no message)'}")
+            # scontrol prints some refusals on stdout ("Node x not found").
+            said = stderr or out.decode(errors="replace").strip()[:MAX_TEXT] or "(no message)"
+            raise SlurmError(f"{what}: exit {proc.returncode}: {said}")
         if len(out) > MAX_OUTPUT:
             raise SlurmError(f"{what}: {len(out)} bytes of output, more than {MAX_OUTPUT}")
         return proc.returncode, out.decode(errors="replace"), stderr
@@ -261,7 +275,12 @@ class SlurmCli:
         await self._act("scontrol", "requeue", str(job_id))
 
     async def cancel(self, job_id: int) -> None:
-        await self._act("scancel", str(job_id))
+        """scancel: a job already completing or gone from the node is no error (it is leaving);
+        an unknown job is. Only --verbose makes scancel tell either, on stderr, still exiting 0."""
+        _, _, stderr = await self._run("scancel", "--verbose", str(job_id))
+        errors = [line for line in stderr.splitlines() if "error:" in line]
+        if any("already completing or completed" not in line for line in errors):
+            raise SlurmError(f"scancel {job_id}: {'; '.join(errors)[:MAX_TEXT]}")
 
     async def listpids(self, node: str, job_id: int | None = None) -> dict[int, list[int]]:
         """Job id -> pids of Slurm's processes on node, from the node's own slurmstepd (answers
@@ -269,7 +288,7 @@ class SlurmCli:
         target = "*" if job_id is None else str(job_id)
         rc, out, stderr = await self._run("scontrol", "listpids", target, node, ok_rcs=(0, 1))
         if rc == 1:
-            if any(sign in stderr for sign in _NO_STEPS):
+            if "error:" not in stderr and any(sign in stderr for sign in _NO_STEPS):
                 return {}
             raise SlurmError(f"scontrol listpids {target} {node}: exit 1: {stderr}")
         return parse_listpids(out)
@@ -287,9 +306,9 @@ class SlurmCli:
         return _int(number, "KillWait")
 
     async def ping(self) -> bool:
-        """Whether the primary slurmctld answers; a timeout is a no, not an error."""
+        """Whether the primary slurmctld answers; no answer in time is a no, not an error."""
         try:
             _, out, _ = await self._run("scontrol", "ping", ok_rcs=(0, 1))
-        except SlurmError:
+        except SlurmTimeout:
             return False
         return "is UP" in out

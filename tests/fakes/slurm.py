@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from fakes.slurm_conf import GPUS_PER_NODE, KILL_WAIT_S, NODES, write_conf
+from fakes.waiting import wait_until
 
 BIN_DIR = Path("/usr/bin")
 SBIN_DIR = Path("/usr/sbin")
@@ -126,6 +127,7 @@ class SlurmCluster:
             "--requeue" if requeue else "--no-requeue",
             f"--chdir={jobs}",
             f"--output={jobs}/%j.out",
+            "--open-mode=append",  # a requeued job's second run adds to its first run's output
             *args,
             str(path),
         )
@@ -149,17 +151,12 @@ class SlurmCluster:
     def wait_state(self, job_id: int, states: Iterable[str], timeout: float = 30.0) -> str:
         """Wait until the job's JobState is one of states; that state."""
         wanted = set(states)
-        deadline = time.monotonic() + timeout
-        state = None
-        while True:
-            state = self.job_field(job_id, "JobState")
-            if state in wanted:
-                return state
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"job {job_id} not in {sorted(wanted)} after {timeout} s: {state}"
-                )
-            time.sleep(0.1)
+
+        def state() -> str | None:
+            found = self.job_field(job_id, "JobState")
+            return found if found in wanted else None
+
+        return wait_until(state, timeout, f"job {job_id} in {sorted(wanted)}", every=0.1)
 
     def output(self, job_id: int) -> str:
         try:
@@ -194,6 +191,7 @@ class SlurmCluster:
     def stop_controller(self) -> None:
         """SIGTERM slurmctld and wait for it to exit (its state is saved in the temp dir)."""
         if self._slurmctld is not None:
+            self.thaw_controller()  # a frozen process never sees SIGTERM
             _terminate(self._slurmctld)
             self._slurmctld = None
 
@@ -207,12 +205,13 @@ class SlurmCluster:
         os.kill(self.controller_pid, signal.SIGSTOP)
 
     def thaw_controller(self) -> None:
-        os.kill(self.controller_pid, signal.SIGCONT)
+        if self._slurmctld is not None and self._slurmctld.poll() is None:
+            os.kill(self._slurmctld.pid, signal.SIGCONT)
 
     def log(self, name: str) -> str:
         """A daemon's log: 'slurmctld', 'munged' or a node name."""
         if name == "munged":
-            path = self.munge_socket.parent / "munged.log"
+            path = self.log_dir / "munged.stdout"  # in the foreground it logs to stderr only
         else:
             path = self.log_dir / (f"slurmd-{name}.log" if name in NODES else f"{name}.log")
         try:
@@ -225,9 +224,7 @@ class SlurmCluster:
         if self._stopped:
             return
         self._stopped = True
-        if self._slurmctld is not None:
-            # A frozen controller never sees SIGTERM.
-            os.kill(self._slurmctld.pid, signal.SIGCONT)
+        self.thaw_controller()  # a frozen controller never sees SIGTERM
         procs = [*self._slurmd.values(), self._slurmctld, self._munged]
         for proc in procs:
             if proc is not None:
@@ -373,13 +370,19 @@ def _kill_tree_under(root: Path) -> None:
 def start_cluster() -> SlurmCluster:
     """Start a private Slurm cluster with its own munged; the caller stops it."""
     munge_user = _check_installed()
-    root = Path(tempfile.mkdtemp(prefix="spotdrain-slurm-", dir="/tmp"))
-    os.chmod(root, 0o755)
-    cluster = SlurmCluster(root, munge_user)
-    try:
-        cluster._start()
-    except BaseException:
-        cluster.stop()
-        raise
+    for attempt in range(3):  # a free port can be taken before a daemon binds it
+        root = Path(tempfile.mkdtemp(prefix="spotdrain-slurm-", dir="/tmp"))
+        os.chmod(root, 0o755)
+        cluster = SlurmCluster(root, munge_user)
+        try:
+            cluster._start()
+            break
+        except RuntimeError as e:
+            cluster.stop()
+            if attempt == 2 or "Address already in use" not in str(e):
+                raise
+        except BaseException:
+            cluster.stop()
+            raise
     atexit.register(cluster.stop)  # should the session end without tearing down its fixtures
     return cluster

@@ -38,6 +38,8 @@ JobCompType=jobcomp/none
 MpiDefault=none
 SwitchType=switch/none
 SchedulerType=sched/builtin
+# A requeued job waits for its BeginTime; only the periodic pass (default every 60 s) starts it.
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 # The nodes share this host's CPUs: trust slurm.conf over what each slurmd counts.

@@ -250,7 +250,7 @@ async def test_a_frozen_controller_is_an_error_within_the_bound(cluster: SlurmCl
         started = time.monotonic()
         with pytest.raises(SlurmError, match="no answer within 1 s"):
             await call
-        assert 1 <= time.monotonic() - started < 2
+        assert 1 <= time.monotonic() - started < 3  # the bound, plus killing and reaping scontrol
         assert _children("scontrol") == _children("squeue") == []
     assert await cli.ping() is False
     assert shell in (await cli.listpids("sd-n2"))[job]

@@ -115,7 +115,7 @@ class SlurmWork:
         while True:
             started = self._clock()
             try:
-                await self.cli.drain(self.node, reason_for(hold))
+                reason = await self._drain_once(hold)
                 break
             except SlurmError as e:
                 if not failed:
@@ -124,10 +124,18 @@ class SlurmWork:
             await asyncio.sleep(RETRY_S)
         ms = round((self._clock() - started) * 1000, 1)
         landed.set_result(None)
-        self._say(
-            hold.reclaim_id, "manager_cordoned", node=self.node, reason=reason_for(hold), ms=ms
-        )
+        self._say(hold.reclaim_id, "manager_cordoned", node=self.node, reason=reason, ms=ms)
         await self._check_kill_wait(hold, self._clock())
+
+    async def _drain_once(self, hold: Hold) -> str:
+        """DRAIN with our reason, unless an administrator's drain already holds the node: their
+        reason is never replaced (nor lifted by our resume later). The reason in force."""
+        info = await self.cli.node(self.node)
+        if "DRAIN" in info.flags and not info.reason.startswith(REASON_PREFIX):
+            return info.reason
+        reason = reason_for(hold)
+        await self.cli.drain(self.node, reason)
+        return reason
 
     async def _check_kill_wait(self, hold: Hold, sigterm_at: float) -> None:
         """slurmd SIGKILLs a job KillWait after its SIGTERM: before G the job loses the grace
@@ -198,16 +206,19 @@ class SlurmWork:
     # --- listing and signals -----------------------------------------------------------------
 
     async def targets(self, skip: frozenset[str], skip_kinds: frozenset[str]) -> list[Any]:
+        """The controller's jobs on this node, and every job the node's own slurmstepd still
+        runs steps of: a cancelled job is COMPLETING (squeue leaves it out) until its last
+        process is gone, and without the controller the steps are all there is to list."""
         if KIND in skip_kinds:
             return []
         try:
-            jobs = await self.cli.jobs_on(self.node)
-            units = [_unit(j) for j in jobs]
+            units = {j.job_id: _unit(j) for j in await self.cli.jobs_on(self.node)}
         except SlurmError as e:
-            # The controller is away: the node's own slurmstepd still knows its steps.
             log.warning("node %s: squeue failed (%s); listing steps locally", self.node, e)
-            units = [SlurmUnit(unit_id(j), f"job {j}", j) for j in await self._local_jobs()]
-        return [u for u in units if u.id not in skip]
+            units = {}
+        for job in await self._local_jobs():
+            units.setdefault(job, SlurmUnit(unit_id(job), f"job {job}", job))
+        return [u for u in units.values() if u.id not in skip]
 
     async def _local_jobs(self) -> list[int]:
         try:
@@ -278,6 +289,9 @@ class SlurmWork:
                     info = await self.cli.job(job)
                 except SlurmError:
                     info = None  # the controller is away: the steps' end is the exit
+                if info is not None and info.state == "COMPLETING":
+                    await asyncio.sleep(EXIT_POLL_S)  # its end state is a moment away
+                    continue
                 state = info.state if info is not None else ""
                 code = info.exit_code if info is not None and info.exit_code is not None else -1
                 return ContainerExited(self._clock(), unit, name, code, state)

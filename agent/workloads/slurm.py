@@ -90,6 +90,7 @@ class SlurmWork:
         self._note = note
         self._clock = clock
         self.holds: dict[str, Hold] = {}  # the reclamations the DRAIN is for
+        self._last_hold = ""  # the reclamation a late requeue is recorded in
         self._landed: asyncio.Future[None] | None = None
         self._cordoning: asyncio.Task[None] | None = None
         self._resuming: asyncio.Task[None] | None = None
@@ -102,6 +103,7 @@ class SlurmWork:
 
     def cordon(self, hold: Hold) -> asyncio.Future[None]:
         self.holds[hold.reclaim_id] = hold
+        self._last_hold = hold.reclaim_id
         if self._resuming is not None:
             self._resuming.cancel()  # a lift still trying must not undo this new drain
             self._resuming = None
@@ -155,8 +157,11 @@ class SlurmWork:
             self._say(hold.reclaim_id, "kill_wait_warning", kill_wait_s=kill_wait, why=why)
 
     def uncordon(self, reclaim_id: str) -> None:
-        if self.holds.pop(reclaim_id, None) is None or self.holds:
-            return  # not ours, or another reclamation still needs the node drained
+        self.holds.pop(reclaim_id, None)
+        if self.holds:
+            return  # another reclamation still needs the node drained
+        # Also with no hold in memory (an agent restarted mid-drain): the DRAIN is lifted
+        # only while its reason is still ours.
         if self._cordoning is not None:
             self._cordoning.cancel()
         self._landed = self._cordoning = None
@@ -211,14 +216,20 @@ class SlurmWork:
         process is gone, and without the controller the steps are all there is to list."""
         if KIND in skip_kinds:
             return []
-        try:
-            units = {j.job_id: _unit(j) for j in await self.cli.jobs_on(self.node)}
-        except SlurmError as e:
-            log.warning("node %s: squeue failed (%s); listing steps locally", self.node, e)
-            units = {}
+        units: dict[int, SlurmUnit] = {}
+        if not self._controller_away():
+            try:
+                units = {j.job_id: _unit(j) for j in await self.cli.jobs_on(self.node)}
+            except SlurmError as e:
+                log.warning("node %s: squeue failed (%s); listing steps locally", self.node, e)
         for job in await self._local_jobs():
             units.setdefault(job, SlurmUnit(unit_id(job), f"job {job}", job))
         return [u for u in units.values() if u.id not in skip]
+
+    def _controller_away(self) -> bool:
+        """A DRAIN asked for and not landed: slurmctld did not answer within the taint's
+        800 ms, so nothing on the notice path waits for it (nor for call_timeout_s)."""
+        return self._landed is not None and not self._landed.done()
 
     async def _local_jobs(self) -> list[int]:
         try:
@@ -236,22 +247,26 @@ class SlurmWork:
 
     async def _signal_one(self, unit: SlurmUnit, signal: str) -> ContainerSignalled:
         job = unit.job_id
+        controller_error = ""
         if signal == SIGTERM:
             requeue = self.settings.requeue and unit.requeue
-            try:
-                if requeue:
-                    await self.cli.requeue(job)
-                else:
-                    await self.cli.cancel(job)
-                return self._signalled(unit, signal, "requeue" if requeue else "scancel")
-            except SlurmError as e:
-                controller_error = str(e)
-            # Never wait on the controller past the deadline: signal the steps ourselves, and
-            # requeue once it answers (the job then restarts elsewhere from its checkpoint).
-            if requeue:
+            if not self._controller_away():
+                try:
+                    if requeue:
+                        await self.cli.requeue(job)
+                    else:
+                        await self.cli.cancel(job)
+                    return self._signalled(unit, signal, "requeue" if requeue else "scancel")
+                except SlurmError as e:
+                    controller_error = str(e)
+            else:
+                # The DRAIN has not landed within the taint's 800 ms: the controller is away,
+                # and the provider's deadline does not wait for it (nor for call_timeout_s).
+                controller_error = "slurmctld has not answered the DRAIN"
+            # Signal the steps ourselves; requeue once it answers, so the job still restarts
+            # elsewhere from its checkpoint.
+            if self.settings.requeue:
                 self._spawn(self._requeue_later(unit))
-        else:
-            controller_error = ""
         try:
             pids = (await self.cli.listpids(self.node, job)).get(job, [])
         except SlurmError as e:
@@ -262,15 +277,21 @@ class SlurmWork:
         return self._signalled(unit, signal, "pid")
 
     async def _requeue_later(self, unit: SlurmUnit) -> None:
+        """Once the controller answers: requeue the job if it may be (a unit listed by
+        listpids alone did not say). Never `scancel`: its processes had their SIGTERM."""
+        rid = self._last_hold
         while True:
-            await asyncio.sleep(RETRY_S)
             try:
+                info = await self.cli.job(unit.job_id)
+                if info is None or not (info.requeue and info.batch):
+                    return
                 await self.cli.requeue(unit.job_id)
                 break
             except SlurmError as e:
                 log.info("node %s: requeue of %s not answered yet: %s", self.node, unit.id, e)
-        for rid in self.holds:
-            self._say(rid, "requeued", unit=unit.id, name=unit.name, late=True)
+            await asyncio.sleep(RETRY_S)
+        if rid:
+            self._say(rid, "requeued", unit=unit.id, name=info.name, late=True)
 
     def _signalled(
         self, unit: SlurmUnit, signal: str, via: str, error: str = ""

@@ -37,21 +37,33 @@ def cluster(slurm_cluster: SlurmCluster) -> SlurmCluster:
     slurm_cluster.reset()
 
 
-def slurm_agent(tmp_path: Path, cluster: SlurmCluster, node: str, coordinator, gpus, nvml_lib):
+def slurm_agent(
+    tmp_path: Path,
+    cluster: SlurmCluster,
+    node: str,
+    coordinator,
+    gpus,
+    nvml_lib,
+    docker_host: str = "",
+    **options: float,
+):
+    """An agent on one Slurm node; Docker drained beside it only when docker_host is given."""
     config = tmp_path / f"{node}.toml"
     config.write_text(
-        "[workloads]\ndocker = false\n[workloads.slurm]\n"
+        "pause_notice_s = 20\n"
+        f"[workloads]\ndocker = {'true' if docker_host else 'false'}\n[workloads.slurm]\n"
         f'node_name = "{node}"\nbin_dir = "{cluster.bin_dir}"\nconf = "{cluster.conf}"\n'
         "call_timeout_s = 3\n"
     )
+    opts = {"grace_s": 6.0, "overrun_s": 1.0, **options}
     return start_agent(
         tmp_path,
         node,
         coordinator,
-        "unix:///nonexistent/docker.sock",
+        docker_host or "unix:///nonexistent/docker.sock",
         gpus,
         nvml_lib,
-        AgentOptions(grace_s=6.0, overrun_s=1.0, extra=["--config", str(config)]),
+        AgentOptions(**opts, extra=["--config", str(config)]),  # type: ignore[arg-type]
     )
 
 

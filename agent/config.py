@@ -23,6 +23,7 @@ from spotdrain.agent.notices.settings import (
 from spotdrain.agent.workloads.settings import WorkloadSettings, parse_workloads
 from spotdrain.protocol import timing
 from spotdrain.runtime.cli import ArgumentParser, UsageError, host_port
+from spotdrain.workload import DEFAULT_DEADLINE_FILE
 
 PROG = "spotdrain-agent"
 
@@ -48,7 +49,7 @@ class AgentConfig:
     # Workloads read this (bind-mounted read-only; path in SPOTDRAIN_DEADLINE_FILE).
     # In a directory of its own: workloads bind-mount the directory, since a file mount would
     # keep showing the old inode after an atomic replace.
-    deadline_file: Path = Path("/run/spotdrain/workload/deadline.json")
+    deadline_file: Path = DEFAULT_DEADLINE_FILE
     # Each workload container's own status directory, <status_dir>/<container name>,
     # bind-mounted read-write at SPOTDRAIN_STATUS_DIR, for its reports
     # (agent/workloads/status_dirs.py).

@@ -283,7 +283,7 @@ class Agent:
         await self._adopt()
         if self.slurm is not None:
             await self.slurm.check_node()  # a node slurmctld does not know: exit 2
-            if not self.drains.live:
+            if not self._reclamation_open(time.time()):
                 await self.slurm.resume_stale()  # back from a reclamation: work may come again
         sup = self.supervisor
         sup.add("drains", self.drains.run())
@@ -298,6 +298,14 @@ class Agent:
             return await sup.run()
         finally:
             await self.shutdown()
+
+    def _reclamation_open(self, now: float) -> bool:
+        """A drain under way, or one that emptied the node for a D still to come (the host is
+        about to go: the DRAIN must stay). A new boot after D, or after a resume or a cancel,
+        has none."""
+        if self.drains.live:
+            return True
+        return any(rec.terminate_at > now and not rec.lifted for rec in self.drains.recent.values())
 
     # --- systemd (Type=notify) ----------------------------------------------------------------
 

@@ -4,7 +4,8 @@ A workload imports it from the `spotdrain` package, or copies this one file into
 imports it as `workload` (it imports nothing outside the standard library, so a bare `python3`
 runs it). What it gives (docs/workloads.md, "The workload SDK"):
 
-- `read_deadline()`: the deadline file the agent writes ($SPOTDRAIN_DEADLINE_FILE), parsed and
+- `read_deadline()`: the deadline file the agent writes ($SPOTDRAIN_DEADLINE_FILE, else its
+  default path on the host, /run/spotdrain/workload/deadline.json), parsed and
   checked, or None while there is none; `Deadline.time_left()` to the grace deadline G, after
   which whatever still runs is SIGKILLed.
 - `on_reclaim(callback)`: the callback runs once, in a thread of its own, on the first SIGTERM
@@ -44,6 +45,9 @@ NODE_LABEL = "spotdrain.node"
 KIND_LABEL = "spotdrain.kind"
 # Environment the agent sets in the containers it starts (and tests/demo set by hand).
 DEADLINE_FILE_ENV = "SPOTDRAIN_DEADLINE_FILE"
+# Where the agent keeps the deadline file by default: on the host itself, a process not started
+# by the agent (a Slurm job step) finds it here without the variable.
+DEFAULT_DEADLINE_FILE = Path("/run/spotdrain/workload/deadline.json")
 STATUS_DIR_ENV = "SPOTDRAIN_STATUS_DIR"
 
 REASONS = ("notice", "pause")
@@ -169,12 +173,13 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number here")
 
 
-def deadline_path(path: str | os.PathLike[str] | None = None) -> Path | None:
-    """The deadline file: `path`, else $SPOTDRAIN_DEADLINE_FILE, else None (not under spotdrain)."""
+def deadline_path(path: str | os.PathLike[str] | None = None) -> Path:
+    """The deadline file: `path`, else $SPOTDRAIN_DEADLINE_FILE (a container the agent started,
+    a Slurm job whose TaskProlog exports it), else the agent's default path on the host."""
     if path is not None:
         return Path(path)
     env = os.environ.get(DEADLINE_FILE_ENV, "")
-    return Path(env) if env else None
+    return Path(env) if env else DEFAULT_DEADLINE_FILE
 
 
 def read_deadline(path: str | os.PathLike[str] | None = None) -> Deadline | None:
@@ -183,8 +188,6 @@ def read_deadline(path: str | os.PathLike[str] | None = None) -> Deadline | None
     Raises DeadlineInvalid when the file is there but malformed. The agent replaces the file
     by rename, so a reader never sees half of one."""
     where = deadline_path(path)
-    if where is None:
-        return None
     try:
         with open(where, "rb") as f:
             raw = f.read(MAX_DEADLINE_BYTES + 1)
@@ -306,7 +309,7 @@ class Reclaim:
             return
         self.looks += 1
         try:
-            deadline = read_deadline(self.path) if self.path is not None else None
+            deadline = read_deadline(self.path)
         except (DeadlineInvalid, OSError):
             return  # not a deadline (yet): the agent writes it by rename, so look again
         if deadline is None:
@@ -334,7 +337,7 @@ class Reclaim:
         # A SIGTERM first: hand the callback the deadline if the file is already there, without
         # counting the file as a stimulus of its own yet.
         try:
-            self.deadline = read_deadline(self.path) if self.path is not None else None
+            self.deadline = read_deadline(self.path)
         except (DeadlineInvalid, OSError):
             self.deadline = None
 
@@ -342,7 +345,7 @@ class Reclaim:
         """Seconds to G by this Reclaim's clock: from the deadline file, read again now (None
         while there is none or it is malformed)."""
         try:
-            deadline = read_deadline(self.path) if self.path is not None else None
+            deadline = read_deadline(self.path)
         except DeadlineInvalid:
             return None
         return None if deadline is None else deadline.time_left(self.clock)

@@ -167,7 +167,13 @@ def test_read_deadline_uses_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(workload.DEADLINE_FILE_ENV, str(path))
     assert workload.read_deadline() == Deadline("rcl-env", 2000.0, 1990.0, "notice")
     monkeypatch.delenv(workload.DEADLINE_FILE_ENV)
-    assert workload.read_deadline() is None
+    # Without the variable (a Slurm job step, started by slurmd, not by the agent): the agent's
+    # default path on the host, here pointed at the test's directory.
+    host_file = tmp_path / "run" / "deadline.json"
+    monkeypatch.setattr(workload, "DEFAULT_DEADLINE_FILE", host_file)
+    assert workload.read_deadline() is None  # no reclamation under way: no file
+    write_deadline_file(host_file, "rcl-host", 2100.0, 2090.0, "pause")
+    assert workload.read_deadline() == Deadline("rcl-host", 2100.0, 2090.0, "pause")
 
 
 @pytest.mark.parametrize(

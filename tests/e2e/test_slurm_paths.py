@@ -185,3 +185,26 @@ def test_one_reclamation_drains_a_container_and_a_slurm_job_on_one_host(
         assert container.status == "exited"
     finally:
         agent.proc.stop()
+
+
+def test_a_host_back_after_d_has_its_old_drain_lifted_and_not_before(
+    tmp_path, cluster, coordinator, gpus, nvml_lib
+):
+    """The node drained for a notice and its agent stopped with spotdrain's DRAIN still set.
+    Restarted before D (the host is about to go) the DRAIN stays; restarted after D (a new
+    boot on a host that came back) the old DRAIN is lifted, so Slurm may place work again."""
+    node = "sd-n3"
+    agent = slurm_agent(tmp_path, cluster, node, coordinator, gpus, nvml_lib)
+    admin = coordinator.admin()
+    terminate_at = time.time() + 8
+    agent.write_notice({"id": "i-back-1", "action": "terminate", "terminate_at": terminate_at})
+    admin.wait_for("drained", node=node, timeout=20)
+    agent.proc.stop()
+    agent.restart()  # before D: READY comes after the start-up look at the old drain
+    wait_until(lambda: agent.proc.log().count("agent up") == 2, 20, "the agent up again")
+    assert "Reason=spotdrain: " in node_line(cluster, node)
+    agent.proc.stop()
+    wait_until(lambda: time.time() > terminate_at, 20, "D to pass")
+    agent.restart()
+    wait_until(lambda: "DRAIN" not in node_line(cluster, node), 20, "the old DRAIN lifted")
+    agent.proc.stop()

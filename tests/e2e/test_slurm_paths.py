@@ -208,3 +208,35 @@ def test_a_host_back_after_d_has_its_old_drain_lifted_and_not_before(
     agent.restart()
     wait_until(lambda: "DRAIN" not in node_line(cluster, node), 20, "the old DRAIN lifted")
     agent.proc.stop()
+
+
+def test_without_slurmctld_an_srun_steps_task_gets_its_sigterm_and_time_to_save(
+    tmp_path, cluster, coordinator, gpus, nvml_lib
+):
+    """A batch script whose work runs in an srun step, slurmctld down at the notice: the agent
+    signals the step's processes itself, and the step's task gets its TERM and the second it
+    needs to save its work, as the batch shell does. (The agent leaves srun itself out: with
+    slurmctld up, srun asked to stop turns TERM into a KILL of the step. With it down, as here,
+    srun cannot, so this test does not tell the two apart.)"""
+    # The task takes a second to save its work after the TERM: a KILL meanwhile loses it.
+    step = "trap 'echo step got TERM; sleep 1; echo step saved; exit 0' TERM; echo step up; " + (
+        "sleep 300 & wait"
+    )
+    job = cluster.submit(
+        f"trap 'echo shell got TERM' TERM\nsrun bash -c \"{step}\" &\nwait\nwait\n", node="sd-n1"
+    )
+    wait_until(lambda: "step up" in cluster.output(job), 15, "the step's task")
+    agent = slurm_agent(tmp_path, cluster, "sd-n1", coordinator, gpus, nvml_lib)
+    admin = coordinator.admin()
+    cluster.stop_controller()
+    try:
+        agent.write_notice(
+            {"id": "i-srun-1", "action": "terminate", "terminate_at": time.time() + 20}
+        )
+        sigterm = admin.wait_for("sigterm_sent", node="sd-n1", timeout=20)
+        assert sigterm["via"] == "pid"
+        wait_until(lambda: "step saved" in cluster.output(job), 10, "the step's saved work")
+        wait_until(lambda: "shell got TERM" in cluster.output(job), 10, "the shell's trap")
+    finally:
+        cluster.start_controller()
+        agent.proc.stop()

@@ -211,7 +211,7 @@ async def test_a_unit_that_exits_on_sigterm_leaves_the_node_empty(backend) -> No
         (ContainerSignalled, unit, "SIGTERM", "", backend.kind)
     ]
     gone = await exited(manager, target)
-    assert isinstance(gone, ContainerExited) and gone.container == unit
+    assert isinstance(gone, ContainerExited) and (gone.container, gone.exit_code) == (unit, 0)
     look = await manager.look()
     assert (look.running, look.error) == ((), "")
     assert await backend.held() == backend.keeps_schedule
@@ -230,7 +230,8 @@ async def test_a_unit_ignoring_sigterm_runs_on_until_sigkill(backend) -> None:
     target = await listed(manager, unit)  # what is left at G, listed again
     [kill] = await signalled(manager, [target], "SIGKILL")
     assert (kill.container, kill.signal, kill.error) == (unit, "SIGKILL", "")
-    assert (await exited(manager, target)).container == unit
+    gone = await exited(manager, target)
+    assert (gone.container, gone.exit_code) == (unit, 137)  # 128 + 9: killed (docs/workloads.md)
     look = await manager.look()
     assert (look.running, look.error) == ((), "")
 

@@ -39,6 +39,7 @@ class DockerBackend:
     same node and the same inventory at a unix socket nothing listens on."""
 
     kind = "batch"  # run_workload's drain kind
+    records_signals = True  # the engine's own kill events
     keeps_schedule = False  # the coordinator's taint is Docker's cordon: nothing on the engine
 
     def __init__(self, engine: Any, prefix: str, tmp_path: Path) -> None:
@@ -87,6 +88,7 @@ class SlurmBackend:
     to it hang until their timeout, as on a wedged controller), the node's slurmd still runs."""
 
     kind = "slurm"
+    records_signals = False  # Slurm keeps no record of who was signalled
     keeps_schedule = True  # DRAIN
     node = "sd-n1"
 
@@ -242,6 +244,7 @@ async def test_an_unreachable_daemon_is_an_error_and_units_are_listed_locally(ba
         look = await manager.look()
         assert look.error, f"an unreachable daemon looked empty: {look}"
         assert unit in [u.id for u in await manager.targets(NOTHING, NOTHING)]
+        assert await manager.delivered(time.time() - 60, time.time(), {unit}) is None
 
 
 async def test_without_the_daemon_sigterm_reaches_the_units_process(backend) -> None:
@@ -258,6 +261,18 @@ async def test_without_the_daemon_sigterm_reaches_the_units_process(backend) -> 
     assert (await exited(manager, target)).container == unit
     look = await manager.look()
     assert (look.running, look.error) == ((), "")
+
+
+async def test_a_restarted_agent_learns_which_sigterms_were_delivered(backend) -> None:
+    """Of the SIGTERMs a previous agent process announced: the unit signalled counts, the one
+    never signalled does not; a manager that keeps no record says it cannot tell (None)."""
+    manager = backend.manager
+    told = await backend.start("exits_on_term")
+    untold = await backend.start("exits_on_term")
+    since = time.time()
+    await signalled(manager, [await listed(manager, told)], "SIGTERM")
+    answer = await manager.delivered(since, time.time(), {told, untold})
+    assert answer == ({told} if backend.records_signals else None)
 
 
 async def test_skipped_units_and_kinds_are_left_out_of_the_targets(backend) -> None:

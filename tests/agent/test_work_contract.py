@@ -165,7 +165,13 @@ async def exited(manager: WorkManager, unit: Any) -> ContainerExited:
     return await asyncio.wait_for(manager.wait_exit(unit.id, unit.name), BOUND_S)
 
 
+def lifts(backend: Any) -> list[str]:
+    """The reclamations whose lift the manager recorded, in order."""
+    return [rid for rid, e in backend.notes if getattr(e, "kind", "") == "manager_uncordoned"]
+
+
 async def test_a_started_unit_is_listed_looked_at_and_owned(backend) -> None:
+    """Unit ids are unique across managers: the one that lists a unit owns it."""
     manager = backend.manager
     unit = await backend.start("exits_on_term")
     assert manager.owns(unit)
@@ -184,22 +190,18 @@ async def test_a_cordon_holds_new_work_until_every_reclamation_lifts_it(backend)
     assert unit in (await manager.look()).running  # a cordon stops nothing
 
     manager.uncordon("r-1")
-    await eventually(lambda: backend.held(), "the lift", ok=lambda held: not held)
+    await eventually(backend.held, "the lift", ok=lambda held: not held)
 
     await asyncio.wait_for(manager.cordon(hold("r-2")), BOUND_S)
     await asyncio.wait_for(manager.cordon(hold("r-3")), BOUND_S)
     manager.uncordon("r-2")
     assert await backend.held() == backend.keeps_schedule
     manager.uncordon("r-3")
-    await eventually(lambda: backend.held(), "the last lift", ok=lambda held: not held)
+    await eventually(backend.held, "the last lift", ok=lambda held: not held)
     if backend.keeps_schedule:
         # The barrier for r-2's lift that must not have happened: r-3's, recorded after it.
         await eventually(lambda: lifts(backend), "r-3's lift recorded", ok=lambda x: "r-3" in x)
         assert lifts(backend) == ["r-1", "r-3"]
-
-
-def lifts(backend: Any) -> list[str]:
-    return [rid for rid, e in backend.notes if getattr(e, "kind", "") == "manager_uncordoned"]
 
 
 async def test_a_unit_that_exits_on_sigterm_leaves_the_node_empty(backend) -> None:

@@ -314,8 +314,7 @@ class SlurmWork:
                     await asyncio.sleep(EXIT_POLL_S)  # its end state is a moment away
                     continue
                 state = info.state if info is not None else ""
-                code = info.exit_code if info is not None and info.exit_code is not None else -1
-                return ContainerExited(self._clock(), unit, name, code, state)
+                return ContainerExited(self._clock(), unit, name, _exit_code(info), state)
             await asyncio.sleep(EXIT_POLL_S)
 
     async def _left(self, job: int) -> bool:
@@ -371,6 +370,14 @@ class SlurmWork:
 
 def _unit(job: JobInfo) -> SlurmUnit:
     return SlurmUnit(unit_id(job.job_id), job.name, job.job_id, job.requeue and job.batch)
+
+
+def _exit_code(info: JobInfo | None) -> int:
+    """As a shell (and Docker) says it: 128 + the signal that ended the job (137: killed), else
+    its exit status; -1 when the controller could not tell."""
+    if info is None or info.exit_code is None:
+        return -1
+    return 128 + info.exit_signal if info.exit_signal else info.exit_code
 
 
 def _kill(pid: int, signal: str) -> str:

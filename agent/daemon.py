@@ -159,7 +159,17 @@ class Agent:
             provider=self.cfg.provider,
             rentals=rentals,
             inventory_incomplete=not self.inventory_complete,
+            managers=self._managers(),
         )
+
+    def _managers(self) -> list[pb.WorkManager]:
+        """The work managers drained here, Slurm's with the node and cluster it knows."""
+        managers = [pb.WorkManager(name="docker")] if self.cfg.workloads.docker else []
+        if self.slurm is not None:
+            managers.append(
+                pb.WorkManager(name="slurm", node_name=self.slurm.node, cluster=self.slurm.cluster)
+            )
+        return managers
 
     # --- commands: workers, jobs, rentals ------------------------------------------------------
 

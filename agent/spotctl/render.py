@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from spotdrain.protocol.events import stored_event_to_dict
+from spotdrain.protocol.managers import managers_label
 from spotdrain.runtime.printable import printable
 from spotdrain.v1 import spotdrain_pb2 as pb
 
@@ -79,7 +80,17 @@ def render_timeline(tl: pb.Timeline) -> str:
 
 
 def render_nodes(nodes: Iterable[pb.Node], now: float) -> str:
-    header = ("node", "mode", "group", "provider", "workload", "workers", "rentals", "connected")
+    header = (
+        "node",
+        "mode",
+        "group",
+        "provider",
+        "workload",
+        "workers",
+        "rentals",
+        "connected",
+        "managers",
+    )
     rows, tails = [], []
     for n in nodes:
         rows.append(
@@ -95,6 +106,7 @@ def render_nodes(nodes: Iterable[pb.Node], now: float) -> str:
                         str(n.live_workers),
                         str(n.active_rentals),
                         "yes" if n.connected else "no",
+                        managers_label(n.managers),
                     ),
                 )
             )  # escaped before the columns are measured

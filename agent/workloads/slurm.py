@@ -95,6 +95,9 @@ class SlurmWork:
         self._cordoning: asyncio.Task[None] | None = None
         self._resuming: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # ClusterName as slurmctld said at start ("" when it did not answer then): sent at
+        # registration, never waited for.
+        self.cluster = ""
 
     def owns(self, unit: str) -> bool:
         return unit.startswith(UNIT_PREFIX)
@@ -182,7 +185,8 @@ class SlurmWork:
 
     async def check_node(self) -> None:
         """At start: a node name slurmctld does not know is a configuration error (exit 2); a
-        controller that does not answer is not (the drain works without it)."""
+        controller that does not answer is not (the drain works without it). Reads the
+        cluster's name while it answers."""
         try:
             await self.cli.node(self.node)
         except SlurmError as e:
@@ -191,6 +195,11 @@ class SlurmWork:
                     f"workloads.slurm.node_name {self.node!r}: slurmctld knows no such node"
                 ) from None
             log.warning("node %s: slurmctld did not answer at start: %s", self.node, e)
+            return
+        try:
+            self.cluster = await self.cli.cluster_name()
+        except SlurmError as e:
+            log.warning("node %s: cluster name not read: %s", self.node, e)
 
     async def resume_stale(self) -> bool:
         """A host back from a reclamation (a new boot) with our DRAIN still set and no

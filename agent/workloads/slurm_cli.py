@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from spotdrain.protocol import limits
+
 MAX_OUTPUT = 4 << 20  # bytes of a tool's stdout; a node's jobs fit many times over
 MAX_TEXT = 512  # a name, a reason, a state: longer is cut, never trusted whole
 MAX_STDERR = 4096
@@ -296,6 +298,13 @@ class SlurmCli:
     async def config(self) -> dict[str, str]:
         _, out, _ = await self._run("scontrol", "show", "config")
         return parse_config(out)
+
+    async def cluster_name(self) -> str:
+        """ClusterName, refused when the coordinator would refuse a registration carrying it."""
+        name = (await self.config()).get("ClusterName", "")
+        if len(name) > limits.MAX_MANAGER_CHARS or not name.isprintable():
+            raise SlurmError(f"ClusterName {name[:80]!r}: too long or unprintable to send")
+        return name
 
     async def kill_wait_s(self) -> int:
         """KillWait: seconds between slurmd's SIGTERM and its SIGKILL (`5 sec`)."""

@@ -125,7 +125,28 @@ def registration(reg: pb.Register) -> msg.Registration:
         workers=tuple(worker_report(w) for w in reg.workers),
         rentals=tuple(rental_report(r) for r in reg.rentals),
         inventory_complete=not reg.inventory_incomplete,
+        managers=work_managers(reg.managers),
     )
+
+
+def work_managers(managers: Sequence[pb.WorkManager]) -> tuple[dict[str, str], ...]:
+    """The node's work managers, each field printable and within limits.MAX_MANAGER_CHARS;
+    a name this coordinator does not know is kept, bounded like the rest."""
+    if len(managers) > limits.MAX_MANAGERS:
+        raise BadRequest(f"managers: {len(managers)} of them, at most {limits.MAX_MANAGERS}")
+    checked = []
+    for i, m in enumerate(managers):
+        fields = {"name": m.name, "node_name": m.node_name, "cluster": m.cluster}
+        if not m.name:
+            raise BadRequest(f"managers[{i}].name is required")
+        for key, value in fields.items():
+            if len(value) > limits.MAX_MANAGER_CHARS or not value.isprintable():
+                raise BadRequest(
+                    f"managers[{i}].{key} must be printable and at most "
+                    f"{limits.MAX_MANAGER_CHARS} characters, got {value[:80]!r}"
+                )
+        checked.append(fields)
+    return tuple(checked)
 
 
 def _details(ev: pb.Event) -> dict[str, Any]:
@@ -258,6 +279,7 @@ def node_pb(n: NodeStatus) -> pb.Node:
         live_workers=n.live_workers,
         active_rentals=n.active_rentals,
         group_avoided_until=n.avoided_until,
+        managers=[pb.WorkManager(**m) for m in row.managers],
     )
 
 

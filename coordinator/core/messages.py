@@ -52,6 +52,8 @@ class Registration:
     workers: tuple[WorkerReport, ...] = ()
     rentals: tuple[RentalReport, ...] = ()
     inventory_complete: bool = True
+    # The node's work managers: {"name", "node_name", "cluster"} each, checked and bounded.
+    managers: tuple[dict[str, str], ...] = ()
 
 
 # --- to the agent --------------------------------------------------------------------------

@@ -70,7 +70,13 @@ class AgentReports:
             self.nodes.put(dataclasses.replace(known, last_seen=self.clock()))
         else:
             refused = await self.store.upsert_node(
-                node_id, reg.spot, reg.node_group, reg.gpus, reg.provider, spot_locked=bool(render)
+                node_id,
+                reg.spot,
+                reg.node_group,
+                reg.gpus,
+                reg.provider,
+                spot_locked=bool(render),
+                managers=reg.managers,
             )
             row = await self.store.node(node_id)
             if row is not None:
@@ -199,4 +205,5 @@ def _claims_as_stored(row: NodeRow, reg: msg.Registration) -> bool:
         and row.node_group == reg.node_group
         and row.provider == reg.provider
         and row.gpus == tuple(reg.gpus)
+        and row.managers == tuple(reg.managers)
     )

@@ -15,7 +15,7 @@ from spotdrain.coordinator.store.transactions import Transactions
 
 _NODE_COLUMNS = (
     "node_id, spot, node_group, gpus_json, registered_at, last_seen, workload_enabled, "
-    "provider, spot_pinned"
+    "provider, spot_pinned, managers_json"
 )
 _DRAIN_COLUMNS = "node_id, reclaim_id, reason, terminate_at, grace_deadline, started_at, ended_at"
 _TAINT_COLUMNS = "node_id, reclaim_id, key, effect, reason, since"
@@ -23,7 +23,8 @@ _TAINT_COLUMNS = "node_id, reclaim_id, key, effect, reason, since"
 
 def _node_row(r: Sequence[Any]) -> NodeRow:
     gpus = tuple(json.loads(r[3]))
-    return NodeRow(r[0], bool(r[1]), r[2], gpus, r[4], r[5], bool(r[6]), r[7], bool(r[8]))
+    managers = tuple(json.loads(r[9]))
+    return NodeRow(r[0], bool(r[1]), r[2], gpus, r[4], r[5], bool(r[6]), r[7], bool(r[8]), managers)
 
 
 class FleetTables(Transactions):
@@ -37,6 +38,7 @@ class FleetTables(Transactions):
         gpus: Sequence[dict[str, Any]],
         provider: str = "",
         spot_locked: bool = False,
+        managers: Sequence[dict[str, str]] = (),
     ) -> dict[str, Any]:
         """A node's registration. Its spot and provider claims are taken unless something holds
         them: the spot flag when an operator pinned it, the node is rented (invariant 9) or
@@ -59,11 +61,21 @@ class FleetTables(Transactions):
                 provider = known.provider
             await self._write(
                 "INSERT INTO nodes (node_id, spot, node_group, gpus_json, registered_at, "
-                "last_seen, provider) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(node_id) DO UPDATE "
+                "last_seen, provider, managers_json) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT(node_id) DO UPDATE "
                 "SET spot=excluded.spot, node_group=excluded.node_group, "
                 "gpus_json=excluded.gpus_json, last_seen=excluded.last_seen, "
-                "provider=excluded.provider",
-                (node_id, int(spot), node_group, json.dumps(list(gpus)), now, now, provider),
+                "provider=excluded.provider, managers_json=excluded.managers_json",
+                (
+                    node_id,
+                    int(spot),
+                    node_group,
+                    json.dumps(list(gpus)),
+                    now,
+                    now,
+                    provider,
+                    json.dumps(list(managers)),
+                ),
             )
         return refused
 

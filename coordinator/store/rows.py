@@ -46,6 +46,7 @@ class NodeRow:
     workload_enabled: bool = True
     provider: str = ""
     spot_pinned: bool = False
+    managers: tuple[dict[str, str], ...] = ()  # the work managers it last registered with
 
     @property
     def owner(self) -> str:

@@ -8,7 +8,7 @@ can never drift apart; a database of a version this code does not know is refuse
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 BASE = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -161,6 +161,11 @@ CREATE TABLE leader_lease (
     expires_at {real} NOT NULL
 );
 INSERT INTO leader_lease VALUES (1, '', 0, 0);
+""",
+    7: """
+-- The work managers a node last registered with (Register.managers) as a JSON list: '[]' for a
+-- node registered before, until its agent registers again.
+ALTER TABLE nodes ADD COLUMN managers_json TEXT NOT NULL DEFAULT '[]';
 """,
 }
 

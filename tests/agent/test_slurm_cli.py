@@ -14,6 +14,8 @@ import pytest
 
 from fakes.slurm import SlurmCluster
 from fakes.waiting import eventually
+from spotdrain.agent.workloads.settings import SlurmSettings
+from spotdrain.agent.workloads.slurm import SlurmWork
 from spotdrain.agent.workloads.slurm_cli import JobInfo, SlurmCli, SlurmError
 
 # Records its shell's pid and what it is sent; exits on SIGTERM like a job that checkpoints.
@@ -270,3 +272,19 @@ async def test_listpids_answers_while_the_controller_is_stopped(cluster: SlurmCl
     assert list(pids) == [job] and shell in pids[job]
     assert await cli.listpids("sd-n2", job) == pids
     assert await cli.listpids("sd-n1") == {}
+
+
+async def test_the_nodes_cluster_is_read_at_start_and_left_empty_without_the_controller(
+    cluster: SlurmCluster,
+) -> None:
+    """The agent's start (SlurmWork.check_node) reads the cluster's name for its registration;
+    started while slurmctld is stopped it goes on with none, after the one failed call."""
+    settings = SlurmSettings("sd-n1", cluster.bin_dir, cluster.conf, call_timeout_s=5)
+    up = SlurmWork(settings, lambda rid, ev: None)
+    await up.check_node()
+    assert (up.node, up.cluster) == ("sd-n1", "spotdrain")
+
+    cluster.stop_controller()
+    away = SlurmWork(settings, lambda rid, ev: None)
+    await away.check_node()
+    assert (away.node, away.cluster) == ("sd-n1", "")

@@ -160,7 +160,8 @@ def only_call(fake: FakeCoordinator) -> tuple[str, Message]:
 
 async def test_nodes_table_shows_flags_taints_load_and_an_avoided_group(coordinator, spotctl):
     """An operator looks over the fleet: node-a is a spot node under a notice taint in a group the
-    placer avoids for a while; node-b is on-demand, paused by its owner and disconnected."""
+    placer avoids for a while, draining Docker and Slurm (node gpu-017 of cluster west); node-b is
+    on-demand, paused by its owner and disconnected."""
     avoided = time.time() + 600
     coordinator.replies["ListNodes"] = pb.ListNodesReply(
         nodes=[
@@ -171,6 +172,10 @@ async def test_nodes_table_shows_flags_taints_load_and_an_avoided_group(coordina
                 active_rentals=1,
                 taints=[pb.Taint(key="spotdrain/reclaim", reason="notice", reclaim_id="rcl-1")],
                 group_avoided_until=avoided,
+                managers=[
+                    pb.WorkManager(name="docker"),
+                    pb.WorkManager(name="slurm", node_name="gpu-017", cluster="west"),
+                ],
             ),
             node("node-b", node_group="", provider="", workload_enabled=False, connected=False),
         ]
@@ -188,9 +193,10 @@ async def test_nodes_table_shows_flags_taints_load_and_an_avoided_group(coordina
         "workers",
         "rentals",
         "connected",
+        "managers",
         "taints",
     ]
-    assert a.split()[:9] == [
+    assert a.split()[:10] == [
         "node-a",
         "spot",
         "eu-west-a",
@@ -199,15 +205,19 @@ async def test_nodes_table_shows_flags_taints_load_and_an_avoided_group(coordina
         "2",
         "1",
         "yes",
+        "docker,slurm:west/gpu-017",
         "notice",
     ]
     assert f"group avoided until {render.iso(avoided)} (in " in a
-    assert b.split() == ["node-b", "on-demand", "-", "-", "disabled", "0", "0", "no", "-"]
+    assert b.split() == ["node-b", "on-demand", "-", "-", "disabled", "0", "0", "no", "-", "-"]
 
 
 async def test_nodes_json_is_one_object_a_line_with_the_proto_field_names(coordinator, spotctl):
     coordinator.replies["ListNodes"] = pb.ListNodesReply(
-        nodes=[node("node-a", spot=True, active_rentals=1), node("node-b")]
+        nodes=[
+            node("node-a", spot=True, active_rentals=1),
+            node("node-b", managers=[pb.WorkManager(name="slurm", node_name="b")]),
+        ]
     )
     result = await spotctl("nodes", "--json")
     assert result.code == 0
@@ -216,6 +226,9 @@ async def test_nodes_json_is_one_object_a_line_with_the_proto_field_names(coordi
     assert docs[0]["spot"] is True and docs[1]["spot"] is False
     assert docs[0]["active_rentals"] == 1 and docs[1]["live_workers"] == 0
     assert docs[0]["taints"] == [] and docs[0]["group_avoided_until"] == 0
+    assert docs[0]["managers"] == []
+    # A Slurm node whose cluster the agent could not read: the field is there, empty.
+    assert docs[1]["managers"] == [{"name": "slurm", "node_name": "b", "cluster": ""}]
 
 
 @pytest.mark.parametrize("word, spot", [("true", True), ("false", False)])

@@ -24,14 +24,15 @@ class Tags(HTMLParser):
 
 
 def test_an_agents_hostile_names_are_text_on_the_fleet_page():
-    """A node registers with markup in its id, group and a worker's model; an advisory key
-    and a taint carry it too. The page has no element or handler it did not write."""
+    """A node registers with markup in its id, group, work manager and a worker's model; an
+    advisory key and a taint carry it too. The page has no element or handler it did not write."""
     node = pb.Node(
         node_id=HOSTILE,
         node_group=HOSTILE,
         spot=True,
         workload_enabled=True,
         taints=[pb.Taint(reason=HOSTILE, reclaim_id=HOSTILE)],
+        managers=[pb.WorkManager(name=HOSTILE, node_name=HOSTILE, cluster=HOSTILE)],
     )
     worker = pb.WorkerInfo(worker_id=HOSTILE, model=HOSTILE, state="ready", capacity=2)
     model = pb.Model(model=HOSTILE, image=HOSTILE, replicas=1)
@@ -53,6 +54,22 @@ def test_an_agents_hostile_names_are_text_on_the_fleet_page():
     assert [a["src"] for tag, a in parser.tags if tag == "script"] == ["/static/dashboard.js"]
     assert not [k for _, a in parser.tags for k in a if k.startswith("on")]
     assert "<script>alert(1)</script>" not in text
+
+
+def test_the_fleet_page_shows_each_nodes_work_managers():
+    """A Slurm node is shown with its cluster and Slurm node name beside Docker; a node whose
+    agent sent no managers (registered before they were sent) shows a dash."""
+    slurm = pb.Node(
+        node_id="node-a",
+        managers=[
+            pb.WorkManager(name="docker"),
+            pb.WorkManager(name="slurm", node_name="gpu-017", cluster="west"),
+        ],
+    )
+    body = pages.fleet([slurm, pb.Node(node_id="node-b")], {}, {}, {}, {}, [], None, now=1e9)
+    assert "<th>managers</th>" in body
+    assert '<td class="managers">docker,slurm:west/gpu-017</td>' in body
+    assert body.count('<td class="managers">-</td>') == 1
 
 
 def test_the_reclamation_list_escapes_ids_and_links_them_quoted():

@@ -165,3 +165,40 @@ def test_health_and_reflection_are_served(coordinator):
     )
     names = {s.name for r in replies for s in r.list_services_response.service}
     assert {"spotdrain.v1.AgentLink", "spotdrain.v1.Admin", "grpc.health.v1.Health"} <= names
+
+
+SLURM = pb.WorkManager(name="slurm", node_name="gpu-017", cluster="west")
+
+
+@pytest.mark.parametrize(
+    "managers, named",
+    [
+        ([SLURM] * 9, "managers: 9 of them, at most 8"),
+        ([pb.WorkManager(name="slurm", cluster="w" * 65)], "managers[0].cluster"),
+        ([SLURM, pb.WorkManager(name="slurm", node_name="gpu\x1b[2J")], "managers[1].node_name"),
+        ([pb.WorkManager(node_name="gpu-017")], "managers[0].name is required"),
+    ],
+)
+def test_a_registration_with_bad_work_managers_is_refused(coordinator, pki, managers, named):
+    """A node registers with too many work managers, or one whose fields are too long, hold a
+    control character or have no name: INVALID_ARGUMENT naming the field, and the node is not
+    stored. The same node with a manager of a name the coordinator does not know is taken, and
+    its next registration replaces the list (a reconnect claiming nothing new stores nothing)."""
+    stub = node_stub(coordinator, pki, "node-a")
+    bad = pb.AgentMessage(register=pb.Register(node_id="node-a", managers=managers))
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Connect(iter([bad]), timeout=5))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in err.value.details()
+    assert coordinator.admin().nodes() == []
+
+    other = pb.WorkManager(name="pbs", node_name="n1", cluster="c" * 64)
+    good = pb.AgentMessage(register=pb.Register(node_id="node-a", managers=[SLURM, other]))
+    assert [r.WhichOneof("body") for r in stub.Connect(iter([good]), timeout=5)] == ["registered"]
+    (node,) = coordinator.admin().nodes()
+    assert list(node.managers) == [SLURM, other]
+    # Its next registration, otherwise the same, replaces the list.
+    again = pb.AgentMessage(register=pb.Register(node_id="node-a", managers=[SLURM]))
+    list(stub.Connect(iter([again]), timeout=5))
+    (node,) = coordinator.admin().nodes()
+    assert list(node.managers) == [SLURM]

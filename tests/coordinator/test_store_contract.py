@@ -163,6 +163,23 @@ async def test_a_node_registers_and_reregisters_with_new_claims(store, clock):
     assert await store.node("node-z") is None
 
 
+SLURM = {"name": "slurm", "node_name": "sd-n1", "cluster": "spotdrain"}
+DOCKER = {"name": "docker", "node_name": "", "cluster": ""}
+
+
+async def test_a_registration_stores_its_work_managers_and_the_next_one_replaces_them(store):
+    """A node registers with Docker and Slurm: both are stored and listed with it, Slurm's
+    node name and cluster as sent. It comes back with Slurm alone: Docker is gone from it."""
+    await store.upsert_node("node-a", True, "g1", GPUS, managers=[DOCKER, SLURM])
+    assert (await store.node("node-a")).managers == (DOCKER, SLURM)
+    assert [n.managers for n in await store.nodes()] == [(DOCKER, SLURM)]
+
+    await store.upsert_node("node-a", True, "g1", GPUS, managers=[SLURM])
+    assert (await store.node("node-a")).managers == (SLURM,)
+    await store.upsert_node("node-a", True, "g1", GPUS)
+    assert (await store.node("node-a")).managers == ()
+
+
 async def test_an_operator_pinned_spot_flag_beats_the_agents_claim(store):
     """An operator marks a node on-demand; the agent keeps registering as spot: its claim is
     refused and reported, its other claims are taken."""
@@ -988,6 +1005,26 @@ async def test_a_version_3_database_migrates_with_its_order_backfilled(store_url
     # The new tables are there too.
     await store.add_replace_on_stop("w-1", {"id": "w-1"})
     assert await store.replace_on_stop() == {"w-1": {"id": "w-1"}}
+
+
+async def test_a_version_7_database_migrates_its_nodes_with_no_work_managers(store_url, stores):
+    """A database written by the release before work managers (schema 7): its nodes open with
+    an empty list, and their next registration stores one."""
+    words = schema.SQLITE_WORDS if backend_name(store_url) == "sqlite" else schema.POSTGRES_WORDS
+    old = [sql for reached, step in schema.steps_from(0, words) if reached <= 7 for sql in step]
+    old.append(
+        "INSERT INTO nodes (node_id, spot, node_group, gpus_json, registered_at, last_seen, "
+        "provider) VALUES ('node-a', 1, 'g1', '[]', 10.0, 20.0, 'acme')"
+    )
+    run_statements(store_url, old)
+
+    store = await stores.open_store()
+    assert await schema_version(store) == str(SCHEMA_VERSION) == "8"
+    assert await store.nodes() == [
+        NodeRow("node-a", True, "g1", (), 10.0, 20.0, True, "acme", False, ())
+    ]
+    await store.upsert_node("node-a", True, "g1", [], provider="acme", managers=[SLURM])
+    assert (await store.node("node-a")).managers == (SLURM,)
 
 
 async def test_backend_for_reads_the_db_flag(tmp_path):

@@ -4,13 +4,15 @@ controls (agent/workloads/slurm.py, docs/workloads.md "Slurm")."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from test_pause import spotctl
 
-from fakes.harness import AgentOptions, start_agent
+from fakes.harness import BIN, AgentOptions, start_agent
 from fakes.slurm import SlurmCluster
 from fakes.waiting import wait_until
 
@@ -167,5 +169,43 @@ def test_an_administrators_drain_survives_a_pause_and_resume(
         admin.wait_for("pause_resumed", node=node, timeout=30)
         info = cluster.cli("scontrol", "-o", "show", "node", node)
         assert "DRAIN" in info and "Reason=disk swap" in info
+    finally:
+        agent.proc.stop()
+
+
+def test_the_node_registers_its_slurm_name_and_cluster(
+    tmp_path, cluster, coordinator, gpus, nvml_lib
+):
+    """An agent on sd-n3 (Docker off) registers: the coordinator lists Slurm as the node's one
+    work manager, with its NodeName and the ClusterName slurmctld told the agent at start, and
+    `spotctl nodes` shows them (as text and in --json)."""
+    agent = slurm_agent(tmp_path, cluster, "sd-n3", coordinator, gpus, nvml_lib)
+    admin = coordinator.admin()
+    try:
+        node = wait_until(
+            lambda: next((n for n in admin.nodes() if n.node_id == "sd-n3" and n.managers), None),
+            30,
+            "sd-n3's registration",
+        )
+        assert [(m.name, m.node_name, m.cluster) for m in node.managers] == [
+            ("slurm", "sd-n3", "spotdrain")
+        ]
+        run = subprocess.run(
+            [str(BIN / "spotctl"), *coordinator.cli_args(), "nodes"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        header, row = run.stdout.splitlines()
+        assert header.split()[-2:] == ["managers", "taints"]
+        assert row.split()[0] == "sd-n3" and "slurm:spotdrain/sd-n3" in row.split()
+        run = subprocess.run(
+            [str(BIN / "spotctl"), *coordinator.cli_args(), "nodes", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        (doc,) = [json.loads(line) for line in run.stdout.splitlines()]
+        assert doc["managers"] == [{"name": "slurm", "node_name": "sd-n3", "cluster": "spotdrain"}]
     finally:
         agent.proc.stop()

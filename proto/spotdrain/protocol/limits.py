@@ -29,3 +29,7 @@ MAX_REPEATED = 10_000
 # A status message is at most this long: it often quotes what the caller sent, and a client
 # drops a reply whose trailers pass its metadata limit (16 KiB).
 MAX_STATUS_CHARS = 512
+# A registration's work managers (Register.managers): how many, and the length of each name,
+# node name and cluster in it (Slurm's NodeName is at most 64 characters too).
+MAX_MANAGERS = 8
+MAX_MANAGER_CHARS = 64

@@ -19,7 +19,7 @@ class Gpu(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node_id", "gpus", "spot", "node_group", "agent_version", "workers", "provider", "rentals", "inventory_incomplete")
+    __slots__ = ("node_id", "gpus", "spot", "node_group", "agent_version", "workers", "provider", "rentals", "inventory_incomplete", "managers")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     SPOT_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class Register(_message.Message):
     PROVIDER_FIELD_NUMBER: _ClassVar[int]
     RENTALS_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
+    MANAGERS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     spot: bool
@@ -38,7 +39,18 @@ class Register(_message.Message):
     provider: str
     rentals: _containers.RepeatedCompositeFieldContainer[RentalReport]
     inventory_incomplete: bool
-    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., agent_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerReport, _Mapping]]] = ..., provider: _Optional[str] = ..., rentals: _Optional[_Iterable[_Union[RentalReport, _Mapping]]] = ..., inventory_incomplete: _Optional[bool] = ...) -> None: ...
+    managers: _containers.RepeatedCompositeFieldContainer[WorkManager]
+    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., agent_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerReport, _Mapping]]] = ..., provider: _Optional[str] = ..., rentals: _Optional[_Iterable[_Union[RentalReport, _Mapping]]] = ..., inventory_incomplete: _Optional[bool] = ..., managers: _Optional[_Iterable[_Union[WorkManager, _Mapping]]] = ...) -> None: ...
+
+class WorkManager(_message.Message):
+    __slots__ = ("name", "node_name", "cluster")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    node_name: str
+    cluster: str
+    def __init__(self, name: _Optional[str] = ..., node_name: _Optional[str] = ..., cluster: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("node_id", "workers")
@@ -518,7 +530,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "gpus", "spot", "node_group", "connected", "last_seen", "taints", "workload_enabled", "provider", "live_workers", "active_rentals", "group_avoided_until")
+    __slots__ = ("node_id", "gpus", "spot", "node_group", "connected", "last_seen", "taints", "workload_enabled", "provider", "live_workers", "active_rentals", "group_avoided_until", "managers")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     SPOT_FIELD_NUMBER: _ClassVar[int]
@@ -531,6 +543,7 @@ class Node(_message.Message):
     LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_RENTALS_FIELD_NUMBER: _ClassVar[int]
     GROUP_AVOIDED_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    MANAGERS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     spot: bool
@@ -543,7 +556,8 @@ class Node(_message.Message):
     live_workers: int
     active_rentals: int
     group_avoided_until: float
-    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., connected: _Optional[bool] = ..., last_seen: _Optional[float] = ..., taints: _Optional[_Iterable[_Union[Taint, _Mapping]]] = ..., workload_enabled: _Optional[bool] = ..., provider: _Optional[str] = ..., live_workers: _Optional[int] = ..., active_rentals: _Optional[int] = ..., group_avoided_until: _Optional[float] = ...) -> None: ...
+    managers: _containers.RepeatedCompositeFieldContainer[WorkManager]
+    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., connected: _Optional[bool] = ..., last_seen: _Optional[float] = ..., taints: _Optional[_Iterable[_Union[Taint, _Mapping]]] = ..., workload_enabled: _Optional[bool] = ..., provider: _Optional[str] = ..., live_workers: _Optional[int] = ..., active_rentals: _Optional[int] = ..., group_avoided_until: _Optional[float] = ..., managers: _Optional[_Iterable[_Union[WorkManager, _Mapping]]] = ...) -> None: ...
 
 class ListNodesReply(_message.Message):
     __slots__ = ("nodes",)

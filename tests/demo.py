@@ -22,6 +22,9 @@ and the timelines. Run it with tests/demo.sh (README.md); everything it starts, 
     coordinator asks group ondemand-b's acquirer for capacity at once, avoids group spot-a, and
     replaces node-b's worker on node-c: the clients never run out of workers.
 
+    --slurm: then act 3, on a private Slurm cluster: a requeueable training job's node gets a
+    notice; the job is requeued after the DRAIN and runs on from its checkpoint elsewhere.
+
     --ha: the same on two coordinator replicas over a throwaway PostgreSQL
     (tests/fakes/pgserver.py), every agent, the router and spotctl given both addresses
     (docs/fleet.md "Several replicas"). Halfway from the pause to G the leader is SIGKILLed; the
@@ -49,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import docker.types  # noqa: E402
 import grpc  # noqa: E402
 import psycopg  # noqa: E402
+from demo_slurm import slurm_act  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from fakes.dockerenv import (  # noqa: E402
@@ -318,6 +322,12 @@ def main() -> int:
         action="store_true",
         help="two coordinator replicas over PostgreSQL; the leader is SIGKILLed in "
         "the middle of act 1",
+    )
+    ap.add_argument(
+        "--slurm",
+        action="store_true",
+        help="an act 3 on a private Slurm cluster: a training job requeued on the notice "
+        "resumes from its checkpoint on another node (tests/demo_slurm.py)",
     )
     args = ap.parse_args()
     if args.deadline < 6:
@@ -601,8 +611,15 @@ def main() -> int:
             f"outcomes: node-a {result_a}, node-b {result_b}; alice's rental ended by "
             f"{ended.ended_by}"
         )
+        slurm_ok = True
+        if args.slurm:
+            print()
+            leader = fleet.replicas[fleet.leader()]
+            slurm_ok = slurm_act(work / "slurm", coord, leader, lib, args.deadline, grace, say)
+            say(f"Slurm act: {'drained, and the job resumed elsewhere' if slurm_ok else 'FAILED'}")
         ok = (
-            result_a == "drained"
+            slurm_ok
+            and result_a == "drained"
             and result_b == "drained"
             and act1[1] == 0
             and ckpt_ok

@@ -5,6 +5,7 @@
 #   tests/demo.sh                 # 30 s notice
 #   tests/demo.sh --deadline 60   # options go to tests/demo.py
 #   tests/demo.sh --ha            # two replicas over PostgreSQL, the leader SIGKILLed in act 1
+#   tests/demo.sh --slurm         # and an act 3 on a private Slurm cluster (a requeued job)
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal as signals
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from spotdrain.agent.core.reclamation_commands import SIGKILL, SIGTERM
+from spotdrain.agent.core.reclamation_commands import SIGTERM
 from spotdrain.agent.core.reclamation_events import (
     ContainerExited,
     ContainerSignalled,
@@ -37,36 +34,24 @@ from spotdrain.agent.core.reclamation_events import (
 )
 from spotdrain.agent.workloads.managers import Hold, Look, Note
 from spotdrain.agent.workloads.settings import SlurmSettings
-from spotdrain.agent.workloads.slurm_cli import JobInfo, SlurmCli, SlurmError
+from spotdrain.agent.workloads.slurm_cli import SlurmCli, SlurmError
+from spotdrain.agent.workloads.slurm_units import (
+    KIND,
+    UNIT_PREFIX,
+    SlurmUnit,
+    exit_code_of,
+    job_of,
+    signal_process,
+    unit_id,
+    unit_of,
+)
 from spotdrain.runtime.cli import UsageError
 
 log = logging.getLogger("spotdrain.agent.slurm")
 
-KIND = "slurm"
-UNIT_PREFIX = "slurm:"
 REASON_PREFIX = "spotdrain:"
 RETRY_S = 1.0  # a controller call that failed is tried again this often
 EXIT_POLL_S = 0.5  # how often a signalled job's exit is looked for
-
-
-@dataclass(frozen=True)
-class SlurmUnit:
-    """A job on this node, as a work unit."""
-
-    id: str  # slurm:<jobid>
-    name: str
-    job_id: int
-    requeue: bool = False  # a batch job Slurm may requeue
-    kind: str = KIND
-    image: str = ""
-
-
-def unit_id(job_id: int) -> str:
-    return f"{UNIT_PREFIX}{job_id}"
-
-
-def job_of(unit: str) -> int:
-    return int(unit.removeprefix(UNIT_PREFIX))
 
 
 def reason_for(hold: Hold) -> str:
@@ -228,7 +213,7 @@ class SlurmWork:
         units: dict[int, SlurmUnit] = {}
         if not self._controller_away():
             try:
-                units = {j.job_id: _unit(j) for j in await self.cli.jobs_on(self.node)}
+                units = {j.job_id: unit_of(j) for j in await self.cli.jobs_on(self.node)}
             except SlurmError as e:
                 log.warning("node %s: squeue failed (%s); listing steps locally", self.node, e)
         for job in await self._local_jobs():
@@ -280,7 +265,7 @@ class SlurmWork:
             pids = (await self.cli.listpids(self.node, job)).get(job, [])
         except SlurmError as e:
             return self._signalled(unit, signal, "pid", f"{controller_error}; listpids: {e}")
-        errors = [err for pid in pids if (err := _kill(pid, signal))]
+        errors = [err for pid in pids if (err := signal_process(pid, signal))]
         if errors:
             return self._signalled(unit, signal, "pid", "; ".join(errors))
         return self._signalled(unit, signal, "pid")
@@ -323,7 +308,7 @@ class SlurmWork:
                     await asyncio.sleep(EXIT_POLL_S)  # its end state is a moment away
                     continue
                 state = info.state if info is not None else ""
-                return ContainerExited(self._clock(), unit, name, _exit_code(info), state)
+                return ContainerExited(self._clock(), unit, name, exit_code_of(info), state)
             await asyncio.sleep(EXIT_POLL_S)
 
     async def _left(self, job: int) -> bool:
@@ -375,33 +360,3 @@ class SlurmWork:
         for task in (self._cordoning, self._resuming, *self._tasks):
             if task is not None:
                 task.cancel()
-
-
-def _unit(job: JobInfo) -> SlurmUnit:
-    return SlurmUnit(unit_id(job.job_id), job.name, job.job_id, job.requeue and job.batch)
-
-
-def _exit_code(info: JobInfo | None) -> int:
-    """As a shell (and Docker) says it: 128 + the signal that ended the job (137: killed), else
-    its exit status; -1 when the controller could not tell."""
-    if info is None or info.exit_code is None:
-        return -1
-    return 128 + info.exit_signal if info.exit_signal else info.exit_code
-
-
-def _kill(pid: int, signal: str) -> str:
-    """Signal one step process as slurmd would: SIGCONT first (a stopped task must see the
-    TERM), and srun left out of a TERM (its tasks get it from their own slurmstepd; srun
-    turns a TERM into a KILL for them)."""
-    try:
-        if signal == SIGTERM:
-            with open(f"/proc/{pid}/comm") as f:
-                if f.read().strip() == "srun":
-                    return ""
-            os.kill(pid, signals.SIGCONT)
-        os.kill(pid, signals.SIGKILL if signal == SIGKILL else signals.SIGTERM)
-    except (FileNotFoundError, ProcessLookupError):
-        return ""  # gone already
-    except OSError as e:
-        return f"kill({pid}): {e.strerror}"
-    return ""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import queue
 import re
 import threading
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +69,7 @@ class Answer:
     usage: Any = None
     finish: str | None = None
     error: BaseException | None = None
+    chunks: int = 0  # chunks received so far (the tests' barrier for "mid-answer")
 
 
 def expected_chat(tokens: int) -> str:
@@ -86,9 +86,12 @@ def client(router) -> openai.OpenAI:
     return openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def stream(router, began: queue.Queue, chat: bool = True, headers=None) -> Answer:
-    """One streamed answer through the router; the worker that began it is put on `began`."""
-    answer = Answer()
+def stream(
+    router, began: queue.Queue, chat: bool = True, headers=None, answer: Answer | None = None
+) -> Answer:
+    """One streamed answer through the router; the worker that began it is put on `began`.
+    `answer` fills as the chunks come (a test waits on its `chunks`)."""
+    answer = answer if answer is not None else Answer()
     api = client(router).chat.completions if chat else client(router).completions
     common = dict(
         model="fake-model",
@@ -105,6 +108,7 @@ def stream(router, began: queue.Queue, chat: bool = True, headers=None) -> Answe
         answer.worker = raw.headers["x-worker-id"]
         began.put(answer.worker)
         for chunk in raw.parse():
+            answer.chunks += 1
             answer.ids.add((chunk.id, chunk.created, chunk.model))
             if chunk.usage is not None:
                 answer.usage = chunk.usage
@@ -122,17 +126,18 @@ def node_of(workers, worker_id: str) -> str:
 
 
 def pause_mid_stream(agents, workers, router, chat: bool = True, headers=None) -> Answer:
-    """Start a long stream, pause the node of the worker it landed on a second into it, and
-    return the client's answer once it ends."""
+    """Start a long stream, pause the node of the worker it landed on once about a second of
+    it has reached the client, and return the client's answer once it ends."""
     began: queue.Queue = queue.Queue()
     out: list[Answer] = []
+    answer = Answer()
     t = threading.Thread(
-        target=lambda: out.append(stream(router, began, chat, headers)), daemon=True
+        target=lambda: out.append(stream(router, began, chat, headers, answer)), daemon=True
     )
     t.start()
     worker = began.get(timeout=30)
     assert worker, "the stream did not begin"
-    time.sleep(1.0)
+    wait_until(lambda: answer.chunks >= PACE or answer.error, 30, "a second of the answer")
     assert spotctl(agents[node_of(workers, worker)], "pause")["ok"] is True
     t.join(60)
     assert out, "the stream did not end"
@@ -218,7 +223,6 @@ def test_a_non_streamed_answer_cut_before_its_first_byte_is_sent_again(scene):
         20,
         "the request to reach a worker",
     )
-    time.sleep(0.5)
     assert spotctl(agents[arrived], "pause")["ok"] is True
     t.join(60)
     assert out and not isinstance(out[0], BaseException), out
@@ -270,10 +274,13 @@ def test_a_continuation_cut_in_turn_falls_back_with_max_continuations_1(scene):
     agents, workers, router, _ = scene
     began: queue.Queue = queue.Queue()
     out: list[Answer] = []
-    t = threading.Thread(target=lambda: out.append(stream(router, began)), daemon=True)
+    answer = Answer()
+    t = threading.Thread(
+        target=lambda: out.append(stream(router, began, answer=answer)), daemon=True
+    )
     t.start()
     first = began.get(timeout=30)
-    time.sleep(0.5)
+    wait_until(lambda: answer.chunks >= PACE / 2 or answer.error, 30, "half a second of it")
     assert spotctl(agents[node_of(workers, first)], "pause")["ok"] is True
     wait_until(lambda: continued_lines(router), 20, "the continuation")
     other = next(n for n, w in workers.items() if w.worker_id != first)

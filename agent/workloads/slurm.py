@@ -114,7 +114,7 @@ class SlurmWork:
             await asyncio.sleep(RETRY_S)
         ms = round((self._clock() - started) * 1000, 1)
         landed.set_result(None)
-        self._say(hold.reclaim_id, "manager_cordoned", node=self.node, reason=reason, ms=ms)
+        self._say(hold.reclaim_id, "manager_cordoned", node_name=self.node, reason=reason, ms=ms)
         await self._check_kill_wait(hold, self._clock())
 
     async def _drain_once(self, hold: Hold) -> str:
@@ -166,7 +166,7 @@ class SlurmWork:
             except SlurmError as e:
                 log.warning("node %s: resume not answered (%s); trying again", self.node, e)
             await asyncio.sleep(RETRY_S)
-        self._say(reclaim_id, "manager_uncordoned", node=self.node)
+        self._say(reclaim_id, "manager_uncordoned", node_name=self.node)
 
     async def check_node(self) -> None:
         """At start: a node name slurmctld does not know is a configuration error (exit 2); a

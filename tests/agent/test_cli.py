@@ -136,11 +136,34 @@ observe_every_s = 0.5
         ("spot = 'yes'", "spot must be true or false"),
         ("nvml_timeout_s = -1", "nvml_timeout_s must be positive"),
         ("this is not toml", "config"),
+        ("[workloads]\ndocker = 'yes'", "workloads.docker must be true or false"),
+        ("[workloads]\npbs = true", "unknown setting workloads.pbs"),
+        ("[workloads]\ndocker = false", "turns every backend off"),
+        ("[workloads.slurm]\nnode_name = 'a b'", "node_name must be a Slurm node name"),
+        ("[workloads.slurm]\nbin_dir = '/nonexistent'", "has no executable scontrol"),
+        ("[workloads.slurm]\nbin_dir = 'usr/bin'", "must be an absolute path"),
+        ("[workloads.slurm]\nconf = '/nonexistent/slurm.conf'", "is not a readable file"),
+        (
+            "[workloads.slurm]\nconf = '{conf}'\ncall_timeout_s = nan",
+            "call_timeout_s must be a number",
+        ),
+        (
+            "[workloads.slurm]\nconf = '{conf}'\ncall_timeout_s = inf",
+            "call_timeout_s must be a number",
+        ),
+        (
+            "[workloads.slurm]\nconf = '{conf}'\ncall_timeout_s = 0",
+            "call_timeout_s must be a number",
+        ),
+        ("[workloads.slurm]\nconf = '{conf}'\nrequeue = 1", "requeue must be true or false"),
+        ("[workloads.slurm]\nnodename = 'x'", "nodename: unknown setting"),
     ],
 )
 def test_bad_config_file_is_one_clear_error(tmp_path, body, message):
+    slurm_conf = tmp_path / "slurm.conf"  # a readable one, for the keys checked after it
+    slurm_conf.write_text("ClusterName=test\n")
     toml = tmp_path / "agent.toml"
-    toml.write_text(body)
+    toml.write_text(body.replace("{conf}", str(slurm_conf)))
     with pytest.raises(UsageError, match=message):
         config.load([*BASE, "--config", str(toml)])
 

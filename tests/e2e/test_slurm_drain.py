@@ -209,3 +209,13 @@ def test_the_node_registers_its_slurm_name_and_cluster(
         assert doc["managers"] == [{"name": "slurm", "node_name": "sd-n3", "cluster": "spotdrain"}]
     finally:
         agent.proc.stop()
+
+
+def test_a_node_name_slurmctld_does_not_know_stops_the_agent_with_one_line(
+    tmp_path, cluster, coordinator, gpus, nvml_lib
+):
+    """A typo in workloads.slurm.node_name would leave the node undrainable: the agent refuses
+    to start, one line and exit 2, as for every other bad setting."""
+    with pytest.raises(RuntimeError, match="exited 2") as refused:
+        slurm_agent(tmp_path, cluster, "sd-n9", coordinator, gpus, nvml_lib)
+    assert "node_name 'sd-n9': slurmctld knows no such node" in str(refused.value)

@@ -46,6 +46,14 @@ def register_gauges(
     )
     registry.register(
         GaugeCollector(
+            "spotdrain_notice_source_reads",
+            "Answers each notice source has read from its provider since the agent started.",
+            ["source"],
+            lambda: [([h["source"]], float(h["reads"])) for h in sources.status()],
+        )
+    )
+    registry.register(
+        GaugeCollector(
             "spotdrain_notice_source_last_ok_timestamp_seconds",
             "When each notice source last read its provider successfully (epoch seconds).",
             ["source"],

@@ -87,8 +87,12 @@ class Health:
         self.error = ""
         self.last_ok: float | None = None
         self.down_since: float | None = None
+        # Answers read from the provider (the file source: parses handed on), so an operator
+        # or a test can tell a read that changed nothing from one that never came.
+        self.reads = 0
 
     def ok(self) -> None:
+        self.reads += 1
         self.last_ok = self.clock()
         self.failures = 0
         self.error = ""
@@ -113,6 +117,7 @@ class Health:
             "error": self.error,
             "failures": self.failures,
             "last_ok": self.last_ok,
+            "reads": self.reads,
         }
 
 

@@ -122,6 +122,14 @@ class Coordinator:
                 lambda: [([], float(len(self.fleet.nodes.streams)))],
             )
         )
+        self.registry.register(
+            GaugeCollector(
+                "spotdrain_recovery_passes",
+                "Recovery passes run to their end since this coordinator started leading.",
+                [],
+                lambda: [([], float(self.fleet.recovery.passes))],
+            )
+        )
         # The coordinator's own share of a Taint's round trip: the rest (the network, gRPC's
         # queue before the handler runs, the agent) is what an agent's timeline shows beyond it.
         self.taint_answer = Histogram(

@@ -92,6 +92,7 @@ class Recovery:
         self.deadlines: Deadlines[Key] = Deadlines()
         self._wake = asyncio.Event()  # a deadline earlier than the one the timer sleeps to
         self._firing_failed: set[str] = set()  # nodes a firing failed for, recorded once
+        self.passes = 0
 
     async def rebuild(self) -> None:
         """Load the fleet from the store: nodes, taints, avoided groups, booked rental GPUs,
@@ -148,6 +149,7 @@ class Recovery:
         # given an infinite wait; its start timeouts and missing rentals are still its own.
         await self.rentals.recover(now, math.inf, self.started_at)
         await self.capacity.keep(path="recovery")
+        self.passes += 1  # a pass that ran to its end (/metrics: spotdrain_recovery_passes)
 
     async def _for_node(self, node_id: str, step: Coroutine[Any, Any, None]) -> None:
         """One node's step of a pass. A failure is that node's, never the fleet's: logged and

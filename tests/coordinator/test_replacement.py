@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -308,7 +310,10 @@ async def test_a_coordinator_that_died_before_asking_asks_when_it_is_back(tmp_pa
     await store.close()
     for attempt in range(2):
         coordinator = start_coordinator(
-            tmp_path / "c", tls=pki, db=db, extra=("--acquirers", str(config))
+            tmp_path / "c",
+            tls=pki,
+            db=db,
+            extra=("--acquirers", str(config), "--metrics-listen", "127.0.0.1:0"),
         )
         ops = Ops(coordinator)
         try:
@@ -319,8 +324,21 @@ async def test_a_coordinator_that_died_before_asking_asks_when_it_is_back(tmp_pa
                 assert json.loads(out.read_text())["request"]["reclaimed_node"] == "a1"
                 out.unlink()
             else:
-                await asyncio.sleep(0.5)
+                # A whole recovery pass has run (the one that asked, the first time): it did
+                # not ask again.
+                await eventually(lambda c=coordinator: recovery_passes(c) >= 1)
                 assert not out.exists()  # asked once, not again
         finally:
             await ops.channel.close()
             coordinator.proc.stop()
+
+
+def recovery_passes(coordinator) -> float:
+    """spotdrain_recovery_passes from the coordinator's /metrics (0 until it serves them)."""
+    found = re.findall(r"metrics on (\S+)", coordinator.proc.log())
+    if not found:
+        return 0.0
+    # The last address: a restarted coordinator's log follows its predecessor's.
+    text = urllib.request.urlopen(f"http://{found[-1]}/metrics", timeout=5).read().decode()
+    passes = re.search(r"^spotdrain_recovery_passes (\S+)$", text, re.M)
+    return float(passes.group(1)) if passes else 0.0

@@ -10,6 +10,7 @@ import time
 from datetime import UTC, datetime
 
 import pytest
+from test_pause import spotctl
 
 from fakes.dockerenv import run_workload
 from fakes.harness import AgentOptions, start_agent
@@ -25,6 +26,12 @@ def bundle(agent, notice_id: str) -> dict | None:
         if doc["notice_id"] == notice_id:
             return doc
     return None
+
+
+def file_reads(agent) -> int:
+    """Parses of the notice file the agent has handed on (its file source's `reads`)."""
+    status = spotctl(agent, "status")
+    return next(s["reads"] for s in status["sources"] if s["source"] == "file")
 
 
 def by_kind(events: list[dict], kind: str) -> list[dict]:
@@ -77,8 +84,13 @@ def test_duplicate_notice_is_one_reclamation(node_a, coordinator, docker_engine,
         10,
         "the third notice",
     )
+    read = file_reads(node_a)
     node_a.write_notice(b'{"action": "terminate", "time": "2031-01-01T00:00:00Z"}')
-    time.sleep(0.5)
+    wait_until(lambda: file_reads(node_a) == read + 1, 10, "the repeat read")
+    # A refused notice after it: its event comes through the same ordered outbox after
+    # anything the repeat would have caused (the barrier for "nothing").
+    node_a.write_notice(b"not json")
+    admin.wait_for("notice_invalid", node="node-a")
     received = by_kind(admin.events(node="node-a"), "notice_received")
     assert [r["notice_id"] for r in received][0] == "dup-1"
     assert received[0]["terminate_at"] == pytest.approx(first_deadline)
@@ -223,7 +235,9 @@ def test_malformed_notices_are_reported_and_change_nothing(
     job.reload()
     assert job.status == "running"
     assert node_a.proc.popen.poll() is None
-    # A partial write in place (no rename): the agent reads it only when the writer closes.
+    # A partial write in place (no rename): the agent reads it only when the writer closes,
+    # once (a read of the half-written file would count, and be a notice_invalid).
+    read = file_reads(node_a)
     with open(node_a.notice_file, "wb") as f:
         f.write(b'{"id": "after-garbage", "action": ')
         f.flush()
@@ -232,3 +246,4 @@ def test_malformed_notices_are_reported_and_change_nothing(
         f.write(b'"terminate", "terminate_at": %d}' % (time.time() + 8))
     admin.wait_for("drained", node="node-a")
     assert len(by_kind(admin.events(node="node-a"), "notice_invalid")) == len(MALFORMED)
+    assert file_reads(node_a) == read + 1

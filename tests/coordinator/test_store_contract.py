@@ -776,16 +776,39 @@ def group_trips(store: Store) -> int:
     return sum(store.stats().group_commits.values())
 
 
-async def test_blind_transactions_commit_together_and_a_refused_one_alone(store):
+def refuse_taints_for(store_url: str, node_id: str) -> None:
+    """The database itself refuses every taint of one node (a trigger, as a damaged or
+    hand-edited database might): a write the store only learns of at commit."""
+    if backend_name(store_url) == "sqlite":
+        db = sqlite3.connect(store_url)
+        db.execute(
+            f"CREATE TRIGGER refuse_{node_id.replace('-', '_')} BEFORE INSERT ON taints "
+            f"WHEN NEW.node_id = '{node_id}' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+        )
+        db.commit()
+        db.close()
+        return
+    with psycopg.connect(store_url, autocommit=True) as db:
+        db.execute(
+            "CREATE FUNCTION refuse_taint() RETURNS trigger LANGUAGE plpgsql AS "
+            f"$$BEGIN IF NEW.node_id = '{node_id}' THEN RAISE EXCEPTION 'refused'; END IF; "
+            "RETURN NEW; END$$"
+        )
+        db.execute(
+            "CREATE TRIGGER refuse_taint BEFORE INSERT ON taints "
+            "FOR EACH ROW EXECUTE FUNCTION refuse_taint()"
+        )
+
+
+async def test_blind_transactions_commit_together_and_a_refused_one_alone(store, store_url):
     """Thirty handlers that only write (a Taint's kind of transaction) end at the same moment,
-    one of them with a statement the database refuses: that one alone is told and leaves
-    nothing, the others are all stored, in fewer commits than transactions."""
+    one of them with a write the database refuses: that one alone is told and leaves nothing,
+    the others are all stored, in fewer commits than transactions."""
+    refuse_taints_for(store_url, "node-17")
 
     async def handler(n: int) -> None:
         async with store.transaction(priority=n % 2 == 0):
             await store.add_taint(f"node-{n:02d}", f"rcl-{n}", "notice")
-            if n == 17:
-                store._tx().conn.defer("INSERT INTO meta VALUES ('schema_version', 'x')")
 
     trips = group_trips(store)
     results = await asyncio.gather(*(handler(n) for n in range(30)), return_exceptions=True)
@@ -1257,7 +1280,9 @@ async def test_what_waits_for_the_commit_runs_after_it_and_never_after_a_rollbac
     assert ran == ["sent", "now"]
 
 
-async def test_what_a_rollback_undoes_runs_on_it_in_reverse_and_never_after_a_commit(store):
+async def test_what_a_rollback_undoes_runs_on_it_in_reverse_and_never_after_a_commit(
+    store, store_url
+):
     """Memory a transaction changed before its commit (a drain it started) is put back when it
     rolls back, the last change first, whether the body or the commit failed; a commit keeps
     it, and outside a transaction there is nothing to undo."""
@@ -1271,9 +1296,10 @@ async def test_what_a_rollback_undoes_runs_on_it_in_reverse_and_never_after_a_co
             store.on_rollback(lambda: undone.append("first"))
             store.on_rollback(lambda: undone.append("second"))
             raise RuntimeError("halfway")
+    refuse_taints_for(store_url, "node-refused")
     with pytest.raises(StoreError):
         async with store.transaction():
-            store._tx().conn.defer("INSERT INTO meta VALUES ('schema_version', 'x')")
+            await store.add_taint("node-refused", "rcl-3", "notice")  # refused at commit
             store.on_rollback(lambda: undone.append("refused at commit"))
     store.on_rollback(lambda: undone.append("never"))
     assert undone == ["second", "first", "refused at commit"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -72,3 +73,19 @@ def error_response(
     if worker_id:
         headers[WORKER_ID_HEADER] = worker_id
     return sse.error_response(status, kind, message, request_id, headers)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The gate cut a non-streamed answer before any byte of it reached the client."""
+
+    worker_id: str
+    answer: web.Response
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A worker did not take the request (nothing reached the client): try another."""
+
+    worker_id: str
+    why: str

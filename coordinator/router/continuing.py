@@ -2,7 +2,7 @@
 cut stream"): deciding it was cut, picking another ready worker, opening the continuation and
 relaying it through spotdrain.http.continuation, and reporting the seam to the coordinator.
 
-`Continuing` is the part of `front.Router` that does this; the pure bookkeeping (what to ask
+`Continuer` does this for `front.Router`; the pure bookkeeping (what to ask
 for, how chunks are rewritten, usage) is spotdrain.http.continuation's, for other routers too.
 """
 
@@ -39,22 +39,42 @@ CONTINUE_PICK_POLL_S = 0.05
 REPORT_TIMEOUT_S = 5.0
 
 
-class Continuing:
-    """Mixed into front.Router: the state it uses is the router's."""
+class Continuer:
+    """A router's collaborator for cut streams: given the router's shared state (its stats,
+    its in-flight counts, its HTTP session once started, its replicas) and the two things it
+    does around every relay (counting a worker's request, noting a broken stream)."""
 
-    stats: Stats
-    attempts: int
-    max_continuations: int
-    continue_wait_s: float
-    in_flight: Counter[str]
-    _session: aiohttp.ClientSession | None
-    _replicas: Replicas
-    _reports: set[asyncio.Task[None]]
-    _counted: Callable[[str], contextlib.AbstractContextManager[None]]
-    _note_break: Callable[[StreamRelay, Route, str], None]
+    def __init__(
+        self,
+        replicas: Replicas,
+        stats: Stats,
+        in_flight: Counter[str],
+        session: Callable[[], aiohttp.ClientSession | None],
+        counted: Callable[[str], contextlib.AbstractContextManager[None]],
+        note_break: Callable[[StreamRelay, Route, str], None],
+        *,
+        attempts: int,
+        max_continuations: int,
+        continue_wait_s: float,
+    ) -> None:
+        self._replicas = replicas
+        self.stats = stats
+        self.in_flight = in_flight
+        self._session_of = session
+        self._counted = counted
+        self._note_break = note_break
+        self.attempts = attempts
+        self.max_continuations = max_continuations
+        self.continue_wait_s = continue_wait_s
+        self._reports: set[asyncio.Task[None]] = set()  # continuations being recorded
+
+    async def close(self) -> None:
+        """Give the records still on their way to the coordinator a bounded time."""
+        if self._reports:
+            await asyncio.wait(self._reports, timeout=REPORT_TIMEOUT_S)
 
     @staticmethod
-    def _was_cut(
+    def was_cut(
         relay: StreamRelay,
         ending: Ending,
         table: ModelRoutes,
@@ -87,7 +107,7 @@ class Continuing:
                 return None
             await asyncio.sleep(CONTINUE_PICK_POLL_S)
 
-    async def _continue(
+    async def continue_stream(
         self,
         request: web.Request,
         response: web.StreamResponse,
@@ -133,7 +153,7 @@ class Continuing:
                 self.stats.completed += 1
                 await end_with(request, response, b"")
                 return True
-            if not self._was_cut(relay, ending, table, route, transcript):
+            if not self.was_cut(relay, ending, table, route, transcript):
                 self.stats.failed("broke")
                 self.stats.interrupted += 1
                 if relay.framer is not None and relay.framer.open:
@@ -162,7 +182,8 @@ class Continuing:
         """A continuation's stream from another ready worker (never one that cut this request,
         never a draining one: the table holds ready workers, a draining gate refuses); else why
         not ("no_worker", or "refused" when a worker turned the continuation down)."""
-        assert self._session is not None
+        session = self._session_of()
+        assert session is not None  # the router started before it served anything
         tried = list(cut_by)
         for _ in range(self.attempts):
             picked = await self._pick_within(table, tried, self.continue_wait_s)
@@ -172,7 +193,7 @@ class Continuing:
             tried.append(route.worker_id)
             headers[ROUTE_VERSION_HEADER] = str(version)
             try:
-                upstream = await self._session.post(
+                upstream = await session.post(
                     f"http://{route.address}{request.path}",
                     data=body,
                     headers=headers,

@@ -30,7 +30,7 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import aiohttp
 from aiohttp import hdrs, web
@@ -38,6 +38,8 @@ from multidict import CIMultiDict
 
 from spotdrain.coordinator.router.answers import (
     ROUTE_VERSION_HEADER,
+    Cut,
+    Refusal,
     client_headers,
     error_response,
     error_type,
@@ -47,9 +49,8 @@ from spotdrain.coordinator.router.answers import (
 )
 from spotdrain.coordinator.router.continuing import (
     CONTINUE_PICK_WAIT_S,
-    REPORT_TIMEOUT_S,
     Clock,
-    Continuing,
+    Continuer,
     end_with,
 )
 from spotdrain.coordinator.router.model_routes import ModelRoutes, ModelWatch, Route
@@ -71,29 +72,10 @@ GATE_KEEPALIVE_S = 15.0
 MAX_MODELS = 256  # watches are per model, and the model name comes from the client
 MAX_BODY_BYTES = 64 << 20
 
-# Beyond the shared hop-by-hop set: aiohttp recomputes Content-Length on the way back.
-
-
 # --- the HTTP front ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Cut:
-    """The gate cut a non-streamed answer before any byte of it reached the client."""
-
-    worker_id: str
-    answer: web.Response
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """A worker did not take the request (nothing reached the client): try another."""
-
-    worker_id: str
-    why: str
-
-
-class Router(Continuing):
+class Router:
     def __init__(
         self,
         replicas: Replicas,
@@ -112,7 +94,17 @@ class Router(Continuing):
         self.in_flight: Counter[str] = Counter()  # this router's requests, by worker id
         self.stats = Stats()
         self._session: aiohttp.ClientSession | None = None
-        self._reports: set[asyncio.Task[None]] = set()  # continuations being recorded
+        self.continuer = Continuer(
+            replicas,
+            self.stats,
+            self.in_flight,
+            lambda: self._session,
+            self._counted,
+            self._note_break,
+            attempts=attempts,
+            max_continuations=self.max_continuations,
+            continue_wait_s=continue_wait_s,
+        )
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
@@ -129,8 +121,7 @@ class Router(Continuing):
         )
 
     async def close(self) -> None:
-        if self._reports:
-            await asyncio.wait(self._reports, timeout=REPORT_TIMEOUT_S)
+        await self.continuer.close()
         for watch in self.watches.values():
             watch.task.cancel()
         await asyncio.gather(*(w.task for w in self.watches.values()), return_exceptions=True)
@@ -410,8 +401,10 @@ class Router(Continuing):
         if ending is Ending.CLIENT_GONE:
             log.info("request %s: the client went away mid-stream", request_id)
             return response
-        if transcript is not None and self._was_cut(relay, ending, table, route, transcript):
-            if await self._continue(
+        if transcript is not None and self.continuer.was_cut(
+            relay, ending, table, route, transcript
+        ):
+            if await self.continuer.continue_stream(
                 request, response, table, route, transcript, clock, headers, request_id
             ):
                 return response

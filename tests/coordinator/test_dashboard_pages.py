@@ -25,7 +25,8 @@ class Tags(HTMLParser):
 
 def test_an_agents_hostile_names_are_text_on_the_fleet_page():
     """A node registers with markup in its id, group, work manager, cloud identity and a worker's
-    model; an advisory key and a taint carry it too. The page has no element or handler it did not write."""
+    model; an advisory key and a taint carry it too. The page has no element or handler it did
+    not write."""
     node = pb.Node(
         node_id=HOSTILE,
         node_group=HOSTILE,

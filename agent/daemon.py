@@ -121,6 +121,8 @@ class Agent:
             cfg.node_id, self.drains, self.link, self.sources, self.workers, self.plain
         )
         self._tasks = Background()
+        # The cloud identity the latest registration built carried (None: none known then).
+        self._registered_cloud: pb.CloudIdentity | None = None
         self.supervisor = Supervisor(f"node {cfg.node_id}")
 
     async def registration(self) -> pb.Register:
@@ -149,6 +151,8 @@ class Agent:
             pb.RentalReport(rental_id=r.key, state="started", container=r.container_id)
             for r in self.plain.rentals.values()
         ]
+        cloud = self.sources.cloud.to_pb() if self.sources.cloud is not None else None
+        self._registered_cloud = cloud
         return pb.Register(
             node_id=self.cfg.node_id,
             gpus=gpus,
@@ -160,7 +164,20 @@ class Agent:
             rentals=rentals,
             inventory_incomplete=not self.inventory_complete,
             managers=self._managers(),
+            cloud=cloud,
         )
+
+    async def report_identity(self) -> None:
+        """Register again once the node's cloud identity is read after the stream registered
+        without it. A stream that registers meanwhile carries it already; one not connected
+        will when it is."""
+        while True:
+            await self.sources.identified.wait()
+            self.sources.identified.clear()
+            await self.link.connected.wait()
+            known = self.sources.cloud
+            if known is not None and self._registered_cloud != known.to_pb():
+                self.link.register_again(await self.registration())
 
     def _managers(self) -> list[pb.WorkManager]:
         """The work managers drained here, Slurm's with the node and cluster it knows."""
@@ -300,6 +317,7 @@ class Agent:
         for name, src in self.sources.sources.items():
             sup.add(f"source {name}", src.run())
         sup.add("advisories", self.sources.keep_advisories())
+        sup.add("cloud identity", self.report_identity())
         sup.add("link", self.link.run())
         sup.add("inventory", self.keep_inventory())
         sup.add("watchdog", systemd.keep_watchdog(self.healthy))

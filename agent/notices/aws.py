@@ -11,6 +11,10 @@
   dates like "21 Jan 2019 09:00:43 GMT") gives an advisory per event; State canceled or
   completed, or the event gone from the list, withdraws it.
 
+The node's identity (agent/notices/identity.py) is read beside the polls from `instance-id`,
+`placement/region`, `placement/availability-zone`, `instance-type` and `instance-life-cycle`
+(`spot` or `on-demand`), with the same token.
+
 The token is taken with PUT /latest/api/token, renewed a minute before it expires and again at
 once when a read answers 401. Polled every `poll_s` (1 s: the path is local and cheap; AWS's own
 advice is 5 s, and the common handler's 2 s), on a fixed schedule so a slow read does not push
@@ -31,6 +35,7 @@ import aiohttp
 
 from spotdrain.agent.core.notice import Notice, NoticeInvalid, content_hash, in_range, parse_notice
 from spotdrain.agent.notices.base import Advisory, Health, Sink, boot_id, slept_s
+from spotdrain.agent.notices.identity import CloudIdentity, read_identity
 from spotdrain.agent.notices.metadata_http import ReadFailed, Reply, fetch, session
 from spotdrain.agent.notices.settings import check_keys, endpoint, number
 
@@ -39,6 +44,13 @@ TOKEN_RENEW_BEFORE_S = 60.0
 INSTANCE_ACTION = "/latest/meta-data/spot/instance-action"
 REBALANCE = "/latest/meta-data/events/recommendations/rebalance"
 MAINTENANCE = "/latest/meta-data/events/maintenance/scheduled"
+IDENTITY = {
+    "instance_id": "/latest/meta-data/instance-id",
+    "region": "/latest/meta-data/placement/region",
+    "zone": "/latest/meta-data/placement/availability-zone",
+    "instance_type": "/latest/meta-data/instance-type",
+    "life_cycle": "/latest/meta-data/instance-life-cycle",
+}
 OVER = ("canceled", "completed")
 SPOT_ACTIONS = ("terminate", "stop", "hibernate")  # all AWS writes in an instance-action
 # A signal absent for this many genuine answers in a row (404s, not failed reads) is over, and
@@ -209,11 +221,34 @@ class Source:
         self._rebalance = Occurrence()
         self._token = ""
         self._token_until = 0.0
+        # The polls and the identity read share one token: whoever finds none takes it alone.
+        self._token_lock = asyncio.Lock()
         self._last_action: Notice | NoticeInvalid | None = None
         self._last_invalid: dict[str, NoticeInvalid] = {}
         self._advised: set[str] = set()  # advisories shown now, by key
 
     async def run(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(read_identity(self.name, self.identity, self.sink))
+            group.create_task(self._poll_forever())
+
+    async def identity(self) -> CloudIdentity:
+        """The instance as IMDS describes it; only its id is required (an item AWS does not
+        show on some instance is left empty)."""
+        values = {}
+        async with session() as http:
+            for key, path in IDENTITY.items():
+                reply = await self._get(http, path)
+                if reply.status == 404 and key != "instance_id":
+                    values[key] = ""
+                    continue
+                if reply.status != 200:
+                    raise ReadFailed(f"GET {path}: HTTP {reply.status}")
+                values[key] = reply.body.decode("utf-8", "replace").strip()
+        life_cycle = values.pop("life_cycle")
+        return CloudIdentity("aws", **values, spot=life_cycle == "spot")
+
+    async def _poll_forever(self) -> None:
         async with session() as http:
             due = time.monotonic()
             while True:
@@ -299,6 +334,13 @@ class Source:
         raise ReadFailed(f"GET {path}: HTTP 401 with a fresh token")
 
     async def _token_for(self, http: aiohttp.ClientSession, renew: bool) -> str:
+        held = self._token
+        async with self._token_lock:
+            if renew and self._token != held:
+                return self._token  # renewed by the other reader while this one waited
+            return await self._take_token(http, renew)
+
+    async def _take_token(self, http: aiohttp.ClientSession, renew: bool) -> str:
         now = self.clock()
         if renew or not self._token or now >= self._token_until - TOKEN_RENEW_BEFORE_S:
             reply = await fetch(

@@ -12,6 +12,9 @@ Resources name this VM (its name from `/metadata/instance/compute/name`, or `vm_
 Each event is judged on its own: one this VM cannot read is reported (`notice_invalid` naming
 it) and never hides a readable one beside it, nor counts as gone. Azure defines no proof of
 origin on the reply (only the request's `Metadata: true`), so none is checked.
+The node's identity (agent/notices/identity.py) is read beside the polls from the compute
+document (`/metadata/instance/compute`): `vmId`, `location`, `zone` (a bare number: "1"),
+`vmSize`, and `priority` (`Spot`, or the older `Low` of a scale set, is spot).
 With `acknowledge = true`, once the node is verified empty the agent POSTs
 {"StartRequests": [{"EventId": ...}]} so the platform may go ahead early (`notice_acknowledged`).
 """
@@ -32,12 +35,14 @@ import aiohttp
 
 from spotdrain.agent.core.notice import Notice, NoticeInvalid, content_hash, in_range
 from spotdrain.agent.notices.base import Advisory, Health, Sink
+from spotdrain.agent.notices.identity import CloudIdentity, read_identity
 from spotdrain.agent.notices.metadata_http import ReadFailed, fetch, session
 from spotdrain.agent.notices.settings import check_keys, endpoint, number
 from spotdrain.runtime.cli import UsageError
 
 EVENTS = "/metadata/scheduledevents?api-version=2020-07-01"
 VM_NAME = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
+COMPUTE = "/metadata/instance/compute?api-version=2021-02-01"
 HEADERS = {"Metadata": "true"}
 NOTICES = {"Preempt", "Terminate"}
 ADVISORIES = {"Reboot": "reboot", "Redeploy": "redeploy", "Freeze": "freeze"}
@@ -216,6 +221,35 @@ class Source:
         self._acks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(read_identity(self.name, self.identity, self.sink))
+            group.create_task(self._poll_forever())
+
+    async def identity(self) -> CloudIdentity:
+        async with session() as http:
+            reply = await fetch(
+                http, "GET", self.cfg.endpoint + COMPUTE, HEADERS, self.cfg.timeout_s
+            )
+        if reply.status != 200:
+            raise ReadFailed(f"GET {COMPUTE}: HTTP {reply.status}")
+        try:
+            doc = json.loads(reply.body)
+            values = {key: doc.get(key, "") for key in ("vmId", "location", "zone", "vmSize")}
+            priority = doc.get("priority", "")
+        except (ValueError, AttributeError) as e:
+            raise ReadFailed(f"GET {COMPUTE}: not a compute document ({e})") from None
+        if not all(isinstance(v, str) for v in (*values.values(), priority)):
+            raise ReadFailed(f"GET {COMPUTE}: a value that is not a string")
+        return CloudIdentity(
+            "azure",
+            instance_id=values["vmId"],
+            region=values["location"],
+            zone=values["zone"],
+            instance_type=values["vmSize"],
+            spot=priority in ("Spot", "Low"),
+        )
+
+    async def _poll_forever(self) -> None:
         async with session() as http:
             try:
                 due = time.monotonic()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from spotdrain.agent.core.notice import Notice, NoticeInvalid
+from spotdrain.agent.notices.identity import CloudIdentity
 
 # Consecutive failed reads before a source is reported down: one lost packet is not an outage,
 # three in a row (about three poll periods) are.
@@ -64,6 +65,9 @@ class Sink(Protocol):
         """A source's own event (notice_acknowledged, ...), stored and sent like any other."""
 
     def health_changed(self, health: Health) -> None: ...
+
+    def identity(self, identity: CloudIdentity) -> None:
+        """The node's cloud identity, read once (agent/notices/identity.py)."""
 
     async def settled(self, key: str) -> str:
         """Wait until the reclamation opened by notice `key` is verified empty, or past its

@@ -12,6 +12,12 @@ same ETag. The GET is re-armed after every answer; after an error (with backoff)
 is a plain GET, answered at once, so the source is known to be back without waiting for a
 change.
 
+The node's identity (agent/notices/identity.py) is read beside the hanging GETs, plain GETs of
+`instance/id`, `instance/zone` (`projects/N/zones/ZONE`: the region is the zone less its last
+part), `instance/machine-type` (`projects/N/machineTypes/TYPE`), and
+`instance/scheduling/preemptible` (`TRUE` for a preemptible or Spot VM) with
+`instance/scheduling/provisioning-model` (`SPOT`) where the server has it.
+
 Every answer must carry `Metadata-Flavor: Google`, as Google's own client libraries demand: one
 without it is not from the metadata server (a proxy, a captive portal, something else on the
 address), so it is a failed read, never a value: the source goes down, nothing is noticed.
@@ -29,11 +35,15 @@ import aiohttp
 
 from spotdrain.agent.core.notice import Notice, NoticeInvalid, content_hash
 from spotdrain.agent.notices.base import Advisory, Health, Sink, boot_id
+from spotdrain.agent.notices.identity import CloudIdentity, last_segment, read_identity
 from spotdrain.agent.notices.metadata_http import ReadFailed, fetch, session
 from spotdrain.agent.notices.settings import check_keys, endpoint, number
 
 PREEMPTED = "/computeMetadata/v1/instance/preempted"
 MAINTENANCE = "/computeMetadata/v1/instance/maintenance-event"
+INSTANCE = "/computeMetadata/v1/instance/"
+IDENTITY = ("id", "zone", "machine-type", "scheduling/preemptible")
+PROVISIONING_MODEL = "scheduling/provisioning-model"  # newer; a 404 is no answer, not a failure
 HEADERS = {"Metadata-Flavor": "Google"}
 FLAVOR = ("metadata-flavor", "Google")  # what proves an answer is the metadata server's
 MAINTENANCE_VALUES = ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_MAINTENANCE")
@@ -80,8 +90,33 @@ class Source:
     async def run(self) -> None:
         async with session() as http:
             async with asyncio.TaskGroup() as group:
+                group.create_task(read_identity(self.name, self.identity, self.sink))
                 group.create_task(self._follow(http, PREEMPTED, self.preempted))
                 group.create_task(self._follow(http, MAINTENANCE, self.maintenance))
+
+    async def identity(self) -> CloudIdentity:
+        values = {}
+        async with session() as http:
+            for key in (*IDENTITY, PROVISIONING_MODEL):
+                url = self.cfg.endpoint + INSTANCE + key
+                reply = await fetch(http, "GET", url, HEADERS, self.cfg.timeout_s)
+                if reply.headers.get(FLAVOR[0]) != FLAVOR[1]:
+                    raise ReadFailed(f"GET {INSTANCE}{key}: not the metadata server's answer")
+                if reply.status == 404 and key == PROVISIONING_MODEL:
+                    values[key] = ""
+                    continue
+                if reply.status != 200:
+                    raise ReadFailed(f"GET {INSTANCE}{key}: HTTP {reply.status}")
+                values[key] = reply.body.decode("utf-8", "replace").strip()
+        zone = last_segment(values["zone"])
+        return CloudIdentity(
+            "gcp",
+            instance_id=values["id"],
+            region=zone.rsplit("-", 1)[0] if "-" in zone else "",
+            zone=zone,
+            instance_type=last_segment(values["machine-type"]),
+            spot=values["scheduling/preemptible"] == "TRUE" or values[PROVISIONING_MODEL] == "SPOT",
+        )
 
     async def _follow(
         self, http: aiohttp.ClientSession, path: str, seen: Callable[[str, str], None]

@@ -24,6 +24,7 @@ from spotdrain.agent.drain.runner import DrainRunner
 from spotdrain.agent.drain.state import write_json
 from spotdrain.agent.notices import module as source_module
 from spotdrain.agent.notices.base import Advisory, Health, NoticeSource
+from spotdrain.agent.notices.identity import CloudIdentity
 from spotdrain.agent.notices.settings import AdvisoryPolicy
 
 log = logging.getLogger("spotdrain.agent.notices")
@@ -49,6 +50,10 @@ class SourceHub:
         self.book = AdvisoryBook(policy, self._load_book())
         self.sources: dict[str, NoticeSource] = {}
         self._wake = asyncio.Event()
+        # The node's cloud instance once a source has read it; `identified` is set on each new
+        # one, for the agent to register again with it.
+        self.cloud: CloudIdentity | None = None
+        self.identified = asyncio.Event()
 
     def build(self, configs: dict[str, Any]) -> None:
         """One Source per configured source, in the order given."""
@@ -81,6 +86,11 @@ class SourceHub:
                 "notice_source_down",
                 {"source": health.source, "error": health.error, "failures": health.failures},
             )
+
+    def identity(self, identity: CloudIdentity) -> None:
+        if identity != self.cloud:
+            self.cloud = identity
+            self.identified.set()
 
     async def settled(self, key: str) -> str:
         """The reclamation's outcome, once its events have also reached the coordinator (or

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
+from spotdrain.protocol.cloud import cloud_label
 from spotdrain.protocol.events import stored_event_to_dict
 from spotdrain.protocol.managers import managers_label
 from spotdrain.runtime.printable import printable
@@ -90,6 +91,7 @@ def render_nodes(nodes: Iterable[pb.Node], now: float) -> str:
         "rentals",
         "connected",
         "managers",
+        "cloud",
     )
     rows, tails = [], []
     for n in nodes:
@@ -107,6 +109,7 @@ def render_nodes(nodes: Iterable[pb.Node], now: float) -> str:
                         str(n.active_rentals),
                         "yes" if n.connected else "no",
                         managers_label(n.managers),
+                        cloud_label(n),
                     ),
                 )
             )  # escaped before the columns are measured

@@ -22,7 +22,7 @@ from spotdrain.coordinator.core import worker_machine as wm
 from spotdrain.coordinator.core.rental import Rental
 from spotdrain.coordinator.fleet.route_table import RouteEntry
 from spotdrain.coordinator.store import EventRow, NewEvent, TaintRow
-from spotdrain.protocol import limits
+from spotdrain.protocol import cloud, limits
 from spotdrain.protocol.events import event_message
 from spotdrain.v1 import spotdrain_pb2 as pb
 
@@ -126,7 +126,18 @@ def registration(reg: pb.Register) -> msg.Registration:
         rentals=tuple(rental_report(r) for r in reg.rentals),
         inventory_complete=not reg.inventory_incomplete,
         managers=work_managers(reg.managers),
+        cloud=cloud_identity(reg.cloud) if reg.HasField("cloud") else None,
     )
+
+
+def cloud_identity(c: pb.CloudIdentity) -> dict[str, Any]:
+    """The node's cloud identity, each value printable and within limits.MAX_CLOUD_CHARS, the
+    provider one the agent knows (spotdrain.protocol.cloud)."""
+    identity = cloud.as_dict(c)
+    why = cloud.problem(identity)
+    if why is not None:
+        raise BadRequest(f"cloud.{why}")
+    return identity
 
 
 def work_managers(managers: Sequence[pb.WorkManager]) -> tuple[dict[str, str], ...]:
@@ -280,6 +291,7 @@ def node_pb(n: NodeStatus) -> pb.Node:
         active_rentals=n.active_rentals,
         group_avoided_until=n.avoided_until,
         managers=[pb.WorkManager(**m) for m in row.managers],
+        cloud=pb.CloudIdentity(**row.cloud) if row.cloud is not None else None,
     )
 
 

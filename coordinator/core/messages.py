@@ -54,6 +54,9 @@ class Registration:
     inventory_complete: bool = True
     # The node's work managers: {"name", "node_name", "cluster"} each, checked and bounded.
     managers: tuple[dict[str, str], ...] = ()
+    # The node's cloud instance (CloudIdentity's fields), checked; None: this registration
+    # carried none (its agent has not read it yet), so the stored one stays.
+    cloud: dict[str, Any] | None = None
 
 
 # --- to the agent --------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from html import escape
 from typing import Any
 from urllib.parse import quote
 
+from spotdrain.protocol.cloud import cloud_label
 from spotdrain.protocol.managers import managers_label
 from spotdrain.v1 import spotdrain_pb2 as pb
 
@@ -103,6 +104,7 @@ def fleet(
             f"<td>{at_risk}</td><td>{ws}</td><td>{rs}</td>"
             f"<td>{'connected' if n.connected else 'gone since ' + e(iso(n.last_seen))}</td>"
             f'<td class="managers">{e(managers_label(n.managers))}</td>'
+            f'<td class="cloud" title="{e(n.cloud.instance_id)}">{e(cloud_label(n))}</td>'
             f"<td>{actions}</td></tr>"
         )
     more = (
@@ -116,7 +118,7 @@ def fleet(
     return (
         '<table id="nodes"><thead><tr><th>node</th><th>mode</th><th>group</th>'
         "<th>workload</th><th>taints</th><th>at risk</th><th>workers (slots)</th>"
-        "<th>rentals</th><th>connection</th><th>managers</th><th>actions</th></tr></thead>"
+        "<th>rentals</th><th>connection</th><th>managers</th><th>cloud</th><th>actions</th></tr></thead>"
         f"<tbody>{''.join(rows)}</tbody></table>{more}"
         '<h2>models</h2><table id="models"><thead><tr><th>model</th><th>desired</th>'
         "<th>ready</th><th>starting</th><th>draining</th><th>image</th><th>slots</th></tr>"

@@ -77,6 +77,7 @@ class AgentReports:
                 reg.provider,
                 spot_locked=bool(render),
                 managers=reg.managers,
+                cloud=reg.cloud,
             )
             row = await self.store.node(node_id)
             if row is not None:
@@ -206,4 +207,5 @@ def _claims_as_stored(row: NodeRow, reg: msg.Registration) -> bool:
         and row.provider == reg.provider
         and row.gpus == tuple(reg.gpus)
         and row.managers == tuple(reg.managers)
+        and (reg.cloud is None or row.cloud == reg.cloud)
     )

@@ -15,7 +15,7 @@ from spotdrain.coordinator.store.transactions import Transactions
 
 _NODE_COLUMNS = (
     "node_id, spot, node_group, gpus_json, registered_at, last_seen, workload_enabled, "
-    "provider, spot_pinned, managers_json"
+    "provider, spot_pinned, managers_json, cloud_json"
 )
 _DRAIN_COLUMNS = "node_id, reclaim_id, reason, terminate_at, grace_deadline, started_at, ended_at"
 _TAINT_COLUMNS = "node_id, reclaim_id, key, effect, reason, since"
@@ -24,7 +24,10 @@ _TAINT_COLUMNS = "node_id, reclaim_id, key, effect, reason, since"
 def _node_row(r: Sequence[Any]) -> NodeRow:
     gpus = tuple(json.loads(r[3]))
     managers = tuple(json.loads(r[9]))
-    return NodeRow(r[0], bool(r[1]), r[2], gpus, r[4], r[5], bool(r[6]), r[7], bool(r[8]), managers)
+    cloud = json.loads(r[10]) if r[10] else None
+    return NodeRow(
+        r[0], bool(r[1]), r[2], gpus, r[4], r[5], bool(r[6]), r[7], bool(r[8]), managers, cloud
+    )
 
 
 class FleetTables(Transactions):
@@ -39,6 +42,7 @@ class FleetTables(Transactions):
         provider: str = "",
         spot_locked: bool = False,
         managers: Sequence[dict[str, str]] = (),
+        cloud: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """A node's registration. Its spot and provider claims are taken unless something holds
         them: the spot flag when an operator pinned it, the node is rented (invariant 9) or
@@ -61,11 +65,14 @@ class FleetTables(Transactions):
                 provider = known.provider
             await self._write(
                 "INSERT INTO nodes (node_id, spot, node_group, gpus_json, registered_at, "
-                "last_seen, provider, managers_json) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT(node_id) DO UPDATE "
+                "last_seen, provider, managers_json, cloud_json) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(node_id) DO UPDATE "
                 "SET spot=excluded.spot, node_group=excluded.node_group, "
                 "gpus_json=excluded.gpus_json, last_seen=excluded.last_seen, "
-                "provider=excluded.provider, managers_json=excluded.managers_json",
+                "provider=excluded.provider, managers_json=excluded.managers_json, "
+                # A registration without one keeps the identity read before (an agent
+                # restarted before its metadata service answered is the same instance).
+                "cloud_json=coalesce(excluded.cloud_json, nodes.cloud_json)",
                 (
                     node_id,
                     int(spot),
@@ -75,6 +82,7 @@ class FleetTables(Transactions):
                     now,
                     provider,
                     json.dumps(list(managers)),
+                    None if cloud is None else json.dumps(cloud),
                 ),
             )
         return refused

@@ -47,6 +47,8 @@ class NodeRow:
     provider: str = ""
     spot_pinned: bool = False
     managers: tuple[dict[str, str], ...] = ()  # the work managers it last registered with
+    # Its cloud instance (CloudIdentity's fields) as last reported; None: never reported.
+    cloud: dict[str, Any] | None = None
 
     @property
     def owner(self) -> str:

@@ -8,7 +8,7 @@ can never drift apart; a database of a version this code does not know is refuse
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 BASE = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -166,6 +166,11 @@ INSERT INTO leader_lease VALUES (1, '', 0, 0);
 -- The work managers a node last registered with (Register.managers) as a JSON list: '[]' for a
 -- node registered before, until its agent registers again.
 ALTER TABLE nodes ADD COLUMN managers_json TEXT NOT NULL DEFAULT '[]';
+""",
+    8: """
+-- The cloud instance a node last reported (Register.cloud) as a JSON object; NULL for a node
+-- that never reported one (registered before, or its metadata service has not answered).
+ALTER TABLE nodes ADD COLUMN cloud_json TEXT;
 """,
 }
 

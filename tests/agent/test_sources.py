@@ -35,6 +35,9 @@ class Recorder:
 
     def __init__(self) -> None:
         self.told: list[Any] = []
+        # Each cloud identity with how many things were told before it (apart from `told`, which
+        # the notice tests compare whole).
+        self.identities: list[tuple[int, Any]] = []
         self.changed = asyncio.Event()
         self._settle: dict[str, asyncio.Future[str]] = {}
 
@@ -53,6 +56,10 @@ class Recorder:
 
     def health_changed(self, health: Health) -> None:
         self._add(("up" if health.up else "down", health.source))
+
+    def identity(self, identity: Any) -> None:
+        self.identities.append((len(self.told), identity))
+        self.changed.set()
 
     async def settled(self, key: str) -> str:
         fut = self._settle.setdefault(key, asyncio.get_running_loop().create_future())
@@ -377,6 +384,7 @@ async def test_gcp_hang_ended_early_is_re_armed_and_tells_nothing():
         sink = Recorder()
         async with running(gcp_source(server, sink)):
             await asyncio.to_thread(server.wait_hanging, 2)
+            await sink.until(lambda _: sink.identities)  # its reads done: none among the re-arms
             before = len(server.seen)
             assert server.end_hanging_early() == 2
             await server.await_seen(count=before + 2)  # both re-armed, same last_etag

@@ -160,8 +160,9 @@ def only_call(fake: FakeCoordinator) -> tuple[str, Message]:
 
 async def test_nodes_table_shows_flags_taints_load_and_an_avoided_group(coordinator, spotctl):
     """An operator looks over the fleet: node-a is a spot node under a notice taint in a group the
-    placer avoids for a while, draining Docker and Slurm (node gpu-017 of cluster west); node-b is
-    on-demand, paused by its owner and disconnected."""
+    placer avoids for a while, draining Docker and Slurm (node gpu-017 of cluster west), an AWS
+    spot g5.xlarge in us-east-1a; node-b is on-demand, paused by its owner and disconnected, and
+    never said what cloud instance it is."""
     avoided = time.time() + 600
     coordinator.replies["ListNodes"] = pb.ListNodesReply(
         nodes=[
@@ -176,6 +177,7 @@ async def test_nodes_table_shows_flags_taints_load_and_an_avoided_group(coordina
                     pb.WorkManager(name="docker"),
                     pb.WorkManager(name="slurm", node_name="gpu-017", cluster="west"),
                 ],
+                cloud=AWS_SPOT,
             ),
             node("node-b", node_group="", provider="", workload_enabled=False, connected=False),
         ]
@@ -194,9 +196,10 @@ async def test_nodes_table_shows_flags_taints_load_and_an_avoided_group(coordina
         "rentals",
         "connected",
         "managers",
+        "cloud",
         "taints",
     ]
-    assert a.split()[:10] == [
+    assert a.split()[:11] == [
         "node-a",
         "spot",
         "eu-west-a",
@@ -206,16 +209,67 @@ async def test_nodes_table_shows_flags_taints_load_and_an_avoided_group(coordina
         "1",
         "yes",
         "docker,slurm:west/gpu-017",
+        "aws/us-east-1a/g5.xlarge/spot",
         "notice",
     ]
     assert f"group avoided until {render.iso(avoided)} (in " in a
-    assert b.split() == ["node-b", "on-demand", "-", "-", "disabled", "0", "0", "no", "-", "-"]
+    assert b.split() == ["node-b", "on-demand", "-", "-", "disabled", "0", "0", "no", "-", "-", "-"]
+
+
+AWS_SPOT = pb.CloudIdentity(
+    provider="aws",
+    instance_id="i-0123456789abcdef0",
+    region="us-east-1",
+    zone="us-east-1a",
+    instance_type="g5.xlarge",
+    spot=True,
+)
+
+
+async def test_nodes_table_names_each_clouds_place_in_one_word(coordinator, spotctl):
+    """Azure writes its zone as a bare number: the column puts the region before it. A node whose
+    provider gave no zone shows its region; an on-demand Google VM says so."""
+    coordinator.replies["ListNodes"] = pb.ListNodesReply(
+        nodes=[
+            node(
+                "node-a",
+                cloud=pb.CloudIdentity(
+                    provider="azure",
+                    region="westeurope",
+                    zone="1",
+                    instance_type="Standard_NC6s_v3",
+                    spot=True,
+                ),
+            ),
+            node(
+                "node-b",
+                cloud=pb.CloudIdentity(
+                    provider="azure", region="eastus", instance_type="Standard_D2s_v5"
+                ),
+            ),
+            node(
+                "node-c",
+                cloud=pb.CloudIdentity(
+                    provider="gcp",
+                    region="us-central1",
+                    zone="us-central1-a",
+                    instance_type="g2-standard-4",
+                ),
+            ),
+        ]
+    )
+    result = await spotctl("nodes")
+    assert [line.split()[9] for line in result.out.splitlines()[1:]] == [
+        "azure/westeurope-1/Standard_NC6s_v3/spot",
+        "azure/eastus/Standard_D2s_v5/on-demand",
+        "gcp/us-central1-a/g2-standard-4/on-demand",
+    ]
 
 
 async def test_nodes_json_is_one_object_a_line_with_the_proto_field_names(coordinator, spotctl):
     coordinator.replies["ListNodes"] = pb.ListNodesReply(
         nodes=[
-            node("node-a", spot=True, active_rentals=1),
+            node("node-a", spot=True, active_rentals=1, cloud=AWS_SPOT),
             node("node-b", managers=[pb.WorkManager(name="slurm", node_name="b")]),
         ]
     )
@@ -229,6 +283,15 @@ async def test_nodes_json_is_one_object_a_line_with_the_proto_field_names(coordi
     assert docs[0]["managers"] == []
     # A Slurm node whose cluster the agent could not read: the field is there, empty.
     assert docs[1]["managers"] == [{"name": "slurm", "node_name": "b", "cluster": ""}]
+    assert docs[0]["cloud"] == {
+        "provider": "aws",
+        "instance_id": "i-0123456789abcdef0",
+        "region": "us-east-1",
+        "zone": "us-east-1a",
+        "instance_type": "g5.xlarge",
+        "spot": True,
+    }
+    assert "cloud" not in docs[1]  # never reported: absent, not an empty identity
 
 
 @pytest.mark.parametrize("word, spot", [("true", True), ("false", False)])

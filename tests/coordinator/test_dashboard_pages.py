@@ -24,8 +24,9 @@ class Tags(HTMLParser):
 
 
 def test_an_agents_hostile_names_are_text_on_the_fleet_page():
-    """A node registers with markup in its id, group, work manager and a worker's model; an
-    advisory key and a taint carry it too. The page has no element or handler it did not write."""
+    """A node registers with markup in its id, group, work manager, cloud identity and a worker's
+    model; an advisory key and a taint carry it too. The page has no element or handler it did
+    not write."""
     node = pb.Node(
         node_id=HOSTILE,
         node_group=HOSTILE,
@@ -33,6 +34,13 @@ def test_an_agents_hostile_names_are_text_on_the_fleet_page():
         workload_enabled=True,
         taints=[pb.Taint(reason=HOSTILE, reclaim_id=HOSTILE)],
         managers=[pb.WorkManager(name=HOSTILE, node_name=HOSTILE, cluster=HOSTILE)],
+        cloud=pb.CloudIdentity(
+            provider=HOSTILE,
+            instance_id=HOSTILE,
+            region=HOSTILE,
+            zone=HOSTILE,
+            instance_type=HOSTILE,
+        ),
     )
     worker = pb.WorkerInfo(worker_id=HOSTILE, model=HOSTILE, state="ready", capacity=2)
     model = pb.Model(model=HOSTILE, image=HOSTILE, replicas=1)
@@ -70,6 +78,28 @@ def test_the_fleet_page_shows_each_nodes_work_managers():
     assert "<th>managers</th>" in body
     assert '<td class="managers">docker,slurm:west/gpu-017</td>' in body
     assert body.count('<td class="managers">-</td>') == 1
+
+
+def test_the_fleet_page_shows_each_nodes_cloud_instance():
+    """An AWS spot node shows where it is and what it is, its instance id on hover; a node that
+    never reported one shows a dash."""
+    aws = pb.Node(
+        node_id="node-a",
+        cloud=pb.CloudIdentity(
+            provider="aws",
+            instance_id="i-0123456789abcdef0",
+            region="us-east-1",
+            zone="us-east-1a",
+            instance_type="g5.xlarge",
+            spot=True,
+        ),
+    )
+    body = pages.fleet([aws, pb.Node(node_id="node-b")], {}, {}, {}, {}, [], None, now=1e9)
+    assert "<th>cloud</th>" in body
+    assert (
+        '<td class="cloud" title="i-0123456789abcdef0">aws/us-east-1a/g5.xlarge/spot</td>' in body
+    )
+    assert body.count('<td class="cloud" title="">-</td>') == 1
 
 
 def test_the_reclamation_list_escapes_ids_and_links_them_quoted():

@@ -202,3 +202,45 @@ def test_a_registration_with_bad_work_managers_is_refused(coordinator, pki, mana
     list(stub.Connect(iter([again]), timeout=5))
     (node,) = coordinator.admin().nodes()
     assert list(node.managers) == [SLURM]
+
+
+AWS = pb.CloudIdentity(
+    provider="aws",
+    instance_id="i-0123456789abcdef0",
+    region="us-east-1",
+    zone="us-east-1a",
+    instance_type="g5.xlarge",
+    spot=True,
+)
+
+
+@pytest.mark.parametrize(
+    "cloud, named",
+    [
+        (pb.CloudIdentity(provider="ibm", instance_id="i-1"), "cloud.provider must be one of"),
+        (pb.CloudIdentity(provider="aws", instance_id="i" * 65), "cloud.instance_id"),
+        (pb.CloudIdentity(provider="gcp", zone="us-central1-a\x1b[2J"), "cloud.zone"),
+        (pb.CloudIdentity(provider="azure", instance_type="Standard\n"), "cloud.instance_type"),
+    ],
+)
+def test_a_registration_with_a_bad_cloud_identity_is_refused(coordinator, pki, cloud, named):
+    """A node registers with a provider spotdrain does not read, or a value too long or holding a
+    control character: INVALID_ARGUMENT naming the field, and the node is not stored. The same
+    node with a good identity is listed with it; its next registration without one (an agent
+    restarted before its metadata service answered) keeps it."""
+    stub = node_stub(coordinator, pki, "node-a")
+    bad = pb.AgentMessage(register=pb.Register(node_id="node-a", cloud=cloud))
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Connect(iter([bad]), timeout=5))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in err.value.details()
+    assert coordinator.admin().nodes() == []
+
+    good = pb.AgentMessage(register=pb.Register(node_id="node-a", cloud=AWS))
+    assert [r.WhichOneof("body") for r in stub.Connect(iter([good]), timeout=5)] == ["registered"]
+    (node,) = coordinator.admin().nodes()
+    assert node.cloud == AWS
+    again = pb.AgentMessage(register=pb.Register(node_id="node-a"))
+    list(stub.Connect(iter([again]), timeout=5))
+    (node,) = coordinator.admin().nodes()
+    assert node.cloud == AWS

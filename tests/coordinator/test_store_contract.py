@@ -180,6 +180,33 @@ async def test_a_registration_stores_its_work_managers_and_the_next_one_replaces
     assert (await store.node("node-a")).managers == ()
 
 
+AWS = {
+    "provider": "aws",
+    "instance_id": "i-0123456789abcdef0",
+    "region": "us-east-1",
+    "zone": "us-east-1a",
+    "instance_type": "g5.xlarge",
+    "spot": True,
+}
+
+
+async def test_a_nodes_cloud_identity_is_kept_until_another_is_reported(store):
+    """A node registers before its metadata service answered: no identity. It registers again
+    with one: stored and listed. Its agent restarts and registers before the service answers
+    again: the identity read before stays. A new one (the host moved to on-demand) replaces it."""
+    await store.upsert_node("node-a", True, "g1", GPUS)
+    assert (await store.node("node-a")).cloud is None
+    await store.upsert_node("node-a", True, "g1", GPUS, cloud=AWS)
+    assert (await store.node("node-a")).cloud == AWS
+    assert [n.cloud for n in await store.nodes()] == [AWS]
+
+    await store.upsert_node("node-a", True, "g1", GPUS)
+    assert (await store.node("node-a")).cloud == AWS
+    on_demand = {**AWS, "spot": False, "instance_type": "p5.48xlarge"}
+    await store.upsert_node("node-a", False, "g1", GPUS, cloud=on_demand)
+    assert (await store.node("node-a")).cloud == on_demand
+
+
 async def test_an_operator_pinned_spot_flag_beats_the_agents_claim(store):
     """An operator marks a node on-demand; the agent keeps registering as spot: its claim is
     refused and reported, its other claims are taken."""
@@ -1042,12 +1069,34 @@ async def test_a_version_7_database_migrates_its_nodes_with_no_work_managers(sto
     run_statements(store_url, old)
 
     store = await stores.open_store()
-    assert await schema_version(store) == str(SCHEMA_VERSION) == "8"
+    assert await schema_version(store) == str(SCHEMA_VERSION)
     assert await store.nodes() == [
         NodeRow("node-a", True, "g1", (), 10.0, 20.0, True, "acme", False, ())
     ]
     await store.upsert_node("node-a", True, "g1", [], provider="acme", managers=[SLURM])
     assert (await store.node("node-a")).managers == (SLURM,)
+
+
+async def test_a_version_8_database_migrates_its_nodes_with_no_cloud_identity(store_url, stores):
+    """A database written by the release before cloud identities (schema 8): its node opens at 9
+    with none (and its work managers as they were), and its next registration carrying one
+    stores it."""
+    words = schema.SQLITE_WORDS if backend_name(store_url) == "sqlite" else schema.POSTGRES_WORDS
+    old = [sql for reached, step in schema.steps_from(0, words) if reached <= 8 for sql in step]
+    old.append(
+        "INSERT INTO nodes (node_id, spot, node_group, gpus_json, registered_at, last_seen, "
+        """provider, managers_json) VALUES ('node-a', 1, 'g1', '[]', 10.0, 20.0, 'acme', """
+        """'[{"name": "slurm", "node_name": "sd-n1", "cluster": "spotdrain"}]')"""
+    )
+    run_statements(store_url, old)
+
+    store = await stores.open_store()
+    assert await schema_version(store) == str(SCHEMA_VERSION) == "9"
+    assert await store.nodes() == [
+        NodeRow("node-a", True, "g1", (), 10.0, 20.0, True, "acme", False, (SLURM,), None)
+    ]
+    await store.upsert_node("node-a", True, "g1", [], provider="acme", managers=[SLURM], cloud=AWS)
+    assert (await store.node("node-a")).cloud == AWS
 
 
 async def test_backend_for_reads_the_db_flag(tmp_path):

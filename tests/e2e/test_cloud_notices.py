@@ -169,7 +169,12 @@ def _admitted(admin) -> bool:
 def test_a_broken_source_is_reported_and_a_malformed_notice_taints_nothing(
     tmp_path, docker_engine, coordinator, gpus, nvml_lib
 ):
-    imds = AwsImds()
+    """node-a's IMDS answers its instance id 503 three times (about 8 s of retries): node-a
+    registers without its cloud identity, then, once the id is read, registers again on the same
+    stream and ListNodes shows the instance. Its IMDS then stops answering: the source is down,
+    then up again. A malformed instance action taints nothing."""
+    imds = AwsImds(instance_id="i-0e2e0000000000001", zone="us-east-1c", instance_type="g6.xlarge")
+    imds.fail_next(3, 503, path="/latest/meta-data/instance-id")
     agent = start_agent(
         tmp_path,
         "node-a",
@@ -181,7 +186,25 @@ def test_a_broken_source_is_reported_and_a_malformed_notice_taints_nothing(
     )
     events = coordinator.admin()
     try:
-        wait_until(lambda: any(n.connected for n in events.nodes()), 20, "node-a")
+        wait_until(
+            lambda: [(n.connected, n.HasField("cloud")) for n in events.nodes()] == [(True, False)],
+            20,
+            "node-a registered without its cloud identity",
+        )
+        node = wait_until(
+            lambda: next((n for n in events.nodes() if n.HasField("cloud")), None),
+            20,
+            "node-a registered with its cloud identity",
+        )
+        assert node.connected and node.cloud == pb.CloudIdentity(
+            provider="aws",
+            instance_id="i-0e2e0000000000001",
+            region="us-east-1",
+            zone="us-east-1c",
+            instance_type="g6.xlarge",
+            spot=True,
+        )
+        assert agent.proc.log().count("registered with coordinator") == 1  # one stream
         status = spotctl(agent, "status")
         assert [(s["source"], s["up"]) for s in status["sources"]] == [
             ("file", True),

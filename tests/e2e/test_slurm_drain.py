@@ -197,7 +197,7 @@ def test_the_node_registers_its_slurm_name_and_cluster(
             timeout=30,
         )
         header, row = run.stdout.splitlines()
-        assert header.split()[-2:] == ["managers", "taints"]
+        assert header.split()[-3:] == ["managers", "cloud", "taints"]
         assert row.split()[0] == "sd-n3" and "slurm:spotdrain/sd-n3" in row.split()
         run = subprocess.run(
             [str(BIN / "spotctl"), *coordinator.cli_args(), "nodes", "--json"],

@@ -16,19 +16,25 @@ What each emulator answers follows the providers' documentation:
   .../instancedata-data-retrieval.html (400 bad PUT, 401 bad token, 403 not allowed, 404 absent,
   text/plain; PUT on a versioned path is 403), .../spot-instance-termination-notices.html
   (instance-action JSON or 404), .../rebalance-recommendations.html ({"noticeTime": ...} or
-  404), .../monitoring-instances-status-check_sched.html (events/maintenance/scheduled list).
+  404), .../monitoring-instances-status-check_sched.html (events/maintenance/scheduled list),
+  .../instancedata-data-categories.html (instance-id, placement/region,
+  placement/availability-zone, instance-type, instance-life-cycle `spot` or `on-demand`).
 - GCE: https://cloud.google.com/compute/docs/metadata/querying-metadata (Metadata-Flavor: Google
   required, 403 otherwise, echoed on answers; ETag; wait_for_change, last_etag, timeout_sec),
   https://cloud.google.com/compute/docs/troubleshooting/troubleshoot-metadata-server (codes;
-  the official hanging-GET sample retries 503 "during maintenance"). `impostor()` answers as
-  something else on the metadata address would (a proxy, a captive portal): no Metadata-Flavor.
+  the official hanging-GET sample retries 503 "during maintenance"; instance/id, instance/zone
+  and instance/machine-type as `projects/NUMBER/zones/ZONE` and `projects/NUMBER/machineTypes/
+  TYPE`, instance/scheduling/preemptible `TRUE`/`FALSE`, and provisioning-model where given).
+  `impostor()` answers as something else on the metadata address would (a proxy, a captive
+  portal): no Metadata-Flavor.
 - Azure: https://learn.microsoft.com/azure/virtual-machines/linux/scheduled-events (document shape,
   Metadata: true else 400, POST StartRequests, 200 for a valid id, 400 for a malformed request,
   incarnation moves when Events change, an approved event goes to Started),
   https://learn.microsoft.com/azure/virtual-machines/instance-metadata-service (api-version
   mandatory, duplicate query names rejected, X-Forwarded-For rejected, GET only, format=text
-  needed on a leaf node). NotBefore is written as the docs write it (RFC 1123) or, with
-  `date_style="iso"`, as Microsoft's own scheduled-events mock server does ("2026-12-02T18:13:35Z");
+  needed on a leaf node; the compute document's vmId, location, zone, vmSize, priority).
+  NotBefore is written as the docs write it (RFC 1123) or, with `date_style="iso"`, as
+  Microsoft's own scheduled-events mock server does ("2026-12-02T18:13:35Z");
   `unreadable_event()` is an event for this VM nobody can read, for documents that mix one
   with good events.
 
@@ -446,6 +452,10 @@ class AwsImds(_Emulator):
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         instance_id: str = "i-0123456789abcdef0",
+        region: str = "us-east-1",
+        zone: str = "us-east-1a",
+        instance_type: str = "g5.xlarge",
+        life_cycle: str = "spot",
         require_v2: bool = True,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -453,6 +463,13 @@ class AwsImds(_Emulator):
         self.clock = clock
         self.wall = wall  # what a re-stamped time is written from, read once per answer
         self.instance_id = instance_id
+        self.identity = {
+            "instance-id": instance_id,
+            "placement/region": region,
+            "placement/availability-zone": zone,
+            "instance-type": instance_type,
+            "instance-life-cycle": life_cycle,
+        }
         self.require_v2 = require_v2
         self._tokens: dict[str, float] = {}
         self._token_failures: collections.deque[int] = collections.deque()
@@ -583,10 +600,8 @@ class AwsImds(_Emulator):
             return _text(json.dumps(self._rebalance))
         if item == "events/maintenance/scheduled":
             return _text(json.dumps(self._maintenance))
-        if item == "instance-id":
-            return _text(self.instance_id)
-        if item == "instance-life-cycle":
-            return _text("spot")
+        if item in self.identity:
+            return _text(self.identity[item])
         return _text("", 404)
 
 
@@ -606,15 +621,26 @@ class GceMetadata(_Emulator):
         *,
         instance_id: str = "4520031799277581759",
         name: str = "gpu-node-0",
+        zone: str = "us-central1-a",
+        machine_type: str = "g2-standard-4",
+        preemptible: bool = True,
+        provisioning_model: str | None = "SPOT",
+        project_number: str = "123456789012",
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
+        """`provisioning_model`: None for a server that has no such key (404)."""
         self._values = {
             "preempted": "FALSE",
             "maintenance-event": "NONE",
             "id": instance_id,
             "name": name,
+            "zone": f"projects/{project_number}/zones/{zone}",
+            "machine-type": f"projects/{project_number}/machineTypes/{machine_type}",
+            "scheduling/preemptible": "TRUE" if preemptible else "FALSE",
         }
+        if provisioning_model is not None:
+            self._values["scheduling/provisioning-model"] = provisioning_model
         self._released = 0
         self._hanging = 0
         self._impostor = False
@@ -823,12 +849,24 @@ class AzureMetadata(_Emulator):
         *,
         vm_name: str = "gpu-node-0",
         on_start: str = "start",
+        vm_id: str = "02aab8a4-74ef-476e-8182-f6d2ba4166a6",
+        location: str = "westeurope",
+        zone: str = "1",
+        vm_size: str = "Standard_NC6s_v3",
+        priority: str = "Spot",
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
         if on_start not in ("start", "remove", "keep"):
             raise ValueError(f"on_start: start, remove or keep, not {on_start!r}")
         self.vm_name = vm_name
+        self.identity = {
+            "vmId": vm_id,
+            "location": location,
+            "zone": zone,
+            "vmSize": vm_size,
+            "priority": priority,
+        }
         self.on_start = on_start
         self.incarnation = 1
         self._events: list[dict] = []
@@ -899,10 +937,9 @@ class AzureMetadata(_Emulator):
         with self._lock:
             compute = {
                 "name": self.vm_name,
-                "priority": "Spot",
-                "evictionPolicy": "Delete",
+                **self.identity,
+                "evictionPolicy": "Delete" if self.identity["priority"] == "Spot" else "",
                 "osType": "Linux",
-                "location": "westeurope",
             }
         tail = request.path[len("/metadata/instance") :].strip("/")
         fmt = request.query.get("format", "json")

@@ -33,3 +33,6 @@ MAX_STATUS_CHARS = 512
 # node name and cluster in it (Slurm's NodeName is at most 64 characters too).
 MAX_MANAGERS = 8
 MAX_MANAGER_CHARS = 64
+# Each value of a node's cloud identity (Register.cloud): ids, regions, zones and instance types
+# are a few dozen characters at every provider.
+MAX_CLOUD_CHARS = 64

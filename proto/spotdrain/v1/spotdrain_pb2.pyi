@@ -19,7 +19,7 @@ class Gpu(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node_id", "gpus", "spot", "node_group", "agent_version", "workers", "provider", "rentals", "inventory_incomplete", "managers")
+    __slots__ = ("node_id", "gpus", "spot", "node_group", "agent_version", "workers", "provider", "rentals", "inventory_incomplete", "managers", "cloud")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     SPOT_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class Register(_message.Message):
     RENTALS_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
     MANAGERS_FIELD_NUMBER: _ClassVar[int]
+    CLOUD_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     spot: bool
@@ -40,7 +41,8 @@ class Register(_message.Message):
     rentals: _containers.RepeatedCompositeFieldContainer[RentalReport]
     inventory_incomplete: bool
     managers: _containers.RepeatedCompositeFieldContainer[WorkManager]
-    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., agent_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerReport, _Mapping]]] = ..., provider: _Optional[str] = ..., rentals: _Optional[_Iterable[_Union[RentalReport, _Mapping]]] = ..., inventory_incomplete: _Optional[bool] = ..., managers: _Optional[_Iterable[_Union[WorkManager, _Mapping]]] = ...) -> None: ...
+    cloud: CloudIdentity
+    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., agent_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerReport, _Mapping]]] = ..., provider: _Optional[str] = ..., rentals: _Optional[_Iterable[_Union[RentalReport, _Mapping]]] = ..., inventory_incomplete: _Optional[bool] = ..., managers: _Optional[_Iterable[_Union[WorkManager, _Mapping]]] = ..., cloud: _Optional[_Union[CloudIdentity, _Mapping]] = ...) -> None: ...
 
 class WorkManager(_message.Message):
     __slots__ = ("name", "node_name", "cluster")
@@ -51,6 +53,22 @@ class WorkManager(_message.Message):
     node_name: str
     cluster: str
     def __init__(self, name: _Optional[str] = ..., node_name: _Optional[str] = ..., cluster: _Optional[str] = ...) -> None: ...
+
+class CloudIdentity(_message.Message):
+    __slots__ = ("provider", "instance_id", "region", "zone", "instance_type", "spot")
+    PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    ZONE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    SPOT_FIELD_NUMBER: _ClassVar[int]
+    provider: str
+    instance_id: str
+    region: str
+    zone: str
+    instance_type: str
+    spot: bool
+    def __init__(self, provider: _Optional[str] = ..., instance_id: _Optional[str] = ..., region: _Optional[str] = ..., zone: _Optional[str] = ..., instance_type: _Optional[str] = ..., spot: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("node_id", "workers")
@@ -530,7 +548,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "gpus", "spot", "node_group", "connected", "last_seen", "taints", "workload_enabled", "provider", "live_workers", "active_rentals", "group_avoided_until", "managers")
+    __slots__ = ("node_id", "gpus", "spot", "node_group", "connected", "last_seen", "taints", "workload_enabled", "provider", "live_workers", "active_rentals", "group_avoided_until", "managers", "cloud")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     SPOT_FIELD_NUMBER: _ClassVar[int]
@@ -544,6 +562,7 @@ class Node(_message.Message):
     ACTIVE_RENTALS_FIELD_NUMBER: _ClassVar[int]
     GROUP_AVOIDED_UNTIL_FIELD_NUMBER: _ClassVar[int]
     MANAGERS_FIELD_NUMBER: _ClassVar[int]
+    CLOUD_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     spot: bool
@@ -557,7 +576,8 @@ class Node(_message.Message):
     active_rentals: int
     group_avoided_until: float
     managers: _containers.RepeatedCompositeFieldContainer[WorkManager]
-    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., connected: _Optional[bool] = ..., last_seen: _Optional[float] = ..., taints: _Optional[_Iterable[_Union[Taint, _Mapping]]] = ..., workload_enabled: _Optional[bool] = ..., provider: _Optional[str] = ..., live_workers: _Optional[int] = ..., active_rentals: _Optional[int] = ..., group_avoided_until: _Optional[float] = ..., managers: _Optional[_Iterable[_Union[WorkManager, _Mapping]]] = ...) -> None: ...
+    cloud: CloudIdentity
+    def __init__(self, node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., spot: _Optional[bool] = ..., node_group: _Optional[str] = ..., connected: _Optional[bool] = ..., last_seen: _Optional[float] = ..., taints: _Optional[_Iterable[_Union[Taint, _Mapping]]] = ..., workload_enabled: _Optional[bool] = ..., provider: _Optional[str] = ..., live_workers: _Optional[int] = ..., active_rentals: _Optional[int] = ..., group_avoided_until: _Optional[float] = ..., managers: _Optional[_Iterable[_Union[WorkManager, _Mapping]]] = ..., cloud: _Optional[_Union[CloudIdentity, _Mapping]] = ...) -> None: ...
 
 class ListNodesReply(_message.Message):
     __slots__ = ("nodes",)

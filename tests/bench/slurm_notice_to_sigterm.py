@@ -108,6 +108,7 @@ class Bench:
         # Jobs whose step's task never ran its trap (srun's TERM-to-KILL won the race): by
         # scenario, the job id and the end of its output (srun's own lines are there).
         self.missed: dict[str, list[dict]] = {}
+        self.runs: list[dict] = []  # spotdrain's runs one by one: total, phases, odd events
 
     def term_at(self, scenario: str, job: int) -> float | None:
         """When the step's TERM line was read; None (and the job noted) if none came."""
@@ -199,7 +200,8 @@ class Bench:
                 return
             res.samples_ms.append((t1 - t0) * 1000)
             self.admin.wait_for("drained", node=node_id, timeout=30, reclaim_id=rid)
-            breakdown(res, self.admin.events(node=node_id, reclaim_id=rid), t0, t1)
+            run = breakdown(res, self.admin.events(node=node_id, reclaim_id=rid), t0, t1)
+            self.runs.append({"run": i, "node": node_id, "job": job, **run})
             self.wait_gone(job)
         finally:
             agent.proc.stop()
@@ -221,31 +223,46 @@ def settle() -> None:
     time.sleep(random.uniform(0.2, 0.4))
 
 
-def breakdown(res: Result, events: list[dict], t0: float, t_probe: float) -> None:
-    """Where spotdrain's time went, from the agent's own event stamps (this host's clock)."""
+def breakdown(res: Result, events: list[dict], t0: float, t_probe: float) -> dict[str, Any]:
+    """Where spotdrain's time went, from the agent's own event stamps (this host's clock); the
+    run's phases, its taint mode and any cordon failure, for the JSON."""
     first: dict[str, dict] = {}
     for ev in events:
         first.setdefault(ev["kind"], ev)
+    run: dict[str, Any] = {
+        "total_ms": (t_probe - t0) * 1000,
+        "taint_mode": first.get("tainted", {}).get("mode"),
+        "cordon_failed": first.get("manager_cordon_failed", {}).get("error"),
+    }
     try:
         seen = first["notice_received"]["wall_time"]  # T0
         tainted = first["tainted"]["wall_time"]
         cordoned = first["manager_cordoned"]
         sent = first["sigterm_sent"]["wall_time"]  # scancel returned
     except KeyError:
-        return
-    res.add_phase("write->agent T0", (seen - t0) * 1000)
-    res.add_phase("T0->tainted", (tainted - seen) * 1000)
-    res.add_phase("T0->cordoned (DRAIN)", (cordoned["wall_time"] - seen) * 1000)
-    res.add_phase("DRAIN calls (its ms)", float(cordoned.get("ms", float("nan"))))
-    res.add_phase("both->sigterm_sent", (sent - max(tainted, cordoned["wall_time"])) * 1000)
-    res.add_phase("sigterm_sent->probe", (t_probe - sent) * 1000)
+        return run
+    phases = {
+        "write->agent T0": (seen - t0) * 1000,
+        "T0->tainted": (tainted - seen) * 1000,
+        "T0->cordoned (DRAIN)": (cordoned["wall_time"] - seen) * 1000,
+        "DRAIN calls (its ms)": float(cordoned.get("ms", float("nan"))),
+        "both->sigterm_sent": (sent - max(tainted, cordoned["wall_time"])) * 1000,
+        "sigterm_sent->probe": (t_probe - sent) * 1000,
+    }
+    for name, ms in phases.items():
+        res.add_phase(name, ms)
+    return {**run, **phases}
 
 
 # --- report and main ----------------------------------------------------------------------
 
 
 def report(
-    results: dict[str, Result], missed: dict[str, list[dict]], env: dict, wall_s: float
+    results: dict[str, Result],
+    missed: dict[str, list[dict]],
+    runs: list[dict],
+    env: dict,
+    wall_s: float,
 ) -> dict[str, Any]:
     stats = {name: summary(r.samples_ms) for name, r in results.items()}
     print()
@@ -287,6 +304,7 @@ def report(
         "phases": phases,
         "samples_ms": {name: r.samples_ms for name, r in results.items()},
         "no_term": missed,
+        "spotdrain_runs": runs,
         "wall_s": wall_s,
     }
 
@@ -348,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
             say(f"kept {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    doc = report(results, bench.missed if bench else {}, env, time.monotonic() - started)
+    missed, runs = (bench.missed, bench.runs) if bench else ({}, [])
+    doc = report(results, missed, runs, env, time.monotonic() - started)
     doc["runs"] = args.runs
     write_json(args.json, doc)
     return 0

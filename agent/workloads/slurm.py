@@ -83,6 +83,7 @@ class SlurmWork:
         # ClusterName as slurmctld said at start ("" when it did not answer then): sent at
         # registration, never waited for.
         self.cluster = ""
+        self.kill_wait_s: int | None = None  # read at start; KillWait rarely changes
 
     def owns(self, unit: str) -> bool:
         return unit.startswith(UNIT_PREFIX)
@@ -130,11 +131,13 @@ class SlurmWork:
     async def _check_kill_wait(self, hold: Hold, sigterm_at: float) -> None:
         """slurmd SIGKILLs a job KillWait after its SIGTERM: before G the job loses the grace
         it was promised; after D the provider takes the host first."""
-        try:
-            kill_wait = await self.cli.kill_wait_s()
-        except SlurmError as e:
-            log.warning("node %s: cannot read KillWait: %s", self.node, e)
-            return
+        kill_wait = self.kill_wait_s
+        if kill_wait is None:  # not read at start (slurmctld away then): read it now
+            try:
+                kill_wait = self.kill_wait_s = await self.cli.kill_wait_s()
+            except SlurmError as e:
+                log.warning("node %s: cannot read KillWait: %s", self.node, e)
+                return
         kill_at = sigterm_at + kill_wait
         why = ""
         if kill_at < hold.grace_deadline:
@@ -183,8 +186,10 @@ class SlurmWork:
             return
         try:
             self.cluster = await self.cli.cluster_name()
+            # Read now, not beside a drain's first calls, where it would compete with them.
+            self.kill_wait_s = await self.cli.kill_wait_s()
         except SlurmError as e:
-            log.warning("node %s: cluster name not read: %s", self.node, e)
+            log.warning("node %s: cluster name or KillWait not read: %s", self.node, e)
 
     async def resume_stale(self) -> bool:
         """A host back from a reclamation (a new boot) with our DRAIN still set and no
@@ -211,12 +216,13 @@ class SlurmWork:
         if KIND in skip_kinds:
             return []
         units: dict[int, SlurmUnit] = {}
+        local = asyncio.ensure_future(self._local_jobs())  # beside squeue: on the notice path
         if not self._controller_away():
             try:
                 units = {j.job_id: unit_of(j) for j in await self.cli.jobs_on(self.node)}
             except SlurmError as e:
                 log.warning("node %s: squeue failed (%s); listing steps locally", self.node, e)
-        for job in await self._local_jobs():
+        for job in await local:
             units.setdefault(job, SlurmUnit(unit_id(job), f"job {job}", job))
         return [u for u in units.values() if u.id not in skip]
 

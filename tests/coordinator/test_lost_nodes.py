@@ -6,12 +6,13 @@ node under a reclamation, or with no work, is not; and a lost node that comes ba
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
 from fakes.fakenode import FakeNode, Ops, aio_channel
-from fakes.harness import start_coordinator
+from fakes.harness import BIN, start_coordinator
 from fakes.waiting import eventually
 from spotdrain.v1 import spotdrain_pb2 as pb
 from spotdrain.v1 import spotdrain_pb2_grpc as pb_grpc
@@ -43,6 +44,19 @@ async def holding(node: FakeNode, ops: Ops, rentals) -> tuple[str, pb.Rental]:
     await node.next_of("start_rental")
     await node.report_rental(rental.rental_id, "started")
     return worker_id, rental
+
+
+async def spotctl(coordinator, *args: str) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        str(BIN / "spotctl"),
+        *coordinator.cli_args(),
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, err.decode()
+    return out.decode()
 
 
 async def lost_events(ops: Ops) -> dict[str, dict]:
@@ -87,6 +101,9 @@ async def test_a_node_that_vanishes_with_work_is_lost_and_named_and_comes_back(
         assert (tl.reclamation.reason, tl.reclamation.outcome) == ("lost", "lost")
         kinds = [e.event.kind for e in tl.events]
         assert "node_lost" in kinds and "rental_ended" in kinds
+        shown = await spotctl(coordinator, "timeline", reclaim_id)
+        assert f"lost node node-a  record {reclaim_id}" in shown
+        assert "outcome: LOST: the node vanished with its work, and no notice" in shown
 
         # Back, still running the worker and the rental's container.
         await node.connect(

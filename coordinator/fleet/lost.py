@@ -111,7 +111,7 @@ class LostNodes:
                 await self.rentals.ended(rental, reclaim_id)
         models = sorted({w.model for w in workers})
         await self.replacement.request(node_id, reclaim_id, now, models, reason="lost")
-        await self.capacity.keep(path="lost")
+        await self.capacity.keep(path="node_lost")
         return reclaim_id
 
     async def came_back(self, node_id: str, reg: msg.Registration) -> bool:

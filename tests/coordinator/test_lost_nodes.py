@@ -2,7 +2,10 @@
 that vanishes with work on it and no reclamation open is `node_lost` after --node-lost-s (its
 work named, its worker out of routing, a replacement asked for, its rental ended `lost`); a
 node under a reclamation, or with no work, is not; and a lost node that comes back is
-`node_returned`, told to drain what it still runs and to stop its ended rental."""
+`node_returned`, told to drain what it still runs and to stop its ended rental.
+
+The coordinator runs as its own process here (no fake clock): --node-lost-s is short. The same
+deadlines on a fake clock: test_deadline_heap.py."""
 
 from __future__ import annotations
 
@@ -32,10 +35,18 @@ async def lost_coordinator(tmp_path, pki):
     coordinator.proc.stop()
 
 
-async def holding(node: FakeNode, ops: Ops, rentals) -> tuple[str, pb.Rental]:
-    """The node connected, running a ready worker and a renter's rental."""
+async def holding(
+    node: FakeNode, ops: Ops, rentals, desired: bool = False
+) -> tuple[str, pb.Rental]:
+    """The node connected, running a ready worker (one the fleet wants, when `desired`: the
+    capacity keeper places it) and a renter's rental."""
     await node.connect()
-    await ops.start(node.node_id)
+    if desired:
+        await ops.admin.SetModelReplicas(
+            pb.SetModelReplicasRequest(model="m", replicas=1, image="img", slots=1)
+        )
+    else:
+        await ops.start(node.node_id)
     worker_id = await node.start_next()
     await ops.wait_state(worker_id, "ready")
     rental = await rentals.CreateRental(
@@ -69,6 +80,8 @@ async def lost_events(ops: Ops) -> dict[str, dict]:
 async def test_a_node_that_vanishes_with_work_is_lost_and_named_and_comes_back(
     lost_coordinator, pki
 ):
+    """node-a serves the fleet's one worker of model m and alice's rental, then vanishes with
+    node-b still there."""
     coordinator = lost_coordinator
     ops = Ops(coordinator)
     renter = aio_channel(coordinator, pki.issue("renter:alice"))
@@ -76,8 +89,8 @@ async def test_a_node_that_vanishes_with_work_is_lost_and_named_and_comes_back(
     node = FakeNode(coordinator, pki, "node-a")
     other = FakeNode(coordinator, pki, "node-b")
     try:
+        worker_id, rental = await holding(node, ops, rentals, desired=True)
         await other.connect()
-        worker_id, rental = await holding(node, ops, rentals)
         await node.disconnect()  # and stays away: no stream, no heartbeat, no notice
 
         lost = (await eventually(lambda: lost_events(ops), ok=lambda d: "node-a" in d))["node-a"]
@@ -96,6 +109,9 @@ async def test_a_node_that_vanishes_with_work_is_lost_and_named_and_comes_back(
             ok=lambda evs: any(e.event.reclaim_id == reclaim_id for e in evs),
         )
         assert json.loads(asked[-1].event.details_json)["reason"] == "lost"
+        # The model's worker placed again on the node still there, through the gate.
+        replacement = await other.start_next()
+        await ops.wait_state(replacement, "ready")
         # The record is a kind of its own, apart from drains and overruns.
         tl = await ops.admin.GetTimeline(pb.GetTimelineRequest(reclaim_id=reclaim_id))
         assert (tl.reclamation.reason, tl.reclamation.outcome) == ("lost", "lost")
@@ -128,6 +144,8 @@ async def test_a_node_that_vanishes_with_work_is_lost_and_named_and_comes_back(
 
 
 async def test_no_node_lost_under_a_reclamation_or_without_work(lost_coordinator, pki):
+    """A paused node and an idle node vanish, then a node with work: only the last is lost
+    (its loss, the last deadline of the three, is the barrier for the others' absence)."""
     coordinator = lost_coordinator
     ops = Ops(coordinator)
     renter = aio_channel(coordinator, pki.issue("renter:alice"))

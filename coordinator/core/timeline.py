@@ -43,8 +43,8 @@ def fold(record: dict[str, Any], kind: str, wall_time: float, details: dict[str,
         # T0 when it was last seen, counted apart from drains and overruns.
         record["reason"], record["source"] = LOST, "coordinator"
         record["outcome"] = record["outcome"] or LOST
-        if isinstance(details.get("t0"), int | float):
-            record["t0"] = float(details["t0"])
+        if isinstance(details.get("since"), int | float):
+            record["t0"] = float(details["since"])
     if kind == "notice_updated" and details.get("moved"):  # the provider named an earlier D
         for key in ("terminate_at", "grace_deadline", "overrun_at"):
             if isinstance(details.get(key), int | float):

@@ -90,7 +90,6 @@ class LostNodes:
             {
                 "why": why,
                 "since": since,
-                "t0": since,
                 "workers": [_worker_doc(w) for w in workers],
                 "rentals": [
                     {"rental_id": r.rental_id, "renter": r.renter, "container": r.container}

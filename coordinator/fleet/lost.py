@@ -21,6 +21,7 @@ from spotdrain.coordinator.capacity.keeper import CapacityKeeper
 from spotdrain.coordinator.capacity.replacement import Replacement
 from spotdrain.coordinator.core import messages as msg
 from spotdrain.coordinator.core import worker_machine as wm
+from spotdrain.coordinator.core.rental import Rental
 from spotdrain.coordinator.fleet.drains import Drains
 from spotdrain.coordinator.fleet.registry import ApplyEvent, FleetState, SendCommand
 from spotdrain.coordinator.fleet.rentals import RentalBook
@@ -58,7 +59,7 @@ class LostNodes:
     def reclamation_open(self, node_id: str) -> bool:
         return self.drains.current(node_id) is not None
 
-    async def held(self, node_id: str, since: float) -> tuple[list[wm.Worker], list]:
+    async def held(self, node_id: str, since: float) -> tuple[list[wm.Worker], list[Rental]]:
         """The work the node held when it went away: its live workers and those the
         coordinator itself stopped since (expired, start timed out: no exit code), and its
         active rentals."""
@@ -72,35 +73,21 @@ class LostNodes:
         return workers, await self.rentals.list(node_id, active_only=True)
 
     async def declare(self, node_id: str, why: str, since: float, need_work: bool) -> str | None:
-        """The node lost now: its record's id, or None when it is not (already lost, a
-        reclamation open, unknown, or no work when `need_work`)."""
-        if node_id in self.lost or self.reclamation_open(node_id):
+        """The node lost now: its record's id, or None when it is not (a reclamation open,
+        unknown, or no work when `need_work`). A node lost already keeps its record: nothing
+        is recorded twice, and what a failed firing (or a coordinator that died in the
+        middle) left undone is finished; the rest is idempotent."""
+        reclaim_id = self.lost.get(node_id) or f"{LOST_PREFIX}{node_id}-{since:.0f}"
+        if self.reclamation_open(node_id):
             return None
         if node_id not in self.nodes.rows:
             return None
         now = self.clock()
         workers, rentals = await self.held(node_id, since)
-        if need_work and not workers and not rentals:
-            return None
-        reclaim_id = f"{LOST_PREFIX}{node_id}-{since:.0f}"
-        log.warning("node %s lost: %s", node_id, why)
-        await self.events.record(
-            "node_lost",
-            node_id,
-            {
-                "why": why,
-                "since": since,
-                "workers": [_worker_doc(w) for w in workers],
-                "rentals": [
-                    {"rental_id": r.rental_id, "renter": r.renter, "container": r.container}
-                    for r in rentals
-                ],
-                "containers": sorted({r.container for r in rentals if r.container}),
-            },
-            reclaim_id,
-        )
-        self.lost[node_id] = reclaim_id
-        self.declared += 1
+        if need_work and (node_id in self.nodes.streams or (not workers and not rentals)):
+            return None  # nothing held, or back while the store was read
+        if node_id not in self.lost:
+            await self._record(node_id, reclaim_id, why, since, workers, rentals)
         for worker in workers:
             live = self.registry.get(worker.worker_id)
             if live is not None:
@@ -108,10 +95,44 @@ class LostNodes:
         for rental in rentals:
             if rental.lost(now, why):
                 await self.rentals.ended(rental, reclaim_id)
-        models = sorted({w.model for w in workers})
-        await self.replacement.request(node_id, reclaim_id, now, models, reason="lost")
         await self.capacity.keep(path="node_lost")
         return reclaim_id
+
+    async def _record(
+        self,
+        node_id: str,
+        reclaim_id: str,
+        why: str,
+        since: float,
+        workers: Sequence[wm.Worker],
+        rentals: Sequence[Rental],
+    ) -> None:
+        """`node_lost` stored and the replacement asked for, once per record."""
+        # Claimed before the first write: a registration from here on is its return.
+        self.lost[node_id] = reclaim_id
+        log.warning("node %s lost: %s", node_id, why)
+        try:
+            await self.events.record(
+                "node_lost",
+                node_id,
+                {
+                    "why": why,
+                    "since": since,
+                    "workers": [_worker_doc(w) for w in workers],
+                    "rentals": [
+                        {"rental_id": r.rental_id, "renter": r.renter, "container": r.container}
+                        for r in rentals
+                    ],
+                    "containers": sorted({r.container for r in rentals if r.container}),
+                },
+                reclaim_id,
+            )
+        except BaseException:
+            self.lost.pop(node_id, None)  # not stored: the retry records it
+            raise
+        self.declared += 1
+        models = sorted({w.model for w in workers})
+        await self.replacement.request(node_id, reclaim_id, self.clock(), models, reason="lost")
 
     async def came_back(self, node_id: str, reg: msg.Registration) -> bool:
         """A lost node registered again: `node_returned`, naming what it still runs. Workers

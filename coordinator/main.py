@@ -75,7 +75,15 @@ def parser() -> ArgumentParser:
         0.1,
         30 * 86400,
         timing.NODE_GONE_S,
-        "rentals on a node disconnected this long end as platform",
+        "a node under a reclamation: its rentals end this long after it disconnected",
+    )
+    add_bounded(
+        p,
+        "--node-lost-s",
+        0.1,
+        30 * 86400,
+        timing.NODE_LOST_S,
+        "a disconnected node with work and no reclamation open is lost after this long",
     )
     p.add_argument(
         "--acquirers",
@@ -181,6 +189,7 @@ async def _serve(args, host, port, creds, store, acquirers, avoid_s, contracts, 
         heartbeat_ttl_s=args.heartbeat_ttl_s,
         start_timeout_s=args.start_timeout_s,
         node_gone_s=args.node_gone_s,
+        node_lost_s=args.node_lost_s,
         acquirers=acquirers,
         avoid_s=avoid_s,
         contract_policy=contracts,

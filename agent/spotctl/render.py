@@ -63,6 +63,11 @@ def render_timeline(tl: pb.Timeline) -> str:
         "",
         f"{'T+':>10}  {'step':<22} detail",
     ]
+    if rec.reason == "lost":  # no notice, so no deadlines: T0 is when the node was last seen
+        lines[:2] = [
+            f"lost node {rec.node_id}  record {rec.reclaim_id}",
+            f"T0 {iso(t0)} (last seen)",
+        ]
     for stored in tl.events:
         d = stored_event_to_dict(stored)
         detail = {k: v for k, v in d.items() if k not in _COMMON}
@@ -73,6 +78,8 @@ def render_timeline(tl: pb.Timeline) -> str:
         lines.append(f"outcome: drained, verified empty with {rec.spare_s:.3f} s to spare before D")
     elif rec.outcome == "overrun":
         lines.append("outcome: OVERRUN: work was still there at O")
+    elif rec.outcome == "lost":
+        lines.append("outcome: LOST: the node vanished with its work, and no notice")
     elif rec.outcome:
         lines.append(f"outcome: {rec.outcome}")
     else:

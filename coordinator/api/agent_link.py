@@ -31,6 +31,7 @@ from spotdrain.coordinator.fleet.wiring import Fleet
 from spotdrain.coordinator.store import NewEvent, Store, StoreError
 from spotdrain.coordinator.store.backend import Fenced
 from spotdrain.net.security import NODE, OPERATOR, ROUTER, Identity, parse_common_name
+from spotdrain.protocol import timing
 from spotdrain.runtime.metrics import (
     CollectorRegistry,
     GaugeCollector,
@@ -59,7 +60,8 @@ class Coordinator:
         start_timeout_s: float = 300.0,
         acquirers: dict[str, Acquirer] | None = None,
         avoid_s: float = DEFAULT_AVOID_S,
-        node_gone_s: float = 600.0,
+        node_gone_s: float = timing.NODE_GONE_S,
+        node_lost_s: float = timing.NODE_LOST_S,
         contract_policy: ContractPolicy | None = None,
     ):
         self.store = store
@@ -77,6 +79,7 @@ class Coordinator:
             acquirers=acquirers,
             avoid_s=avoid_s,
             node_gone_s=node_gone_s,
+            node_lost_s=node_lost_s,
             contract_policy=contract_policy,
         )
         # What servicers and the dashboard do to the fleet, one method each.
@@ -120,6 +123,24 @@ class Coordinator:
                 "Agents with a live stream.",
                 [],
                 lambda: [([], float(len(self.fleet.nodes.streams)))],
+            )
+        )
+        # Counted apart from spotdrain_reclamations_total: a lost node is no drain and no overrun.
+        self.registry.register(
+            GaugeCollector(
+                "spotdrain_nodes_lost",
+                "Nodes lost without notice (node_lost) since this coordinator started leading.",
+                [],
+                lambda: [([], float(self.fleet.lost.declared))],
+            )
+        )
+        self.registry.register(
+            GaugeCollector(
+                "spotdrain_nodes_returned",
+                "Lost nodes that registered again (node_returned) since this coordinator started "
+                "leading.",
+                [],
+                lambda: [([], float(self.fleet.lost.returned))],
             )
         )
         self.registry.register(

@@ -57,7 +57,7 @@ class AcquisitionRequest:
     target_group: str
     gpus: int  # GPUs lost with the reclaimed node
     models: tuple[str, ...]  # models whose workers ran there
-    reason: str  # "notice" | "pause"
+    reason: str  # "notice" | "pause" | "lost" (a node gone without notice)
     deadline: float  # the reclaimed node's deadline D, epoch seconds
 
     def to_dict(self) -> dict[str, Any]:

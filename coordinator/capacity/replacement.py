@@ -38,10 +38,15 @@ class Replacement:
         self.avoid_s = avoid_s
 
     async def request(
-        self, node_id: str, reclaim_id: str, terminate_at: float, models: Sequence[str]
+        self,
+        node_id: str,
+        reclaim_id: str,
+        terminate_at: float,
+        models: Sequence[str],
+        reason: str = "notice",
     ) -> None:
         """The node's group avoided now (one write: the next placement must already see it);
-        the acquirer asked in the background."""
+        the acquirer asked in the background. `reason`: a hard notice, or a node `lost`."""
         now = self.clock()
         node = self.nodes.rows.get(node_id)
         group = node.node_group if node is not None else ""
@@ -54,7 +59,7 @@ class Replacement:
             await self.store.avoid_group_later(group, until)
             self.nodes.avoided[group] = until
         self.background.spawn(
-            self._acquire(node_id, reclaim_id, terminate_at, tuple(models), until)
+            self._acquire(node_id, reclaim_id, terminate_at, tuple(models), until, reason)
         )
 
     async def _acquire(
@@ -64,6 +69,7 @@ class Replacement:
         terminate_at: float,
         models: tuple[str, ...],
         until: float | None,
+        reason: str,
     ) -> None:
         now = self.clock()
         node = self.nodes.rows.get(node_id)
@@ -76,7 +82,7 @@ class Replacement:
             target_group=target or "",
             gpus=len(node.gpus) if node is not None else 0,
             models=models,
-            reason="notice",
+            reason=reason,
             deadline=terminate_at,
         )
         details = {**request.to_dict(), "avoided_until": until}

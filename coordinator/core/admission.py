@@ -15,7 +15,16 @@ from dataclasses import dataclass
 
 from spotdrain.protocol import kinds
 
-PATHS = ("operator", "rental", "rental_end_restart", "recovery", "reregistration", "resume")
+PATHS = (
+    "operator",
+    "rental",
+    "rental_end_restart",
+    "recovery",
+    "reregistration",
+    "resume",
+    "node_lost",  # capacity a lost node held, placed elsewhere (coordinator/fleet/lost.py)
+    "node_returned",  # a lost node back: what the fleet wants, this node first
+)
 
 # Refusal reasons, checked in this order: the node's switches first (the owner's pause and a
 # provider's notice win over everything), then policy, then reachability, then capacity.

@@ -141,6 +141,16 @@ class Rental:
         self.detail = detail or self.detail
         return True
 
+    def lost(self, now: float, detail: str) -> bool:
+        """Its node was lost without notice (coordinator/fleet/lost.py): ended as `lost`, its
+        GPUs free (the node is gone; a container it still runs is stopped if it returns)."""
+        if not self.active:
+            return False
+        self.releasing = False
+        self._end(now, "lost")
+        self.detail = detail
+        return True
+
     def end(self, now: float, ended_by: str) -> bool:
         """EndRental: ended now, by `ended_by`; the shell stops the container."""
         if ended_by not in END_CALLERS:

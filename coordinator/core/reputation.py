@@ -20,6 +20,8 @@ What counts (by `ended_by` of a rental):
   not a choice the provider made or could refuse. Counting it as a success would be as wrong, since
   the renter lost the rental. The rentals layer must therefore record an owner's *pause* of an
   on-demand node as `provider`, never `reclaim`, or a provider could walk away unmarked.
+- `lost` (its node vanished without notice): neutral like a reclaim, since nobody knows yet
+  whose doing it was (hardware, network, the cloud's own bug).
 - still running (`None`): not counted yet.
 
 Whether a rental started on spot is fixed when it starts (`started_on_spot`), so changing a node's
@@ -32,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-ENDED_BY = ("renter", "provider", "platform", "reclaim")
+ENDED_BY = ("renter", "provider", "platform", "reclaim", "lost")
 
 # Beta(PRIOR_SUCCESSES, PRIOR_FAILURES): what we believe of a node before its first rental.
 PRIOR_SUCCESSES = 4
@@ -92,7 +94,7 @@ def _score(outcomes: Iterable[RentalOutcome], mine: Callable[[RentalOutcome], bo
             successes += 1
         elif o.ended_by == "provider":
             failures += 1
-        elif o.ended_by == "reclaim":
+        elif o.ended_by in ("reclaim", "lost"):
             neutral += 1
         # None: still running, not counted yet
     return Score(

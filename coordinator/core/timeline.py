@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 OUTCOME_KINDS = {"drained": "drained", "overrun": "overrun"}
+LOST = "lost"  # a lost node's record: its reason and its outcome
 
 
 def new_record(reclaim_id: str, node_id: str) -> dict[str, Any]:
@@ -37,6 +38,13 @@ def fold(record: dict[str, Any], kind: str, wall_time: float, details: dict[str,
         for key in ("t0", "terminate_at", "grace_deadline", "overrun_at"):
             if isinstance(details.get(key), int | float):
                 record[key] = float(details[key])
+    if kind == "node_lost":
+        # A node gone without notice (coordinator/fleet/lost.py): a record of its own kind,
+        # T0 when it was last seen, counted apart from drains and overruns.
+        record["reason"], record["source"] = LOST, "coordinator"
+        record["outcome"] = record["outcome"] or LOST
+        if isinstance(details.get("since"), int | float):
+            record["t0"] = float(details["since"])
     if kind == "notice_updated" and details.get("moved"):  # the provider named an earlier D
         for key in ("terminate_at", "grace_deadline", "overrun_at"):
             if isinstance(details.get(key), int | float):

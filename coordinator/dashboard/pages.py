@@ -142,6 +142,8 @@ def outcome_cell(rec: dict[str, Any]) -> str:
         if isinstance(empty, int | float) and at and empty > at:
             return f"OVERRUN, empty {empty - at:.3f} s after O"
         return "OVERRUN, not verified empty"
+    if outcome == "lost":
+        return "LOST, no notice"
     return outcome or "in progress"
 
 

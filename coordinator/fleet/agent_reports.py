@@ -17,6 +17,7 @@ from typing import Any
 from spotdrain.coordinator.core import messages as msg
 from spotdrain.coordinator.core import worker_machine as wm
 from spotdrain.coordinator.fleet.drains import Drains
+from spotdrain.coordinator.fleet.lost import LostNodes
 from spotdrain.coordinator.fleet.placer import Gate
 from spotdrain.coordinator.fleet.registry import ApplyEvent, FleetState
 from spotdrain.coordinator.fleet.rentals import RentalBook
@@ -36,6 +37,7 @@ class AgentReports:
         gate: Gate,
         drains: Drains,
         rentals: RentalBook,
+        lost: LostNodes,
         heartbeat_ttl_s: float,
     ) -> None:
         self.store, self.events, self.clock = state.store, state.events, state.clock
@@ -46,6 +48,7 @@ class AgentReports:
         self.gate = gate
         self.drains = drains
         self.rentals = rentals
+        self.lost = lost
         self.heartbeat_ttl_s = heartbeat_ttl_s
 
     async def register(self, reg: msg.Registration, queue: asyncio.Queue[Any]) -> None:
@@ -106,7 +109,10 @@ class AgentReports:
             len(reg.workers),
         )
         queue.put_nowait(msg.Registered(node_id, tuple(self.nodes.node_taints(node_id))))
+        returned = await self.lost.came_back(node_id, reg)
         await self.registered(node_id, reg.workers, reg.rentals, reg.inventory_complete)
+        if returned:  # what the fleet wants goes back through the gate, this node first
+            await self.lost.capacity.keep(path="node_returned", prefer=node_id)
 
     async def disconnected(self, node_id: str, queue: asyncio.Queue[Any]) -> None:
         if self.nodes.disconnect(node_id, queue):

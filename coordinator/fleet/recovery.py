@@ -28,6 +28,7 @@ from spotdrain.coordinator.core import worker_machine as wm
 from spotdrain.coordinator.core.deadlines import Deadlines
 from spotdrain.coordinator.fleet.contracts import Contracts
 from spotdrain.coordinator.fleet.drains import LIFTED_KEEP_S, Drains
+from spotdrain.coordinator.fleet.lost import LostNodes
 from spotdrain.coordinator.fleet.nodes import REFUSED_EXAMPLES, summarize_refusals
 from spotdrain.coordinator.fleet.placer import Gate
 from spotdrain.coordinator.fleet.registry import ApplyEvent, FleetState
@@ -45,10 +46,13 @@ TIMER_MAX_SLEEP_S = RECOVERY_EVERY_S
 # A firing that failed (the store away, a record this code cannot handle) is tried again then.
 RETRY_S = RECOVERY_EVERY_S
 
-# The heap's keys: (kind, worker id) or (NODE_GONE, node id).
+# The heap's keys: (kind, worker id) or (NODE_GONE / NODE_LOST, node id).
 START = "start"  # a starting worker not started by created_at + start timeout
 EXPIRY = "expiry"  # a ready worker's last heartbeat + ttl
-NODE_GONE = "node_gone"  # a disconnected node's rentals end (as `platform`) after node_gone_s
+# A disconnected node under a reclamation: its rentals end after node_gone_s.
+NODE_GONE = "node_gone"
+NODE_LOST = "node_lost"  # a disconnected node with work and no reclamation: lost (lost.py)
+NODE_KEYS = (NODE_GONE, NODE_LOST)
 Key = tuple[str, str]
 
 
@@ -66,6 +70,7 @@ class Recovery:
         replacement: Replacement,
         risks: Risks,
         contracts: Contracts,
+        lost: LostNodes,
         heartbeat_ttl_s: float,
         start_timeout_s: float,
         node_gone_s: float,
@@ -77,7 +82,7 @@ class Recovery:
         # Every part whose memory `rebuild` reads back or whose work `recover` redoes.
         self.gate, self.drains, self.rentals = gate, drains, rentals
         self.capacity, self.replacement = capacity, replacement
-        self.risks, self.contracts = risks, contracts
+        self.risks, self.contracts, self.lost = risks, contracts, lost
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.start_timeout_s = start_timeout_s
         self.node_gone_s = node_gone_s
@@ -120,9 +125,11 @@ class Recovery:
             self.watch(worker)
             if worker.state == wm.READY:
                 self.publish(worker)
+        await self.lost.load()
         for node_id in self.nodes.rows:
             if node_id not in self.nodes.streams:
                 self._arm((NODE_GONE, node_id), now + self.node_gone_s)
+                self._arm((NODE_LOST, node_id), now + self.lost.node_lost_s)
         self._wake.set()
         self.drains.load(
             await store.active_drains(), await store.lifted_drains(now - LIFTED_KEEP_S)
@@ -198,11 +205,13 @@ class Recovery:
     def connection_changed(self, node_id: str, connected: bool) -> None:
         """A node's stream opened or closed (coordinator/fleet/nodes.py): its node-gone time
         cancelled or armed, and its ready workers' expiries with it (a few workers a node)."""
-        gone = (NODE_GONE, node_id)
+        gone, lost = (NODE_GONE, node_id), (NODE_LOST, node_id)
         if connected:
             self.deadlines.cancel(gone)
+            self.deadlines.cancel(lost)
         else:
             self._arm(gone, self.clock() + self.node_gone_s)
+            self._arm(lost, self.clock() + self.lost.node_lost_s)
         for worker in self.registry.live(node_id):
             self.watch(worker)
 
@@ -241,7 +250,7 @@ class Recovery:
 
     def _node_of(self, key: Key) -> str:
         kind, ident = key
-        if kind == NODE_GONE:
+        if kind in NODE_KEYS:
             return ident
         worker = self.registry.get(ident)
         return worker.node_id if worker is not None else ""
@@ -250,6 +259,9 @@ class Recovery:
         kind, ident = key
         if kind == NODE_GONE:
             await self._node_gone(ident, now)
+            return
+        if kind == NODE_LOST:
+            await self._node_lost(ident, now)
             return
         worker = self.registry.get(ident)
         if worker is None:
@@ -274,11 +286,27 @@ class Recovery:
         )
         await self.apply(worker, wm.Stopped(now, None))
 
-    async def _node_gone(self, node_id: str, now: float) -> None:
-        """The node's rentals end as `platform` once it has been gone node_gone_s, counted from
-        when it was last seen or this coordinator started, whichever is later."""
+    async def _node_lost(self, node_id: str, now: float) -> None:
+        """A node away node_lost_s (counted like node_gone_s), with work and no reclamation
+        open, is lost (coordinator/fleet/lost.py)."""
         row = self.nodes.rows.get(node_id)
         if node_id in self.nodes.streams or row is None:
+            return
+        since = max(row.last_seen, self.started_at)
+        if now < since + self.lost.node_lost_s:
+            self._arm((NODE_LOST, node_id), since + self.lost.node_lost_s)
+            return
+        why = f"no stream and no heartbeat for {now - since:.0f} s, and no notice"
+        await self.lost.declare(node_id, why, since, need_work=True)
+
+    async def _node_gone(self, node_id: str, now: float) -> None:
+        """A node under a reclamation: its rentals end once it has been gone node_gone_s
+        (`reclaim`: the reclamation's end), counted from when it was last seen or this
+        coordinator started, whichever is later. A node with none is the lost path's."""
+        row = self.nodes.rows.get(node_id)
+        if node_id in self.nodes.streams or row is None:
+            return
+        if not self.lost.reclamation_open(node_id):
             return
         since = max(row.last_seen, self.started_at)
         if now < since + self.node_gone_s:

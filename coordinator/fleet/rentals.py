@@ -198,7 +198,9 @@ class RentalBook:
 
     # --- effects -------------------------------------------------------------------------------
 
-    async def ended(self, rental: Rental) -> None:
+    async def ended(self, rental: Rental, reclaim_id: str = "") -> None:
+        """Stored, told, and in its reclamation's timeline (its own, or `reclaim_id`'s: a lost
+        node's record)."""
         await self.changed(rental)
         await self.events.record(
             "rental_ended",
@@ -210,7 +212,7 @@ class RentalBook:
                 "exit_code": rental.exit_code,
                 "reclaim_at": rental.reclaim_at,
             },
-            rental.reclaim_id,
+            reclaim_id or rental.reclaim_id,
         )
         if not rental.releasing:
             # Its GPUs are free: a worker the fleet wants goes back there first. (One still

@@ -28,6 +28,7 @@ from spotdrain.coordinator.fleet.agent_reports import AgentReports
 from spotdrain.coordinator.fleet.contracts import ContractPolicy, Contracts
 from spotdrain.coordinator.fleet.drains import Drains
 from spotdrain.coordinator.fleet.eventlog import EventLog
+from spotdrain.coordinator.fleet.lost import LostNodes
 from spotdrain.coordinator.fleet.nodes import NodeIndex
 from spotdrain.coordinator.fleet.placer import Gate
 from spotdrain.coordinator.fleet.recovery import Recovery
@@ -39,9 +40,6 @@ from spotdrain.protocol import timing
 from spotdrain.runtime.background import Background
 
 log = logging.getLogger("spotdrain.coordinator.fleet.wiring")
-
-# A node gone (no stream) this long has lost its rentals for good: they end as `platform`, so
-# the renter is not told "running" about a machine that is not coming back.
 
 
 class Fleet:
@@ -55,6 +53,7 @@ class Fleet:
         acquirers: dict[str, Acquirer] | None = None,
         avoid_s: float = DEFAULT_AVOID_S,
         node_gone_s: float = timing.NODE_GONE_S,
+        node_lost_s: float = timing.NODE_LOST_S,
         contract_policy: ContractPolicy | None = None,
     ) -> None:
         self.store = store
@@ -111,6 +110,16 @@ class Fleet:
                 "overrun": self.contracts.ended,
             }
         )
+        self.lost = LostNodes(
+            state,
+            apply=self.apply,
+            send=self.send,
+            drains=self.drains,
+            rentals=self.rentals,
+            replacement=self.replacement,
+            capacity=self.capacity,
+            node_lost_s=node_lost_s,
+        )
         self.reports = AgentReports(
             state,
             routes=self.routes,
@@ -119,6 +128,7 @@ class Fleet:
             gate=self.gate,
             drains=self.drains,
             rentals=self.rentals,
+            lost=self.lost,
             heartbeat_ttl_s=heartbeat_ttl_s,
         )
         self.recovery = Recovery(
@@ -132,12 +142,18 @@ class Fleet:
             replacement=self.replacement,
             risks=self.risks,
             contracts=self.contracts,
+            lost=self.lost,
             heartbeat_ttl_s=heartbeat_ttl_s,
             start_timeout_s=start_timeout_s,
             node_gone_s=node_gone_s,
         )
         # The deadline heap follows every stream, worker event and worker save (apply, save).
         self.nodes.on_connection = self.recovery.connection_changed
+
+    async def node_lost(self, node_id: str, why: str) -> str | None:
+        """A node known gone now (a provider's `terminated`, heard by a queue source): lost at
+        once unless a reclamation is open or it is lost already; its lost record's id."""
+        return await self.lost.declare(node_id, why, self.clock(), need_work=False)
 
     async def _gpus_freed(self, node_id: str) -> None:
         """A rental's GPUs came free: a worker the fleet wants goes back there first."""

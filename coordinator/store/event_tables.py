@@ -215,6 +215,22 @@ class EventTables(Transactions):
         record["_started"] = row[1]
         return record
 
+    async def open_lost_nodes(self, prefix: str) -> dict[str, str]:
+        """Nodes lost and not back: node -> the id of its latest lost record (ids start with
+        `prefix`) that has no `node_returned` step. Read at rebuild only."""
+        rows = await self._read(
+            "SELECT reclaim_id, node_id, record_json, started_at FROM reclamations "
+            "WHERE reclaim_id LIKE ? ORDER BY started_at",
+            (prefix + "%",),
+        )
+        lost: dict[str, str] = {}
+        for reclaim_id, node_id, record_json, _ in rows:
+            if "node_returned" in json.loads(record_json).get("steps", {}):
+                lost.pop(node_id, None)
+            else:
+                lost[node_id] = reclaim_id
+        return lost
+
     async def reclamations_page(
         self, before: tuple[float, str] | None = None, limit: int = 50
     ) -> list[tuple[dict[str, Any], float]]:

@@ -576,6 +576,8 @@ def test_agent_margins_nan_in_the_file_and_a_non_utf8_file_are_one_line(tmp_path
     [
         (["--heartbeat-ttl-s", "nan"], "argument --heartbeat-ttl-s: must be a finite number"),
         (["--node-gone-s", "inf"], "argument --node-gone-s: must be a finite number"),
+        (["--node-lost-s", "nan"], "argument --node-lost-s: must be a finite number"),
+        (["--node-lost-s", "0"], "argument --node-lost-s: must be a finite number between"),
         (["--start-timeout-s", "0"], "argument --start-timeout-s: must be a finite number between"),
         (
             ["--contract-budget", "1.5"],

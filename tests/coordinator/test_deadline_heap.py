@@ -15,11 +15,12 @@ from spotdrain.coordinator.api.agent_link import Coordinator
 from spotdrain.coordinator.core import messages as msg
 from spotdrain.coordinator.core import worker_machine as wm
 from spotdrain.coordinator.core.deadlines import COMPACT_SLACK, Deadlines
-from spotdrain.coordinator.fleet.recovery import EXPIRY, NODE_GONE, START
+from spotdrain.coordinator.fleet.recovery import EXPIRY, NODE_GONE, NODE_LOST, START
 from spotdrain.coordinator.store import open_store
 
 T0 = 1_796_237_800.0
 TTL, START_S, GONE_S = 15.0, 300.0, 600.0
+FAR_S = 1e6  # a node-lost time the stories about other deadlines never reach
 
 SQLITE = pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
 
@@ -131,7 +132,7 @@ async def stored_worker(store, node_id: str, worker_id: str, state: str, created
     )
 
 
-async def started(store, clock) -> Coordinator:
+async def started(store, clock, lost_s: float = FAR_S) -> Coordinator:
     coord = Coordinator(
         store,
         insecure=True,
@@ -139,6 +140,7 @@ async def started(store, clock) -> Coordinator:
         heartbeat_ttl_s=TTL,
         start_timeout_s=START_S,
         node_gone_s=GONE_S,
+        node_lost_s=lost_s,
     )
     await coord.fleet.recovery.rebuild()
     return coord
@@ -234,9 +236,10 @@ async def test_a_connected_nodes_heartbeats_arm_no_expiry_and_its_disconnect_doe
 
 
 @SQLITE
-async def test_a_node_gone_for_the_configured_time_ends_its_rental(store_url):
-    """node-a runs alice's rental and disconnects: one second short of node_gone_s the rental
-    runs; at node_gone_s it has ended as `platform`. A node that came back has no node-gone."""
+async def test_a_node_gone_under_a_reclamation_ends_its_rental_at_node_gone_s(store_url):
+    """node-a runs alice's rental, gets a notice and disconnects: one second short of
+    node_gone_s the rental runs; at node_gone_s it has ended as the reclamation's (`reclaim`),
+    and the node is not lost. A node that came back has no node-gone."""
     clock = FakeClock()
     store = await open_store(store_url, clock=clock)
     try:
@@ -249,6 +252,7 @@ async def test_a_node_gone_for_the_configured_time_ends_its_rental(store_url):
             fleet.nodes.connect(n, q)
         rental = await fleet.rentals.create("node-a", "alice", "img:1", 1)
         await fleet.rentals.report("node-a", msg.RentalReport(rental.rental_id, "started", "c1"))
+        await fleet.drains.taint("node-a", "rcl-1", "notice", T0 + 120, T0 + 110)
         clock.now = T0 + 100
         for n, q in queues.items():
             await fleet.reports.disconnected(n, q)
@@ -261,8 +265,9 @@ async def test_a_node_gone_for_the_configured_time_ends_its_rental(store_url):
         clock.now = T0 + 100 + GONE_S
         assert await recovery.fire_due() == 1
         ended = await fleet.rentals.get(rental.rental_id)
-        assert ended.state == "ended" and ended.ended_by == "platform"
+        assert ended.state == "ended" and ended.ended_by == "reclaim"
         assert "gone for" in ended.detail
+        assert await kinds(store, "node_lost") == []
         await fleet.close()
     finally:
         await store.close()
@@ -314,5 +319,76 @@ async def test_among_many_workers_only_the_due_ones_are_touched(store_url):
         await recovery.recover()  # the periodic pass looks at no worker either
         assert recovery.deadlines.surfaced - surfaced == 5
         await fleet.close()
+    finally:
+        await store.close()
+
+
+@SQLITE
+async def test_a_node_lost_at_node_lost_s_names_what_the_ttl_took_and_returns_after_a_restart(
+    store_url,
+):
+    """node-a's stream closes at T0+100 with a ready worker: the TTL takes the worker out at
+    +15 s; one second short of node_lost_s nothing more, at node_lost_s the node is lost once,
+    naming that worker. A coordinator restarted since knows it is lost (from the store), and
+    node-a registering again is `node_returned`, in the same record."""
+    lost_s = 60.0
+    clock = FakeClock()
+    store = await open_store(store_url, clock=clock)
+    try:
+        await stored_worker(store, "node-a", "w-a", wm.READY, T0 - 60)
+        coord = await started(store, clock, lost_s)
+        fleet, recovery = coord.fleet, coord.fleet.recovery
+        queue: asyncio.Queue = asyncio.Queue()
+        await fleet.reports.register(
+            msg.Registration(
+                "node-a",
+                True,
+                "group-1",
+                "",
+                tuple({"index": i} for i in range(8)),
+                (msg.WorkerReport("w-a", "started", "x:1", 4),),
+            ),
+            queue,
+        )
+        clock.now = T0 + 100
+        await fleet.reports.disconnected("node-a", queue)
+        assert recovery.deadlines.get((NODE_LOST, "node-a")) == T0 + 100 + lost_s
+        clock.now = T0 + 100 + TTL
+        assert await recovery.fire_due() == 1  # the worker's expiry
+        assert len(await kinds(store, "worker_missing")) == 1
+        clock.now = T0 + 100 + lost_s - 1
+        assert await recovery.fire_due() == 0
+        clock.now = T0 + 100 + lost_s
+        assert await recovery.fire_due() == 1
+        [lost] = await kinds(store, "node_lost")
+        assert [w["worker_id"] for w in lost["workers"]] == ["w-a"]
+        assert lost["since"] == T0 + 100 and lost["rentals"] == []
+        clock.now += GONE_S
+        assert await recovery.fire_due() == 1  # node-gone: nothing of it left to end
+        assert len(await kinds(store, "node_lost")) == 1
+        await fleet.close()
+
+        clock.now += 1000  # a restarted coordinator: still lost, never twice
+        again = await started(store, clock, lost_s)
+        assert set(again.fleet.lost.lost) == {"node-a"}
+        clock.now += lost_s
+        await again.fleet.recovery.fire_due()
+        assert len(await kinds(store, "node_lost")) == 1
+        await again.fleet.reports.register(
+            msg.Registration(
+                "node-a",
+                True,
+                "group-1",
+                "",
+                tuple({"index": i} for i in range(8)),
+                (msg.WorkerReport("w-a", "started", "x:1", 4),),
+            ),
+            asyncio.Queue(),
+        )
+        [back] = [e for e in await store.events_after(0) if e.kind == "node_returned"]
+        assert back.reclaim_id.startswith("lost-node-a-")
+        assert json.loads(back.details_json)["stale_workers"] == ["w-a"]
+        assert again.fleet.lost.lost == {}
+        await again.fleet.close()
     finally:
         await store.close()

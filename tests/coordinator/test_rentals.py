@@ -479,7 +479,10 @@ async def test_no_provider_change_and_no_spot_under_render_jobs(coordinator, pki
         await node.close()
 
 
-async def test_a_rental_on_a_node_gone_for_good_ends_as_platform(tmp_path, pki):
+async def test_a_rental_on_a_node_gone_under_a_reclamation_ends_at_node_gone_s(tmp_path, pki):
+    """A node gone under a reclamation (a notice, then silence) is not lost: its rental ends
+    after --node-gone-s as the reclamation's. (A node gone with no reclamation open is lost:
+    test_lost_nodes.py.)"""
     coordinator = start_coordinator(tmp_path / "c", tls=pki, extra=("--node-gone-s", "1"))
     node = FakeNode(coordinator, pki, "node-a")
     alice = Renter(coordinator, pki, "alice")
@@ -491,11 +494,12 @@ async def test_a_rental_on_a_node_gone_for_good_ends_as_platform(tmp_path, pki):
         # for time, the one thing no event can stand for.
         await asyncio.sleep(1.5)
         assert (await alice.get(rental.rental_id)).state == "running"  # connected: not gone
+        await node.pause(reason="notice")
         await node.disconnect()
         ended = await eventually(
             lambda: alice.get(rental.rental_id), ok=lambda r: r.state == "ended"
         )
-        assert ended.ended_by == "platform" and "gone for" in ended.detail
+        assert ended.ended_by == "reclaim" and "gone for" in ended.detail
     finally:
         await node.close()
         await alice.channel.close()

@@ -581,6 +581,30 @@ async def test_a_batch_is_stored_in_order_and_folded_into_its_reclamation(store,
     assert [r.uid for r in await store.events_after(ids[1], limit=2)] == ["e3", "e4"]
 
 
+async def test_lost_nodes_not_back_are_read_back_from_their_records(store):
+    """Lost records (node_lost, then maybe node_returned) fold into records of kind `lost`; the
+    nodes still lost are those whose latest lost record has no node_returned."""
+
+    def lost(uid: str, kind: str, node: str, rid: str, at: float) -> NewEvent:
+        return NewEvent(uid, kind, node, rid, at, None, {"since": at - 60})
+
+    await store.add_events(
+        [
+            lost("a1", "node_lost", "node-a", "lost-node-a-1", 100.0),
+            lost("a2", "node_returned", "node-a", "lost-node-a-1", 200.0),
+            lost("a3", "node_lost", "node-a", "lost-node-a-2", 300.0),
+            lost("b1", "node_lost", "node-b", "lost-node-b-1", 100.0),
+            lost("b2", "node_returned", "node-b", "lost-node-b-1", 150.0),
+            notice("c1", 100.0),
+        ],
+        fresh=True,
+    )
+    assert await store.open_lost_nodes("lost-") == {"node-a": "lost-node-a-2"}
+    record = await store.reclamation("lost-node-b-1")
+    assert (record["reason"], record["outcome"], record["t0"]) == ("lost", "lost", 40.0)
+    assert "node_returned" in record["steps"]
+
+
 async def test_events_of_a_reclamation_are_in_the_agents_time_order(store):
     """The timeline of one reclamation is in wall-clock order even when its events arrived out
     of order, and leaves out other reclamations."""

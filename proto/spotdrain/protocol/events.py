@@ -78,6 +78,8 @@ KINDS = frozenset(
         "rental_reclaim_lifted",
         "rental_ended",
         "node_spot_changed",
+        "node_lost",
+        "node_returned",
         "spot_change_refused",
         "provider_change_refused",
         "identity_refused",

@@ -15,4 +15,7 @@ HEARTBEAT_S = 5.0  # how often an agent says it is alive
 HEARTBEAT_TTL_S = 3 * HEARTBEAT_S  # a ready worker without a heartbeat this long is missing
 # A worker not started this long after placement is given up (image pull, model load).
 START_TIMEOUT_S = 300.0
-NODE_GONE_S = 600.0  # rentals on a node disconnected this long end as `platform`
+# A disconnected node under a reclamation: its rentals end this long after it went away.
+NODE_GONE_S = 600.0
+# A disconnected node with work and no reclamation open is lost this long after it went away.
+NODE_LOST_S = 60.0

@@ -17,10 +17,10 @@ from spotdrain.coordinator.api.health import HealthServicer
 from spotdrain.coordinator.api.public import RentalsServicer, RoutesServicer
 from spotdrain.coordinator.api.rejections import RejectionGuard
 from spotdrain.coordinator.capacity.acquirer import acquirers_from_config, avoid_s_from_config
+from spotdrain.coordinator.capacity.contracts import DEFAULT_BUDGET, DEFAULT_MIN, ContractPolicy
 from spotdrain.coordinator.dashboard import Dashboard, DashboardConfig
 from spotdrain.coordinator.dashboard.app import is_loopback
 from spotdrain.coordinator.dashboard.auth import TokenError, load_token
-from spotdrain.coordinator.fleet.contracts import DEFAULT_BUDGET, DEFAULT_MIN, ContractPolicy
 from spotdrain.coordinator.gc_pauses import Pauses
 from spotdrain.coordinator.replicas import leadership as replicas
 from spotdrain.coordinator.store import StoreError, open_store

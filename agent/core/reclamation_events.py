@@ -50,7 +50,7 @@ class ContainerSignalled:
     signal: str
     via: str  # "api" or "pid" (the engine hung; docs/design.md step 4)
     error: str = ""  # non-empty: neither route delivered it
-    # What the coordinator tracks the workload's contract by (coordinator/fleet/contracts.py).
+    # What the coordinator tracks the workload's contract by (coordinator/capacity/contracts.py).
     image: str = ""
     kind: str = ""
 

@@ -23,9 +23,9 @@ from spotdrain.coordinator.api.errors import BadRequest, Refused, end_with, grpc
 from spotdrain.coordinator.api.intake import Intake, batch_cost
 from spotdrain.coordinator.api.operations import Operations
 from spotdrain.coordinator.capacity.acquirer import DEFAULT_AVOID_S, Acquirer
+from spotdrain.coordinator.capacity.contracts import ContractPolicy
 from spotdrain.coordinator.core import messages as msg
 from spotdrain.coordinator.core import worker_machine as wm
-from spotdrain.coordinator.fleet.contracts import ContractPolicy
 from spotdrain.coordinator.fleet.eventlog import EventLog
 from spotdrain.coordinator.fleet.wiring import Fleet
 from spotdrain.coordinator.store import NewEvent, Store, StoreError

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from spotdrain.coordinator.api.errors import BadRequest, NotFound, Precondition
+from spotdrain.coordinator.capacity.contracts import ContractPolicy
 from spotdrain.coordinator.core import reputation
 from spotdrain.coordinator.core import worker_machine as wm
-from spotdrain.coordinator.fleet.contracts import ContractPolicy
 from spotdrain.coordinator.fleet.drains import TaintAnswer
 from spotdrain.coordinator.fleet.eventlog import EventLog
 from spotdrain.coordinator.fleet.wiring import Fleet

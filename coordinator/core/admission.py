@@ -32,8 +32,8 @@ WORKLOAD_DISABLED = "workload_disabled"
 TAINTED = "tainted"
 AT_RISK = "at_risk"  # its agent reported an advisory: replacements go elsewhere, nothing new here
 RENDER_ON_SPOT = "render_on_spot"
-# Its image cannot honour the workload contract (coordinator/fleet/contracts.py) and the coordinator
-# runs with --no-spot-for-flagged.
+# Its image cannot honour the workload contract (coordinator/capacity/contracts.py) and the
+# coordinator runs with --no-spot-for-flagged.
 CONTRACT_FLAGGED = "contract_flagged"
 GROUP_AVOIDED = "group_avoided"  # its group was reclaimed recently (acquirer.AvoidanceWindow)
 NOT_CONNECTED = "not_connected"

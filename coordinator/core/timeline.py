@@ -66,8 +66,8 @@ def fold(record: dict[str, Any], kind: str, wall_time: float, details: dict[str,
 
 
 # How a signalled container's reclamation ended, for its image's contract
-# (coordinator/fleet/contracts.py): it exited before G, it was killed at G, or it was still there at
-# O.
+# (coordinator/capacity/contracts.py): it exited before G, it was killed at G, or it was still
+# there at O.
 EXITED, KILLED, OVERRUN = "exited", "killed", "overrun"
 
 

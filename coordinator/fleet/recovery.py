@@ -21,12 +21,12 @@ import math
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from spotdrain.coordinator.capacity.contracts import Contracts
 from spotdrain.coordinator.capacity.keeper import CapacityKeeper
 from spotdrain.coordinator.capacity.replacement import Replacement
 from spotdrain.coordinator.capacity.risks import Risks
 from spotdrain.coordinator.core import worker_machine as wm
 from spotdrain.coordinator.core.deadlines import Deadlines
-from spotdrain.coordinator.fleet.contracts import Contracts
 from spotdrain.coordinator.fleet.drains import LIFTED_KEEP_S, Drains
 from spotdrain.coordinator.fleet.lost import LostNodes
 from spotdrain.coordinator.fleet.nodes import REFUSED_EXAMPLES, summarize_refusals

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from spotdrain.coordinator.capacity.acquirer import DEFAULT_AVOID_S, Acquirer
+from spotdrain.coordinator.capacity.contracts import ContractPolicy, Contracts
 from spotdrain.coordinator.capacity.keeper import CapacityKeeper
 from spotdrain.coordinator.capacity.replacement import Replacement
 from spotdrain.coordinator.capacity.risks import Risks
@@ -25,7 +26,6 @@ from spotdrain.coordinator.core import messages as msg
 from spotdrain.coordinator.core import worker_effects as we
 from spotdrain.coordinator.core import worker_machine as wm
 from spotdrain.coordinator.fleet.agent_reports import AgentReports
-from spotdrain.coordinator.fleet.contracts import ContractPolicy, Contracts
 from spotdrain.coordinator.fleet.drains import Drains
 from spotdrain.coordinator.fleet.eventlog import EventLog
 from spotdrain.coordinator.fleet.lost import LostNodes

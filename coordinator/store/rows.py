@@ -86,7 +86,8 @@ class StartBackoff:
 
 @dataclass(frozen=True)
 class ContractRow:
-    """How one workload image's (and kind's) reclamations ended (coordinator/fleet/contracts.py)."""
+    """How one workload image's (and kind's) reclamations ended
+    (coordinator/capacity/contracts.py)."""
 
     image: str
     kind: str

@@ -138,8 +138,8 @@ CREATE TABLE node_risks (
 );
 """,
     5: """
--- Per workload image and kind: how its reclamations ended (coordinator/fleet/contracts.py). Counted
--- in the transaction that stores the event deciding each end, so each is counted once.
+-- Per workload image and kind: how its reclamations ended (coordinator/capacity/contracts.py).
+-- Counted in the transaction that stores the event deciding each end, so each is counted once.
 CREATE TABLE workload_contracts (
     image TEXT NOT NULL,
     kind TEXT NOT NULL,

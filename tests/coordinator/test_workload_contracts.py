@@ -1,6 +1,6 @@
-"""Workload contracts (coordinator/fleet/contracts.py): per image, how its reclamations ended, from
-the agents' own events, stored on each backend; an image that keeps failing is flagged once and,
-with --no-spot-for-flagged, kept off spot nodes by the one placement gate.
+"""Workload contracts (coordinator/capacity/contracts.py): per image, how its reclamations ended,
+from the agents' own events, stored on each backend; an image that keeps failing is flagged once
+and, with --no-spot-for-flagged, kept off spot nodes by the one placement gate.
 
 The in-process stories use a real store and a fake clock; each reclamation is the events an
 agent sends for it (notice_received, sigterm_sent with the container's image, then
@@ -20,8 +20,8 @@ from fakes.harness import BIN, start_coordinator
 from fakes.waiting import eventually
 from spotdrain.coordinator.api.admin import AdminServicer
 from spotdrain.coordinator.api.agent_link import Coordinator
+from spotdrain.coordinator.capacity.contracts import ContractPolicy
 from spotdrain.coordinator.core.admission import CONTRACT_FLAGGED, NodeView, PlacementRequest, admit
-from spotdrain.coordinator.fleet.contracts import ContractPolicy
 from spotdrain.coordinator.store import NewEvent, open_store
 from spotdrain.v1 import spotdrain_pb2 as pb
 

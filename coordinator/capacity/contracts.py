@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from spotdrain.coordinator.fleet.registry import FleetState
 from spotdrain.coordinator.store import ContractRow, NewEvent
 
-log = logging.getLogger("spotdrain.coordinator.fleet.contracts")
+log = logging.getLogger("spotdrain.coordinator.capacity.contracts")
 
 DEFAULT_BUDGET = 0.005
 DEFAULT_MIN = 20

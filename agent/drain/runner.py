@@ -55,7 +55,7 @@ from spotdrain.agent.drain.taint_calls import TaintCalls
 from spotdrain.agent.host.gpu import Nvml
 from spotdrain.agent.workloads.docker_engine import DockerEngine
 from spotdrain.agent.workloads.inference import WorkerManager
-from spotdrain.agent.workloads.managers import DockerWork, WorkManagers
+from spotdrain.agent.workloads.managers import DockerWork, Hold, WorkManagers
 from spotdrain.agent.workloads.status_dirs import StatusDirs
 from spotdrain.protocol.events import EventRecord
 from spotdrain.runtime.background import Background
@@ -277,6 +277,12 @@ class DrainRunner:
                 rec.terminate_at - now,
             )
         self._handle(Restarted(None if delivered is None else frozenset(delivered)))
+        # Each manager's own cordon (Slurm's DRAIN) is asked again: one the old process was
+        # still retrying (the controller away) lived only in its memory. Asking again for one
+        # that landed sets the same reason.
+        for rec in self.node.live.values():
+            if not rec.lifted:
+                self.work.cordon(Hold(rec.reclaim_id, rec.grace_deadline, rec.terminate_at))
 
     async def _delivered(self, recs: list[r.Reclamation], now: float) -> set[str] | None:
         """Of the SIGTERMs the old process announced, those the engine was asked to send."""

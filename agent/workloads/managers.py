@@ -22,19 +22,6 @@ from spotdrain.agent.workloads.docker_engine import RENTAL_KIND, DockerUnavailab
 log = logging.getLogger("spotdrain.agent.workloads")
 
 
-class Unit(Protocol):
-    """A work unit as a manager lists it (a container, a Slurm job)."""
-
-    @property
-    def id(self) -> str: ...
-    @property
-    def name(self) -> str: ...
-    @property
-    def kind(self) -> str: ...
-    @property
-    def image(self) -> str: ...
-
-
 @dataclass(frozen=True)
 class Look:
     """One manager's observation of the node: what still runs, or why it could not tell (an

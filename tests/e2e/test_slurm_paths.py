@@ -240,3 +240,31 @@ def test_without_slurmctld_an_srun_steps_task_gets_its_sigterm_and_time_to_save(
     finally:
         cluster.start_controller()
         agent.proc.stop()
+
+
+def test_an_agent_killed_before_its_drain_landed_sets_it_once_slurmctld_is_back(
+    tmp_path, cluster, coordinator, gpus, nvml_lib
+):
+    """slurmctld is down at the notice and the agent, still retrying its DRAIN, is SIGKILLed.
+    The restarted agent asks for the DRAIN again (it lived only in the old process's memory):
+    once slurmctld is back the node is DRAINed and verified drained, never an overrun."""
+    job = cluster.submit(CHECKPOINTING.replace("$CKPT_DIR", str(tmp_path)), None, name="train")
+    node = running_on(cluster, job)
+    agent = slurm_agent(tmp_path, cluster, node, coordinator, gpus, nvml_lib)
+    admin = coordinator.admin()
+    cluster.stop_controller()
+    try:
+        notice = {"id": "i-restart-1", "action": "terminate", "terminate_at": time.time() + 25}
+        agent.write_notice(notice)
+        admin.wait_for("sigterm_sent", node=node, timeout=20)
+        agent.proc.kill()
+        agent.restart()
+        wait_until(lambda: agent.proc.log().count("agent up") == 2, 20, "the agent up again")
+    finally:
+        cluster.start_controller()
+    try:
+        drained = admin.wait_for("drained", node=node, timeout=30)
+        assert "Reason=spotdrain: " + drained["reclaim_id"] in node_line(cluster, node)
+        assert "overrun" not in admin.kinds(node=node)
+    finally:
+        agent.proc.stop()
